@@ -1,0 +1,19 @@
+// Bindings for pagedllm/cuda_runtime.h.
+#include "pagedllm/cuda_runtime.h"
+
+#include "registry.h"
+
+PAGEDLLM_BINDING(cuda_runtime, m) {
+  namespace py = pybind11;
+  m.attr("built_with_cuda") = pagedllm::built_with_cuda();
+  m.def("cuda_device_count", &pagedllm::cuda::device_count,
+        "Number of visible CUDA devices (0 without a driver or GPU).");
+  m.def(
+      "cuda_fill_int32",
+      [](std::uintptr_t dst, int64_t n, int32_t value, std::uintptr_t stream) {
+        pagedllm::cuda::fill_int32(reinterpret_cast<int32_t*>(dst), n, value, stream);
+      },
+      py::arg("dst_ptr"), py::arg("n"), py::arg("value"), py::arg("stream") = 0,
+      "Fill n int32 values at device pointer dst_ptr with value, on `stream` (cudaStream_t as int). "
+      "Raises RuntimeError('no CUDA device ...') without a GPU.");
+}

@@ -1,0 +1,28 @@
+// pagedllm/cuda_runtime.h — whether this build has CUDA, and the device queries every CUDA op
+// goes through. The library links cudart statically, so it loads on a machine without a GPU
+// driver; only calling a CUDA op there fails, with a RuntimeError-style std::runtime_error
+// that says "no CUDA device".
+#pragma once
+
+#include <cstdint>
+
+namespace pagedllm {
+
+/// True when the library was compiled with the CUDA kernels (cuda/).
+bool built_with_cuda();
+
+namespace cuda {
+
+/// Number of visible CUDA devices; 0 when there is no driver or no device (never throws).
+int device_count();
+
+/// Throw std::runtime_error("no CUDA device ...") unless a CUDA device is usable, or
+/// std::runtime_error("pagedllm was built without CUDA") in a CPU-only build.
+void require_device();
+
+/// The trivial op that proves the CUDA path: dst[i] = value for i in [0, n), int32, on `stream`
+/// (a cudaStream_t passed as an integer; 0 = the legacy default stream). Asynchronous.
+void fill_int32(int32_t* dst, int64_t n, int32_t value, std::uintptr_t stream);
+
+}  // namespace cuda
+}  // namespace pagedllm

@@ -1,0 +1,48 @@
+#include "pagedllm/tensor_view.h"
+
+#include <sstream>
+
+namespace pagedllm {
+
+DType parse_dtype(const std::string& raw) {
+  std::string name = raw.rfind("torch.", 0) == 0 ? raw.substr(6) : raw;
+  if (name == "float32" || name == "float") return DType::kFloat32;
+  if (name == "float16" || name == "half") return DType::kFloat16;
+  if (name == "bfloat16") return DType::kBFloat16;
+  if (name == "int32" || name == "int") return DType::kInt32;
+  if (name == "int64" || name == "long") return DType::kInt64;
+  if (name == "uint8") return DType::kUInt8;
+  throw InvalidArgument("unknown dtype '" + raw +
+                        "'; expected one of float32, float16, bfloat16, int32, int64, uint8");
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                                  DeviceType device, int device_index) {
+  PAGEDLLM_CHECK(static_cast<int>(shape.size()) <= kMaxDims, "TensorView supports at most ",
+                 kMaxDims, " dimensions, got ", shape.size());
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.device = device;
+  v.device_index = device_index;
+  v.ndim = static_cast<int>(shape.size());
+  int d = 0;
+  for (int64_t s : shape) v.shape[d++] = s;
+  int64_t stride = 1;
+  for (d = v.ndim - 1; d >= 0; --d) {
+    v.strides[d] = stride;
+    stride *= v.shape[d];
+  }
+  return v;
+}
+
+std::string TensorView::describe() const {
+  std::ostringstream os;
+  os << "[";
+  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
+  os << "] " << dtype_name(dtype) << " " << device_name(device);
+  if (device == DeviceType::kCUDA) os << ":" << device_index;
+  return os.str();
+}
+
+}  // namespace pagedllm
