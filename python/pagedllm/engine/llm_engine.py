@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 from typing import Any, Optional
 
 import numpy as np
@@ -26,8 +25,9 @@ from pagedllm import _C, ops
 from pagedllm.metrics import HistogramData, Metric, metrics_from_stats
 from pagedllm.model_executor.config import ModelConfig, resolve_dtype
 from pagedllm.model_executor.loader import resolve_model
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sample import Sampler, TokenTextCache, compute_prompt_logprobs, logprob_dict
+from pagedllm.output_processor import OutputProcessor
+from pagedllm.outputs import RequestOutput
+from pagedllm.sample import Sampler, compute_prompt_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -58,39 +58,6 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     device: str = "auto"
     num_gpu_blocks_override: Optional[int] = None
-
-
-class _Sequence:
-    __slots__ = ("seq_id", "index", "token_ids", "logprobs", "cumulative_logprob", "text", "finish_reason",
-                 "stop_reason")
-
-    def __init__(self, seq_id: int, index: int, want_logprobs: bool):
-        self.seq_id = seq_id
-        self.index = index
-        self.token_ids: list[int] = []
-        self.logprobs: Optional[list] = [] if want_logprobs else None
-        self.cumulative_logprob: Optional[float] = 0.0 if want_logprobs else None
-        self.text = ""
-        self.finish_reason: Optional[str] = None
-        self.stop_reason: Any = None
-
-
-class _Request:
-    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int], params: SamplingParams):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self.seqs: dict[int, _Sequence] = {}  # by index
-        self.prompt_logprobs: Optional[list] = (
-            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
-        )
-        self.aborted = False
-
-    @property
-    def finished(self) -> bool:
-        return self.aborted or (len(self.seqs) == self.params.n
-                                and all(s.finish_reason is not None for s in self.seqs.values()))
 
 
 class LLMEngine:
@@ -135,9 +102,7 @@ class LLMEngine:
         ec.scheduling_policy = args.scheduling_policy
         self.core = _C.EngineCore(ec)
         self.sampler = Sampler(cfg.vocab_size, seed=args.seed)
-        self.token_text = TokenTextCache(self.tokenizer)
-        self.requests: dict[str, _Request] = {}
-        self.seq_index: dict[int, tuple[_Request, _Sequence]] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.sampler, self.eos_token_ids)
         self.histograms = {
             "iteration_tokens_total": HistogramData(_ITERATION_TOKEN_BOUNDS),
             "iteration_num_seqs": HistogramData(_ITERATION_SEQ_BOUNDS),
@@ -159,7 +124,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises ValueError (nothing queued) for an empty prompt, token ids
         outside the vocabulary, a prompt of max_model_len tokens or more, or bad params."""
-        if request_id in self.requests:
+        if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
         if n == 0:
@@ -179,146 +144,57 @@ class LLMEngine:
         if rp.max_tokens < 0 or rp.max_tokens > room:
             rp.max_tokens = room
         rp.min_tokens = min(rp.min_tokens, rp.max_tokens)
-        self.core.add_request(request_id, arr.astype(np.int32), rp)
-        self.requests[request_id] = _Request(request_id, prompt, list(map(int, prompt_token_ids)), params)
+        self.output_processor.add_request(request_id, prompt, list(map(int, prompt_token_ids)), params)
+        try:
+            self.core.add_request(request_id, arr.astype(np.int32), rp)
+        except BaseException:
+            self.output_processor.abort_request(request_id)
+            raise
 
-    def abort_request(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
-        found = self.core.abort_request(request_id)
-        if req is not None:
-            req.aborted = True
-            for seq in req.seqs.values():
-                self.seq_index.pop(seq.seq_id, None)
-                self.sampler.remove_sequence(seq.seq_id)
-                if seq.finish_reason is None:
-                    seq.finish_reason = "abort"
-        return found
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Abort a request (finish_reason "abort"); returns its final output, None if unknown."""
+        self.core.abort_request(request_id)
+        return self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def has_request(self, request_id: str) -> bool:
+        return self.output_processor.has_request(request_id)
+
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns a RequestOutput for every request that got tokens or
-        finished in it (cumulative: the whole output so far)."""
-        out = self.core.schedule()
+        """Run one engine step; returns the RequestOutputs it produced (per each request's
+        output_kind; finished requests included). An exception leaves no KV block leaked: the
+        step's sequences are rescheduled (release of a step that was never updated)."""
+        sched = self.core.schedule()
         try:
-            if out.num_tokens == 0:
+            if sched.num_tokens == 0:
                 return []
-            for seq_id, request_id, index in out.new_seqs:
-                self._register(int(seq_id), request_id, int(index))
-            self.histograms["iteration_tokens_total"].observe(int(out.num_tokens))
-            self.histograms["iteration_num_seqs"].observe(int(out.num_seqs))
-            run = self.runner.execute_model(out)
-            sampled = self.sampler(run.logits, out.sample_seq_ids)
-            sample_rows = {int(s): r for r, s in enumerate(out.sample_seq_ids)}
-            touched = self._prompt_logprobs(run.prompt_logits)
-            result = self.core.update_from_output(out, np.ascontiguousarray(sampled.sampled_token_ids, dtype=np.int32))
+            proc = self.output_processor
+            proc.on_schedule(sched)
+            self.histograms["iteration_tokens_total"].observe(int(sched.num_tokens))
+            self.histograms["iteration_num_seqs"].observe(int(sched.num_seqs))
+            run = self.runner.execute_model(sched)
+            sampled = self.sampler(run.logits, sched.sample_seq_ids)
+            for request_id, (first_position, rows) in run.prompt_logits.items():
+                state = proc.requests.get(request_id)
+                if state is None or state.params.prompt_logprobs is None:
+                    continue
+                prompt = state.prompt_token_ids
+                targets = prompt[first_position + 1: first_position + 1 + rows.shape[0]]
+                if targets:
+                    lp = compute_prompt_logprobs(rows[: len(targets)], targets, state.params.prompt_logprobs,
+                                                 self.model_config.vocab_size)
+                    proc.add_prompt_logprobs(request_id, first_position, lp)
+            result = self.core.update_from_output(
+                sched, np.ascontiguousarray(sampled.sampled_token_ids, dtype=np.int32))
+            outputs, stops = proc.on_update(result, sched.sample_seq_ids, sampled)
         finally:
-            self.core.release(out)
-        self.sampler.append_output_tokens(result.seq_ids, result.token_ids)
-        engine_finished = {int(f[1]): f for f in result.finished}
-        for seq_id, token in zip(result.seq_ids.tolist(), result.token_ids.tolist()):
-            entry = self.seq_index.get(seq_id)
-            if entry is None:
-                continue
-            req, seq = entry
-            touched.add(req.request_id)
-            self._append_token(req, seq, token, sampled.logprobs, sample_rows.get(seq_id))
-            if seq.finish_reason is not None and seq_id not in engine_finished:
-                self.core.finish_sequence(seq_id, seq.stop_reason)  # a stop string matched
-                self._forget(seq_id)
-        for request_id, seq_id, index, reason, stop_reason in result.finished:
-            entry = self.seq_index.get(int(seq_id))
-            if entry is None:
-                continue
-            req, seq = entry
-            touched.add(req.request_id)
-            if seq.finish_reason is None:  # a stop string matched on the same token wins
-                seq.finish_reason = reason
-                seq.stop_reason = stop_reason
-                if isinstance(stop_reason, int) and not req.params.include_stop_str_in_output:
-                    seq.text = self._decode(req, seq.token_ids[:-1])  # vLLM: stop token's text left out
-            self._forget(int(seq_id))
-        outputs = []
-        for request_id in touched:
-            req = self.requests.get(request_id)
-            if req is None:
-                continue
-            outputs.append(self._request_output(req))
-            if req.finished:
-                del self.requests[request_id]
+            self.core.release(sched)
+        for seq_id, stop_str in stops:  # stop strings matched on the Python side
+            self.core.finish_sequence(seq_id, stop_str)
         return outputs
-
-    def _register(self, seq_id: int, request_id: str, index: int) -> None:
-        if seq_id in self.seq_index:
-            return
-        req = self.requests[request_id]
-        seq = _Sequence(seq_id, index, req.params.logprobs is not None)
-        if index in req.seqs:  # recreated (e.g. after preemption): keep what was generated
-            seq = req.seqs[index]
-            seq.seq_id = seq_id
-        req.seqs[index] = seq
-        self.seq_index[seq_id] = (req, seq)
-        self.sampler.add_sequence(seq_id, req.params, req.prompt_token_ids, index, self.eos_token_ids)
-
-    def _forget(self, seq_id: int) -> None:
-        self.seq_index.pop(seq_id, None)
-        self.sampler.remove_sequence(seq_id)
-
-    def _prompt_logprobs(self, prompt_logits: dict) -> set[str]:
-        touched = set()
-        for request_id, (first_position, rows) in prompt_logits.items():
-            req = self.requests.get(request_id)
-            if req is None or req.prompt_logprobs is None:
-                continue
-            targets = req.prompt_token_ids[first_position + 1: first_position + 1 + rows.shape[0]]
-            if not targets:
-                continue
-            lp = compute_prompt_logprobs(rows[: len(targets)], targets, req.params.prompt_logprobs,
-                                         self.model_config.vocab_size)
-            for i in range(len(targets)):
-                req.prompt_logprobs[first_position + 1 + i] = logprob_dict(lp, i, self.token_text)
-            touched.add(request_id)
-        return touched
-
-    def _decode(self, req: _Request, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=req.params.skip_special_tokens,
-                                     spaces_between_special_tokens=req.params.spaces_between_special_tokens)
-
-    def _append_token(self, req: _Request, seq: _Sequence, token: int, logprobs, row: Optional[int]) -> None:
-        seq.token_ids.append(token)
-        if seq.logprobs is not None and logprobs is not None and row is not None:
-            entry = logprob_dict(logprobs, row, self.token_text)
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += float(logprobs.logprobs[row, 0])
-        params = req.params
-        if not params.detokenize:
-            return
-        prev = len(seq.text)
-        text = self._decode(req, seq.token_ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return
-        seq.text = text
-        if params.stop and len(seq.token_ids) >= params.min_tokens:
-            new_chars = len(text) - prev
-            for stop in params.stop:
-                idx = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
-                if idx >= 0:
-                    seq.text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
-                    seq.finish_reason = "stop"
-                    seq.stop_reason = stop
-                    break
-
-    def _request_output(self, req: _Request) -> RequestOutput:
-        outputs = [
-            CompletionOutput(index=s.index, text=s.text, token_ids=list(s.token_ids),
-                             cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
-                             finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-            for _, s in sorted(req.seqs.items())
-        ]
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             prompt_logprobs=req.prompt_logprobs, outputs=outputs, finished=req.finished)
 
     # ---- observability / lifecycle --------------------------------------------------------
     def get_metrics(self) -> list[Metric]:
@@ -326,8 +202,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Free the KV pool, the weights and the native engine."""
-        for request_id in list(self.requests):
-            self.abort_request(request_id)
+        if self.core is not None:
+            for request_id in list(self.output_processor.requests):
+                self.abort_request(request_id)
         if getattr(self, "runner", None) is not None:
             self.runner.shutdown()
             self.runner = None

@@ -122,7 +122,7 @@ class LLM:
             finished = self._run(ids_in_order, use_tqdm)
         except BaseException:
             for request_id in ids_in_order:
-                if request_id in engine.requests:
+                if engine.has_request(request_id):
                     engine.abort_request(request_id)
             raise
         return [finished[r] for r in ids_in_order]
