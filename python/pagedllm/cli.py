@@ -1,5 +1,7 @@
 """The `pagedllm` command line.
 
+`pagedllm serve [MODEL] [--host ...] [--port ...] [engine flags]` starts the OpenAI-compatible
+server (see pagedllm.entrypoints.openai.api_server; `pagedllm serve --help` lists every flag).
 `pagedllm --cmake-dir` prints the folder that holds the installed CMake package config, for a
 native server's `find_package(pagedllm)` (pass it as `-Dpagedllm_DIR=...`).
 """
@@ -24,13 +26,22 @@ def cmake_dir() -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__.splitlines()[0],
+                                     epilog="subcommands: serve (OpenAI-compatible server; pagedllm serve --help)")
     parser.add_argument("--cmake-dir", action="store_true", help="print the CMake package config folder and exit")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     return parser
 
 
+_SUBCOMMANDS = {"serve": "pagedllm.entrypoints.openai.api_server"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _SUBCOMMANDS:
+        import importlib
+
+        return importlib.import_module(_SUBCOMMANDS[argv[0]]).main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmake_dir:
