@@ -106,8 +106,8 @@ class RemoteServer:
             key, value = line.rsplit(" ", 1)
             out[key] = float(value)
             name = key.split("{", 1)[0]
-            labels = re.sub(r'model_name="[^"]*",?', "", key[len(name):]).replace("{}", "")
-            out[name + labels] = float(value)
+            pairs = [p for p in re.findall(r'(\w+="[^"]*")', key[len(name):]) if not p.startswith("model_name=")]
+            out[name + ("{" + ",".join(pairs) + "}" if pairs else "")] = float(value)
         return out
 
     def healthy(self, reference: Optional[tuple[dict, list[int]]] = None) -> bool:

@@ -146,13 +146,14 @@ class AsyncLLM:
         self._requests: dict[str, _Tracked] = {}  # engine thread only
         self._lock = threading.Lock()  # guards the fields below
         self._pending_adds = 0
-        self._metrics_snapshot: list[Metric] = self.engine.get_metrics()
+        self._metrics_snapshot: list[Metric] = []
         self._histograms = {
             "time_to_first_token_seconds": HistogramData(TTFT_BUCKETS),
             "inter_token_latency_seconds": HistogramData(ITL_BUCKETS),
             "e2e_request_latency_seconds": HistogramData(E2E_BUCKETS),
         }
         self._finished_by_reason = {r: 0 for r in FINISH_REASONS}
+        self._refresh_metrics()
         self._stopped = False
         self._dead: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run_loop, name="pagedllm-engine", daemon=True)
@@ -170,6 +171,10 @@ class AsyncLLM:
     @property
     def model_name(self) -> str:
         return self.engine.model_name
+
+    def set_model_name(self, name: str) -> None:
+        """The model_name label of the metrics (the server sets its served model name)."""
+        self.engine.model_name = name
 
     def get_tokenizer(self):
         return self.tokenizer

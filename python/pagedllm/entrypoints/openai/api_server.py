@@ -47,6 +47,7 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, 
     names = list(served_model_names or [engine.model_name])
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+    engine.set_model_name(names[0])  # the metrics' model_name label, as vLLM's
     ctx = ServingContext(engine, names, max_queued_requests)
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
