@@ -3,7 +3,7 @@
 //
 //   kv_cache_bench [--out PATH] [--commit SHA] [--machine NAME] [--quick]
 //
-// Figures (each the best of several repetitions; ns = nanoseconds, per operation):
+// Figures (best and median of several repetitions, per operation):
 //   pool_alloc_free_pairs_per_s: BlockPool allocate()+release() at 1e3 and 1e6 blocks, "hot"
 //     (the same block cycles) and "churn" (half the pool held in random order; release the next
 //     held block, allocate one in its place: every pair touches a block at a random address, so
@@ -31,16 +31,21 @@ namespace {
 
 volatile int64_t g_sink = 0;  // keeps results alive
 
+struct Timing {
+  double best;    // ns per op, fastest repetition (least disturbed by other processes)
+  double median;  // ns per op, median repetition
+};
+
 template <typename F>
-double best_ns_per_op(int reps, int64_t ops, F&& body) {
-  double best = 1e300;
+Timing time_ns_per_op(int reps, int64_t ops, F&& body) {
+  std::vector<double> ns(reps);
   for (int r = 0; r < reps; ++r) {
     const auto t0 = Clock::now();
     body();
-    const double ns = std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
-    best = std::min(best, ns / static_cast<double>(ops));
+    ns[r] = std::chrono::duration<double, std::nano>(Clock::now() - t0).count() / static_cast<double>(ops);
   }
-  return best;
+  std::sort(ns.begin(), ns.end());
+  return {ns.front(), ns[ns.size() / 2]};
 }
 
 struct XorShift {
@@ -54,7 +59,7 @@ struct XorShift {
 };
 
 // allocate+release pairs on a pool of n blocks; churn keeps half the pool held at random.
-double pool_pairs_per_s(int32_t n, bool churn, bool with_hooks, int64_t ops, int reps) {
+Timing pool_pairs(int32_t n, bool churn, bool with_hooks, int64_t ops, int reps) {
   BlockPool pool(n);
   PrefixCache cache(with_hooks ? n : 1, 16);
   if (with_hooks) pool.set_cache_hooks(&cache);
@@ -65,7 +70,7 @@ double pool_pairs_per_s(int32_t n, bool churn, bool with_hooks, int64_t ops, int
     for (auto& b : held) b = pool.allocate();
     for (size_t i = held.size() - 1; i > 0; --i) std::swap(held[i], held[rng.next() % (i + 1)]);
   }
-  const double ns = best_ns_per_op(reps, ops, [&] {
+  const Timing t = time_ns_per_op(reps, ops, [&] {
     int64_t sum = 0;
     if (!churn) {
       for (int64_t i = 0; i < ops; ++i) {
@@ -86,27 +91,26 @@ double pool_pairs_per_s(int32_t n, bool churn, bool with_hooks, int64_t ops, int
   for (BlockId b : held) pool.release(b);
   if (pool.num_free_blocks() != n) std::fprintf(stderr, "pool not whole after the benchmark\n");
   pool.set_cache_hooks(nullptr);
-  return 1e9 / ns;
+  return t;
 }
 
-double seq_alloc_free_per_s(int64_t ops, int reps) {
+Timing seq_alloc_free(int64_t ops, int reps) {
   KVCacheManager kv(1024, 16, true);
-  const double ns = best_ns_per_op(reps, ops, [&] {
+  return time_ns_per_op(reps, ops, [&] {
     for (int64_t i = 0; i < ops; ++i) {
       kv.allocate_slots(i, 16);
       kv.free(i);
     }
   });
-  return 1e9 / ns;
 }
 
-double fork_cow_per_s(int64_t ops, int reps) {
+Timing fork_cow(int64_t ops, int reps) {
   KVCacheManager kv(4096, 16, true);
   kv.allocate_slots(0, 1000);  // 62 full blocks + a partial one: every child's append copies it
   std::vector<CopyOrder> copies;
   copies.reserve(16);
   int64_t num_copies = 0;
-  const double ns = best_ns_per_op(reps, ops, [&] {
+  const Timing t = time_ns_per_op(reps, ops, [&] {
     for (int64_t i = 1; i <= ops; ++i) {
       kv.fork(0, i);
       copies.clear();
@@ -117,15 +121,15 @@ double fork_cow_per_s(int64_t ops, int reps) {
   });
   if (num_copies != ops * reps) std::fprintf(stderr, "expected one copy-on-write per fork\n");
   kv.free(0);
-  return 1e9 / ns;
+  return t;
 }
 
 struct LookupFigures {
-  double lookup_us, hash_only_us, miss_us;
+  Timing lookup, hash_only, miss;  // ns per lookup
   int32_t hit_blocks;
 };
 
-LookupFigures prefix_lookup(int reps_inner) {
+LookupFigures prefix_lookup(int reps, int reps_inner) {
   constexpr int bs = 16, blocks = 256;
   KVCacheManager kv(4096, bs, true);
   std::vector<int32_t> prompt(blocks * bs + 1);
@@ -137,11 +141,11 @@ LookupFigures prefix_lookup(int reps_inner) {
   PrefixHit hit;
   hit.blocks.reserve(blocks);
   LookupFigures f{};
-  f.lookup_us = best_ns_per_op(7, reps_inner, [&] {
+  f.lookup = time_ns_per_op(reps, reps_inner, [&] {
     for (int i = 0; i < reps_inner; ++i) kv.find_cached_prefix(prompt, 0, &hit, false);
-  }) / 1e3;
+  });
   f.hit_blocks = static_cast<int32_t>(hit.blocks.size());
-  f.hash_only_us = best_ns_per_op(7, reps_inner, [&] {
+  f.hash_only = time_ns_per_op(reps, reps_inner, [&] {
     uint64_t h = kRootHash;
     for (int i = 0; i < reps_inner; ++i) {
       h = kRootHash + static_cast<uint64_t>(i);
@@ -150,12 +154,12 @@ LookupFigures prefix_lookup(int reps_inner) {
       }
     }
     g_sink = g_sink + static_cast<int64_t>(h);
-  }) / 1e3;
+  });
   std::vector<int32_t> other = prompt;
   other[0] ^= 1;
-  f.miss_us = best_ns_per_op(7, reps_inner, [&] {
+  f.miss = time_ns_per_op(reps, reps_inner, [&] {
     for (int i = 0; i < reps_inner; ++i) kv.find_cached_prefix(other, 0, &hit, false);
-  }) / 1e3;
+  });
   return f;
 }
 
@@ -181,32 +185,36 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const int reps = quick ? 2 : 7;
-  const int64_t ops = quick ? 200000 : 5000000;
+  const int reps = quick ? 3 : 15;
+  const int64_t ops = quick ? 200000 : 1000000;
+  auto per_s = [](const Timing& t) { return "{\"best\": " + fmt(1e9 / t.best) + ", \"median\": " + fmt(1e9 / t.median) + "}"; };
+  auto us = [](const Timing& t) { return "{\"best\": " + fmt(t.best / 1e3) + ", \"median\": " + fmt(t.median / 1e3) + "}"; };
 
   std::ostringstream js;
   js << "{\n  \"name\": \"kv_cache\",\n  \"commit\": \"" << commit << "\",\n  \"machine\": \"" << machine
      << "\",\n  \"quick\": " << (quick ? "true" : "false") << ",\n";
+  js << "  \"note\": \"best and median of " << reps
+     << " repetitions; best is the least disturbed by other processes on a shared machine\",\n";
   js << "  \"pool_alloc_free_pairs_per_s\": {\n";
   bool first = true;
   for (int32_t n : {1000, 1000000}) {
     for (bool churn : {false, true}) {
       for (bool hooks : {false, true}) {
-        const double v = pool_pairs_per_s(n, churn, hooks, ops, reps);
+        const Timing t = pool_pairs(n, churn, hooks, ops, reps);
         js << (first ? "" : ",\n") << "    \"blocks_" << n << (churn ? "_churn" : "_hot")
-           << (hooks ? "_with_prefix_cache" : "") << "\": " << fmt(v);
+           << (hooks ? "_with_prefix_cache" : "") << "\": " << per_s(t);
         first = false;
       }
     }
   }
   js << "\n  },\n";
-  const int64_t seq_ops = quick ? 50000 : 1000000;
-  js << "  \"seq_alloc_free_per_s\": " << fmt(seq_alloc_free_per_s(seq_ops, reps)) << ",\n";
-  js << "  \"fork_cow_per_s\": " << fmt(fork_cow_per_s(seq_ops, reps)) << ",\n";
-  const LookupFigures f = prefix_lookup(quick ? 200 : 2000);
+  const int64_t seq_ops = quick ? 50000 : 200000;
+  js << "  \"seq_alloc_free_per_s\": " << per_s(seq_alloc_free(seq_ops, reps)) << ",\n";
+  js << "  \"fork_cow_per_s\": " << per_s(fork_cow(seq_ops, reps)) << ",\n";
+  const LookupFigures f = prefix_lookup(quick ? 9 : 41, quick ? 100 : 200);
   js << "  \"prefix_lookup\": {\"tokens\": 4097, \"block_size\": 16, \"hit_blocks\": " << f.hit_blocks
-     << ", \"lookup_us\": " << fmt(f.lookup_us) << ", \"hash_only_us\": " << fmt(f.hash_only_us)
-     << ", \"miss_first_block_us\": " << fmt(f.miss_us) << "},\n";
+     << ",\n    \"lookup_us\": " << us(f.lookup) << ",\n    \"hash_only_us\": " << us(f.hash_only)
+     << ",\n    \"miss_first_block_us\": " << us(f.miss) << "},\n";
   js << "  \"goals\": {\"pool_alloc_free_pairs_per_s_min\": 1e7, \"prefix_lookup_256_blocks_us_max\": 20}\n}\n";
   const std::string s = js.str();
   std::fputs(s.c_str(), stdout);
