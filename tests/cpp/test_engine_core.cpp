@@ -358,7 +358,7 @@ TEST(EngineCore, ReleaseWithoutUpdateRecomputesLater) {
   core.release(out);  // the model failed: the step is cancelled
   EXPECT_EQ(core.stats().num_waiting, 1);
   SchedulerOutput& again = core.schedule();
-  EXPECT_EQ(again.num_tokens, 4);  // prompt hit (16 tokens cached) + 4 more incl. the output
+  EXPECT_EQ(again.num_tokens, 5);  // prompt hit (16 tokens cached): positions 16..20 incl. the output
   EXPECT_EQ(again.positions[again.num_tokens - 1], 20);
   auto r = core.update_from_output(again, std::vector<int32_t>{9});
   core.release(again);
