@@ -65,6 +65,13 @@ const Sequence* Scheduler::find_sequence(SeqId seq_id) const {
   return it == live_seqs_.end() ? nullptr : it->second;
 }
 
+int32_t Scheduler::max_seq_tokens(const Request& req) const {
+  const int64_t limit = req.params.max_tokens < 0
+                            ? config_.max_model_len
+                            : static_cast<int64_t>(req.prompt_len()) + req.params.max_tokens;
+  return static_cast<int32_t>(std::min<int64_t>(limit, config_.max_model_len));
+}
+
 int32_t Scheduler::slots_of(const Sequence* seq) const {
   return seq->request->forked ? 1 : seq->request->params.n;
 }
@@ -79,6 +86,7 @@ SeqId Scheduler::add_request(std::string request_id, std::vector<int32_t> prompt
   req->extra_key = cache_salt_key(params.cache_salt);
   req->seqs.assign(static_cast<size_t>(params.n), nullptr);
   Sequence* seq = new_sequence(req.get(), 0);
+  seq->token_ids.reserve(static_cast<size_t>(max_seq_tokens(*req)));  // no growth while decoding
   seq->token_ids = req->prompt_token_ids;
   waiting_.push_back(seq);
   const std::string& key = req->request_id;
@@ -180,6 +188,7 @@ void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out) {
     counters_.num_prompt_tokens += req->prompt_len();
     for (int32_t k = 1; k < req->params.n; ++k) {
       Sequence* child = new_sequence(req, k);
+      child->token_ids.reserve(static_cast<size_t>(max_seq_tokens(*req)));
       child->token_ids = req->prompt_token_ids;
       child->num_computed_tokens = end;
       child->max_computed_tokens = end;

@@ -114,6 +114,8 @@ class Scheduler {
   Sequence* new_sequence(Request* req, int32_t index);
   void release_sequence(Sequence* seq);
   int32_t slots_of(const Sequence* seq) const;
+  /// Longest the request's sequences can get: min(prompt_len + max_tokens, max_model_len).
+  int32_t max_seq_tokens(const Request& req) const;
   /// Remove a running sequence from running_ (O(n)).
   void remove_running(Sequence* seq);
   void preempt(Sequence* seq);
