@@ -20,7 +20,12 @@ POS_BITS = 20  # KV store value = token_id << POS_BITS | position
 
 
 class SimModel:
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, vocab_size: int, seed: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, vocab_size: int, seed: int = 0,
+                 context: str = "full"):
+        """context="full": each sampled row reads its whole context back (the tests);
+        "last": only the row's last token (a lighter model for benchmarks)."""
+        assert context in ("full", "last")
+        self.context = context
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
@@ -52,6 +57,12 @@ class SimModel:
         row = np.searchsorted(qsl, li, side="right") - 1
         ctx_len = positions[li] + 1
         assert np.array_equal(ctx_len, out.seq_lens[row]), "sampled row is not its sequence's last token"
+        if self.context == "last":
+            p = ctx_len - 1
+            v = self.kv[out.block_tables[row, p // bs].astype(np.int64) * bs + p % bs]
+            assert np.array_equal(v & ((1 << POS_BITS) - 1), p), "KV slot holds another position"
+            idx = np.array([self.index_of[int(s)] for s in out.sample_seq_ids.tolist()], dtype=np.int64)
+            return (((v >> POS_BITS) * 2654435761 + p + idx * 1_000_003) % self.vocab_size).astype(np.int32)
         starts = np.cumsum(ctx_len) - ctx_len
         owner = np.repeat(np.arange(r), ctx_len)
         pos = np.arange(int(ctx_len.sum()), dtype=np.int64) - np.repeat(starts, ctx_len)
