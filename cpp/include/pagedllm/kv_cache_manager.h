@@ -140,6 +140,7 @@ class KVCacheManager {
 
  private:
   struct Sequence {
+    explicit Sequence(int32_t block_size) : table(block_size) {}
     BlockTable table;
     int32_t num_hashed_blocks = 0;   // leading full blocks already given to the prefix cache
     ChainLink chain;                 // link after those blocks

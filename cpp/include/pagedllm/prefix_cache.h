@@ -40,8 +40,8 @@ inline constexpr uint64_t kRootHash = 0x9e3779b97f4a7c15ull;
 struct ChainLink {
   uint64_t hash = kRootHash;
   BlockId block = kNoBlock;     // the parent entry's block; kNoBlock for root and dead
-  uint32_t generation = 0;      // that entry's generation; kDeadGeneration for dead
-  static constexpr uint32_t kDeadGeneration = 0xffffffffu;
+  uint64_t generation = 0;      // that entry's generation; kDeadGeneration for dead
+  static constexpr uint64_t kDeadGeneration = ~uint64_t{0};
   static ChainLink root() { return {}; }
   static ChainLink dead(uint64_t hash) { return {hash, kNoBlock, kDeadGeneration}; }
   bool operator==(const ChainLink&) const = default;
@@ -107,7 +107,7 @@ class PrefixCache : public BlockPool::CacheHooks {
   int32_t num_cached_ = 0;
   // Per-block entry, valid while cached_[b].
   std::vector<uint8_t> cached_;
-  std::vector<uint32_t> generation_;
+  std::vector<uint64_t> generation_;  // +1 on every insert and evict (64 bits: never wraps)
   std::vector<uint64_t> hash_;
   std::vector<uint64_t> extra_key_;
   std::vector<ChainLink> parent_;
