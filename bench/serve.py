@@ -197,7 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="fixed concurrency level(s)")
     ap.add_argument("--request-rate", type=float, nargs="+", default=None, help="Poisson arrival rate(s), req/s")
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, nargs="+", default=[64],
+                    help="requests per run: one number, or one per load level")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
@@ -228,17 +229,19 @@ def main(argv=None) -> int:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
                                         timeout=30).json()["data"][0]["id"]
-        prompts = make_prompts(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
-                               *args.vocab_range)
         runs = []
         loads = [("concurrency", c) for c in args.concurrency or []] + [("request_rate", r) for r in args.request_rate or []]
-        for kind, value in loads:
+        counts = args.num_prompts if len(args.num_prompts) == len(loads) else [args.num_prompts[0]] * len(loads)
+        for (kind, value), count in zip(loads, counts):
+            # the same seed: every level (and every server) sees the same prompts, a prefix of them
+            prompts = make_prompts(count, args.input_len, args.output_len, args.range_ratio, args.seed,
+                                   *args.vocab_range)
             if args.warmup:
                 warm = make_prompts(args.warmup, args.input_len, 8, 0.0, args.seed + 99, *args.vocab_range)
                 asyncio.run(run_load(args.base_url, model, warm, args.warmup, None, args.seed, args.api_key))
             summary = asyncio.run(run_load(args.base_url, model, prompts, value if kind == "concurrency" else None,
                                            value if kind == "request_rate" else None, args.seed, args.api_key))
-            runs.append({kind: value, **summary})
+            runs.append({kind: value, "num_prompts": count, **summary})
             print(f"{args.label} {kind}={value}: {summary['output_throughput_tok_s']:.1f} out tok/s, "
                   f"TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, TPOT p50 {summary['tpot_ms']['p50']:.1f} ms, "
                   f"errors {summary['errors']}", file=sys.stderr)
@@ -252,7 +255,7 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "serve", "label": args.label, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "host": socket.gethostname(), "git_commit": git_commit(), "base_url": args.base_url, "model": model,
-        "server_args": args.start_server, "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "server_args": args.start_server, "input_len": args.input_len,
         "output_len": args.output_len, "range_ratio": args.range_ratio, "seed": args.seed, "runs": runs,
     }
     text = json.dumps(report, indent=2)

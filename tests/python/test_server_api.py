@@ -275,3 +275,76 @@ def test_tokenize_detokenize_roundtrip(server):
 def test_health_and_version(server):
     assert httpx.get(server.url + "/health").status_code == 200
     assert "version" in httpx.get(server.url + "/version").json()
+
+
+# ---------------------------------------------------------------------------- public bug cases, HTTP variants
+@pytest.mark.parametrize("content", [
+    "Reply with exactly five emoji and nothing else: party popper, red heart, thumbs-up, rocket, the flag of Japan.",
+    "Write one short sentence in Chinese about a cat, then one in Japanese, then the English word done.",
+    "Repeat exactly: A 世ab 😀 café ďábel",
+])
+def test_c09_chat_stream_utf8(server, content):
+    """C09 (a)-(c): every event is valid UTF-8 JSON (sse_events decodes strictly) and the joined
+    deltas equal the non-streamed text; sampled so the random model emits varied byte tokens."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 64,
+            "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    full = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    text = full["choices"][0]["message"]["content"]
+    events = sse_events(server, "/v1/chat/completions", {**body, "stream": True})
+    deltas = [c["delta"].get("content") or "" for e in events for c in e["choices"]]
+    assert "".join(deltas) == text
+    assert sum(d.count("\ufffd") for d in deltas) == text.count("\ufffd")
+
+
+def test_c23_chat_prompt_tokens_equal_the_template(server, client):
+    """C23: usage.prompt_tokens equals the tokenizer's apply_chat_template (generation prompt,
+    tokenized) computed here, independently of the server."""
+    from transformers import AutoTokenizer
+
+    from server_utils import tiny_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Who are you?"}]
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(expected, dict) or hasattr(expected, "input_ids"):
+        expected = expected["input_ids"]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0.0)
+    assert r.usage.prompt_tokens == len(expected)
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert ids == list(expected)
+
+
+def test_c05_prompt_logprobs_cold_and_warm_cache(server):
+    """C05 HTTP variant: a 33-token prompt (2 blocks + 1) with prompt_logprobs=1, sent twice:
+    one entry per prompt token, the first None, each holding the prompt token with a finite
+    logprob <= 0, equal in the cold and the warm (prefix-cached) run."""
+    prompt = [4000 + 13 * k for k in range(33)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1}
+    runs = [httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+            for _ in range(2)]
+    for plp in runs:
+        assert len(plp) == 33 and plp[0] is None
+        for tid, entry in zip(prompt[1:], plp[1:]):
+            lp = entry[str(tid)]["logprob"]
+            assert math.isfinite(lp) and lp <= 0
+    for a, b in zip(runs[0][1:], runs[1][1:]):
+        for tid in a:
+            assert a[tid]["logprob"] == pytest.approx(b[tid]["logprob"], abs=1e-3)
+
+
+def test_c16_huge_top_k_and_mixed_batch(server):
+    """C16: top_k above the vocabulary acts like disabled top_k; a greedy request batched with a
+    top_k=5 request equals its solo run."""
+    url = server.url + "/v1/completions"
+    base = {"model": MODEL, "prompt": "1 2 3 4 5 ", "temperature": 1.0, "seed": 3, "max_tokens": 32,
+            "ignore_eos": True, "return_token_ids": True}
+    ids = {k: httpx.post(url, json={**base, "top_k": k}, timeout=60).json()["choices"][0]["token_ids"]
+           for k in (9999999, 49152, 49153, -1, 0)}
+    assert all(v == ids[-1] for v in ids.values())
+    greedy = {**base, "temperature": 0.0}
+    solo = httpx.post(url, json=greedy, timeout=60).json()["choices"][0]["token_ids"]
+    with ThreadPoolExecutor(2) as pool:
+        g = pool.submit(httpx.post, url, json=greedy, timeout=60)
+        k = pool.submit(httpx.post, url, json={**base, "top_k": 5}, timeout=60)
+        assert k.result().status_code == 200
+        assert g.result().json()["choices"][0]["token_ids"] == solo

@@ -121,6 +121,11 @@ MALFORMED = [
     ("json", {"model": MODEL, "prompt": "hi", "suffix": "x"}, "suffix"),
     ("json", {"model": MODEL, "prompt": "hi", "use_beam_search": True}, "use_beam_search"),
     ("json", {"model": MODEL, "prompt": "hi", "logprobs": 1000}, "logprobs"),
+    ("json", {"model": MODEL, "prompt": "hi", "logprobs": -1}, "logprobs"),
+    ("json", {"model": MODEL, "prompt": "hi", "n": 100000}, "max_num_seqs"),
+    ("raw", b'{"model": "tiny", "prompt": "hi", "temperature": Infinity}', "temperature"),
+    ("raw", b'{"model": "tiny", "prompt": "hi", "logit_bias": {"5": -Infinity}}', "logit_bias"),
+    ("raw", b'{"model": "tiny", "prompt": "hi", "top_p": NaN}', "top_p"),
 ]
 
 CHAT_MALFORMED = [

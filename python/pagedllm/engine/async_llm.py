@@ -30,6 +30,7 @@ the step's outputs are produced) and the counter request_success (label finished
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import queue
@@ -139,7 +140,9 @@ class AsyncLLM:
         elif kwargs:
             raise TypeError("pass either engine_args or keyword arguments, not both")
         self.engine = LLMEngine(engine_args)
-        self.tokenizer = self.engine.tokenizer
+        # The front end tokenizes on the event loop while the engine thread detokenizes: each
+        # thread gets its own tokenizer object (a fast tokenizer is not safe to share).
+        self.tokenizer = copy.deepcopy(self.engine.tokenizer)
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -314,6 +317,14 @@ class AsyncLLM:
             logger.exception("engine thread died")
             self._fail_all(RuntimeError(f"the engine thread died: {exc}"))
         finally:
+            while True:  # adds queued behind "stop" (or a dead loop): refuse them
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    tracked, accepted = cmd[7], cmd[8]
+                    _call_soon(tracked.loop, _set_future, accepted, EngineDeadError("the engine is shut down"))
             for rid in list(self._requests):
                 try:
                     final = engine.abort_request(rid)

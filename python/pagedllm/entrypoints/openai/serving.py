@@ -14,6 +14,7 @@ import dataclasses
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_llm import AsyncLLM, RequestOutputCollector
 from pagedllm.entrypoints.openai.errors import OpenAIError, from_value_error
@@ -83,10 +84,17 @@ def check_length(ctx: ServingContext, prompt_len: int, max_tokens: Optional[int]
 def check_unsupported(req: _SamplingFields) -> None:
     if req.use_beam_search:
         raise OpenAIError("use_beam_search: beam search is not supported", 400, "use_beam_search")
-    for name, limit_field in (("logprobs", None), ("prompt_logprobs", None), ("top_logprobs", None)):
+    for name in ("logprobs", "prompt_logprobs", "top_logprobs"):
         value = getattr(req, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_LOGPROBS:
-            raise OpenAIError(f"{name}={value} is more than the maximum of {MAX_LOGPROBS}", 400, name)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_LOGPROBS:
+            raise OpenAIError(f"{name}={value} is outside [0, {MAX_LOGPROBS}]", 400, name)
+
+
+def check_n(ctx: ServingContext, n: int) -> None:
+    """n sequences of one prompt run side by side: at most max_num_seqs."""
+    limit = ctx.engine.engine.args.max_num_seqs
+    if isinstance(n, int) and n > limit:
+        raise OpenAIError(f"n={n} is more than max_num_seqs={limit} (sequences that run at once)", 400, "n")
 
 
 def sampling_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int, logprobs: Optional[int],
@@ -140,6 +148,21 @@ class PromptInput:
     text: Optional[str]
     token_ids: list[int]
     max_tokens: int = 0
+
+
+class GroupStreamingResponse(StreamingResponse):
+    """A StreamingResponse that aborts its request group however the response ends (also when
+    the body iterator never started because the client was already gone)."""
+
+    def __init__(self, content, group: "RequestGroup"):
+        super().__init__(content, media_type="text/event-stream")
+        self.group = group
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.group.abort()
 
 
 class RequestGroup:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
@@ -20,8 +20,8 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatStreamChoice, ChatTokenLogprob, DeltaMessage, PromptTokensDetails, TopLogprob, UsageInfo, random_id,
 )
 from pagedllm.entrypoints.openai.serving import (
-    SSE_DONE, PromptInput, RequestGroup, ServingContext, check_length, check_model, check_queue,
-    check_unsupported, sampling_params, sse, token_bytes,
+    SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
+    check_n, check_queue, check_unsupported, sampling_params, sse, token_bytes,
 )
 
 
@@ -81,6 +81,7 @@ class ChatHandler:
         check_model(ctx, req.model)
         check_unsupported(req)
         check_chat_unsupported(req)
+        check_n(ctx, 1 if req.n is None else req.n)
         messages = conversation(req.messages)
         ids = self.prompt_ids(req, messages)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -97,7 +98,7 @@ class ChatHandler:
             echo = messages[-1]["content"]
         renderer = _ChatRenderer(ctx, req, base_id, ids, echo)
         if req.stream:
-            return StreamingResponse(renderer.stream(group), media_type="text/event-stream")
+            return GroupStreamingResponse(renderer.stream(group), group)
         return await renderer.full(group)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
 from pagedllm.entrypoints.openai.protocol import (
@@ -20,8 +20,8 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedllm.entrypoints.openai.serving import (
-    SSE_DONE, PromptInput, RequestGroup, ServingContext, check_length, check_model, check_queue,
-    check_unsupported, sampling_params, sse, token_pieces,
+    SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
+    check_n, check_queue, check_unsupported, sampling_params, sse, token_pieces,
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -71,6 +71,7 @@ class CompletionHandler:
         if req.suffix is not None:
             raise OpenAIError("suffix: insertion (suffix) is not supported", 400, "suffix")
         n = 1 if req.n is None else req.n
+        check_n(ctx, n)
         if req.best_of is not None and req.best_of != n:
             raise OpenAIError(f"best_of={req.best_of}: only best_of == n is supported (n={n})", 400, "best_of")
         prompts = _prompts(ctx, req)
@@ -88,7 +89,7 @@ class CompletionHandler:
         await group.add(prompts, params, req.priority, req.cache_salt)
         renderer = _Renderer(ctx, req, prompts, n, echo, base_id)
         if req.stream:
-            return StreamingResponse(renderer.stream(group), media_type="text/event-stream")
+            return GroupStreamingResponse(renderer.stream(group), group)
         return await renderer.full(group)
 
 
