@@ -13,6 +13,7 @@
 
 #include "cuda_check.h"
 #include "kernels.h"
+#include "pagedllm/errors.h"
 
 namespace pagedllm::cuda {
 namespace {
@@ -70,6 +71,12 @@ __global__ void copy_blocks_kernel(const LayerPointers layers, const int64_t* __
   for (int64_t i = threadIdx.x; i < block_vecs; i += blockDim.x) cache[dst + i] = cache[src + i];
 }
 
+void require_aligned(const TensorView& t, const char* op, const char* name) {
+  if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0)
+    throw InvalidArgument(std::string("CUDA ") + op + ": " + name + " data pointer must be 16-byte aligned, got " +
+                          std::to_string(reinterpret_cast<std::uintptr_t>(t.data)));
+}
+
 int64_t row_bytes(const TensorView& t) {
   return t.size(-1) * static_cast<int64_t>(dtype_size(t.dtype));
 }
@@ -82,6 +89,10 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   DeviceGuard guard(key_cache.device_index);
   const int64_t num_tokens = key.size(0);
   if (num_tokens == 0) return;
+  require_aligned(key, "reshape_and_cache", "key");
+  require_aligned(value, "reshape_and_cache", "value");
+  require_aligned(key_cache, "reshape_and_cache", "key_cache");
+  require_aligned(value_cache, "reshape_and_cache", "value_cache");
   const int64_t rb = row_bytes(key);
   if (rb % 16 != 0)
     throw std::runtime_error("CUDA reshape_and_cache: row of " + std::to_string(rb) + " bytes is not a multiple of 16");
@@ -112,6 +123,8 @@ void copy_blocks(const std::vector<TensorView>& key_caches, const std::vector<Te
     const int64_t n = std::min<int64_t>(kMaxLayersPerLaunch, num_layers - first);
     LayerPointers ptrs{};
     for (int64_t i = 0; i < n; ++i) {
+      require_aligned(key_caches[first + i], "copy_blocks", "key_caches[i]");
+      require_aligned(value_caches[first + i], "copy_blocks", "value_caches[i]");
       ptrs.key[i] = key_caches[first + i].ptr<uint4>();
       ptrs.value[i] = value_caches[first + i].ptr<uint4>();
     }

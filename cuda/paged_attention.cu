@@ -12,10 +12,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "attention_launch.h"
 #include "cuda_check.h"
 #include "kernels.h"
+#include "pagedllm/errors.h"
 
 namespace pagedllm::cuda {
 namespace detail {
@@ -97,6 +99,20 @@ AttnParams common_params(const TensorView& out, const TensorView& query, const T
   return p;
 }
 
+void require_aligned(const TensorView& t, const char* name) {
+  if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0)
+    throw InvalidArgument(std::string("CUDA attention: ") + name + " data pointer must be 16-byte aligned, got " +
+                          std::to_string(reinterpret_cast<std::uintptr_t>(t.data)));
+}
+
+void require_aligned(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                     const TensorView& value_cache) {
+  require_aligned(out, "out");
+  require_aligned(query, "query");
+  require_aligned(key_cache, "key_cache");
+  require_aligned(value_cache, "value_cache");
+}
+
 }  // namespace
 
 void set_max_dynamic_smem(const void* kernel, size_t bytes, std::atomic<uint64_t>& done_devices) {
@@ -119,6 +135,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   DeviceGuard guard(query.device_index);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   AttnParams p = common_params(out, query, key_cache, value_cache, block_tables, seq_lens, scale, options);
+  require_aligned(out, query, key_cache, value_cache);
+  if (p.num_seqs > 65535)
+    throw InvalidArgument("CUDA paged_attention: at most 65535 sequences per call, got " + std::to_string(p.num_seqs));
   const int head_size = static_cast<int>(query.size(2));
   const DType dtype = query.dtype;
   const int64_t max_blocks = p.max_blocks_per_seq;
@@ -182,6 +201,7 @@ void paged_prefill_attention(const TensorView& out, const TensorView& query,
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   AttnParams p = common_params(out, query, key_cache, value_cache, block_tables, seq_lens, scale, options);
   p.query_start_loc = query_start_loc.ptr<int32_t>();
+  require_aligned(out, query, key_cache, value_cache);
   if (p.num_seqs == 0 || p.num_rows == 0) return;
   const int head_size = static_cast<int>(query.size(2));
   if (query.dtype == DType::kFloat32) launch_attention_fp32(head_size, p, stream);

@@ -10,15 +10,18 @@
 // ceil(q_len * G / 64) <= T*G/64 + B), y = KV head. Each CTA finds its (sequence, tile) by a
 // warp prefix scan over query_start_loc — no host-side knowledge of q lengths is needed, so the
 // launch never syncs and is graph-capturable. Surplus CTAs exit at once.
+#include <cstdlib>
+#include <string>
+
 #include "attention_launch.h"
 #include "cuda_check.h"
 
 namespace pagedllm::cuda::detail {
 namespace {
 
-template <typename T, int D>
+template <typename T, int D, int W>
 struct PrefillCfg {
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16 * kWarps;            // packed (token, head) rows per CTA
   static constexpr int kBC = D <= 128 ? 64 : 32;        // keys per KV tile
@@ -29,9 +32,9 @@ struct PrefillCfg {
   static constexpr size_t kSmemBytes = (kRows * kRow + kStages * kStageElems) * sizeof(T);
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(128) paged_prefill_mma_kernel(const AttnParams p) {
-  using C = PrefillCfg<T, D>;
+template <typename T, int D, int W>
+__global__ void __launch_bounds__(32 * W) paged_prefill_mma_kernel(const AttnParams p) {
+  using C = PrefillCfg<T, D, W>;
   using TT = TypeTraits<T>;
   constexpr int KSTEPS = D / 16;
   constexpr int NT = C::kBC / 8;  // n8 tiles of scores per KV tile
@@ -265,10 +268,10 @@ __global__ void __launch_bounds__(128) paged_prefill_mma_kernel(const AttnParams
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int W = 4>
 void launch_prefill_typed(const AttnParams& p, cudaStream_t stream) {
-  using C = PrefillCfg<T, D>;
-  auto kernel = paged_prefill_mma_kernel<T, D>;
+  using C = PrefillCfg<T, D, W>;
+  auto kernel = paged_prefill_mma_kernel<T, D, W>;
   static std::atomic<uint64_t> smem_raised{0};
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, smem_raised);
   const int64_t tiles = (static_cast<int64_t>(p.num_rows) * p.group + C::kRows - 1) / C::kRows + p.num_seqs;
@@ -277,13 +280,26 @@ void launch_prefill_typed(const AttnParams& p, cudaStream_t stream) {
   PAGEDLLM_CUDA_CHECK_LAUNCH();
 }
 
+/// Warps per CTA for head size 128: 4 (64 query rows per CTA, the default) or 8 (128 rows: half
+/// the K/V re-reads from L2, one CTA per SM). PAGEDLLM_PREFILL_WARPS=8 selects the latter (for
+/// benchmarking the two; read once).
+int prefill_warps() {
+  static const int warps = [] {
+    const char* v = std::getenv("PAGEDLLM_PREFILL_WARPS");
+    return v != nullptr && std::string(v) == "8" ? 8 : 4;
+  }();
+  return warps;
+}
+
 template <typename T>
 void launch_prefill_dtype(int head_size, const AttnParams& p, cudaStream_t stream) {
   switch (head_size) {
     case 64: return launch_prefill_typed<T, 64>(p, stream);
     case 80: return launch_prefill_typed<T, 80>(p, stream);
     case 96: return launch_prefill_typed<T, 96>(p, stream);
-    case 128: return launch_prefill_typed<T, 128>(p, stream);
+    case 128:
+      if (prefill_warps() == 8) return launch_prefill_typed<T, 128, 8>(p, stream);
+      return launch_prefill_typed<T, 128, 4>(p, stream);
     case 256: return launch_prefill_typed<T, 256>(p, stream);
     default: throw std::runtime_error("CUDA prefill: unsupported head size " + std::to_string(head_size));
   }
