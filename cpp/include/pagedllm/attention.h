@@ -57,6 +57,10 @@ const std::vector<int64_t>& supported_head_sizes();
 /// Block sizes (tokens per KV block) every implementation supports: {16, 32}.
 const std::vector<int64_t>& supported_block_sizes();
 
+/// Cache (and query/out) dtypes the kernels of `device` implement: float32 and bfloat16 on the
+/// CPU; float32, bfloat16 and float16 on CUDA.
+std::vector<DType> supported_cache_dtypes(DeviceType device);
+
 /// Threads the CPU kernels (attention and cache ops) use. n <= 0 restores the default: all
 /// available cores (omp_get_max_threads()). Ignored by the CUDA kernels.
 void set_num_threads(int n);
