@@ -73,9 +73,16 @@ struct TypeTraits<__half> {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+/// tanh(x) = 1 - 2 / (e^{2x} + 1) through ex2.approx (relative error ~2^-22). Under
+/// --use_fast_math, tanhf becomes tanh.approx.f32 (~2^-11), too coarse for float32 caches.
+__device__ __forceinline__ float tanh_accurate(float x) {
+  const float e = exp2f(2.f * kLog2e * x);  // inf for large x -> 1, 0 for very negative x -> -1
+  return 1.f - 2.f / (e + 1.f);
+}
+
 /// The attention score of a raw q.k in the log2 domain (scale, optional soft-cap applied).
 __device__ __forceinline__ float score_log2(float qk, float scale, float scale_log2, float soft_cap) {
-  if (soft_cap > 0.f) return soft_cap * tanhf(qk * scale / soft_cap) * kLog2e;
+  if (soft_cap > 0.f) return soft_cap * tanh_accurate(qk * scale / soft_cap) * kLog2e;
   return qk * scale_log2;
 }
 
