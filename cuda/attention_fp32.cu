@@ -167,7 +167,30 @@ __global__ void __launch_bounds__(128) splitk_reduce_kernel(const AttnParams p, 
   }
 }
 
+template <int D>
+int fp32_units() {
+  static std::atomic<int> cached{0};
+  if (cached.load() > 0) return cached.load();
+  int per_sm = 0, sms = 0, dev = 0;
+  PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
+  PAGEDLLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_fp32_kernel<D>, 32 * kFp32Warps, 0));
+  PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cached.store(std::max(1, per_sm) * sms);
+  return cached.load();
+}
+
 }  // namespace
+
+int attention_fp32_units(int head_size) {
+  switch (head_size) {
+    case 64: return fp32_units<64>();
+    case 80: return fp32_units<80>();
+    case 96: return fp32_units<96>();
+    case 128: return fp32_units<128>();
+    case 256: return fp32_units<256>();
+    default: throw std::runtime_error("CUDA fp32 attention: unsupported head size " + std::to_string(head_size));
+  }
+}
 
 void launch_attention_fp32(int head_size, const AttnParams& p, cudaStream_t stream) {
   switch (head_size) {

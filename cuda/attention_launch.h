@@ -17,6 +17,17 @@ namespace pagedllm::cuda::detail {
 /// partials (then splitk_reduce combines them).
 void launch_decode_mma(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
 
+/// Decode with persistent per-warp work items (paged_decode_v2.cu): bf16 / fp16, head size <= 128.
+/// Grid sized to decode_v2_units() warps; items = B * Hkv * ceil(G/16) * num_splits.
+bool decode_v2_supports(DType dtype, int head_size);
+void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
+
+/// Concurrent work units of each decode kernel on the current device (occupancy x SMs): warps
+/// for v2, CTAs for the CTA-per-item kernel and the float32 kernel.
+int decode_v2_units(DType dtype, int head_size);
+int decode_v1_units(DType dtype, int head_size);
+int attention_fp32_units(int head_size);
+
 /// Varlen causal prefill / mixed batch on tensor cores (bf16 / fp16).
 void launch_prefill_mma(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
 

@@ -8,7 +8,9 @@
 // asynchronous and CUDA-graph capturable (captured as memory-allocation nodes). The device's
 // default memory pool keeps freed memory (release threshold raised once per device), so
 // steady-state calls do not go back to the driver.
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -49,16 +51,6 @@ int current_device() {
   return d;
 }
 
-int multiprocessor_count() {
-  static std::atomic<int> cache[kMaxDevices] = {};
-  const int dev = current_device();
-  if (dev < kMaxDevices && cache[dev].load() > 0) return cache[dev].load();
-  int n = 0;
-  PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  if (dev < kMaxDevices) cache[dev].store(n);
-  return n;
-}
-
 void keep_pool_memory() {
   static std::atomic<bool> done[kMaxDevices] = {};
   const int dev = current_device();
@@ -97,6 +89,64 @@ AttnParams common_params(const TensorView& out, const TensorView& query, const T
   p.soft_cap = options.soft_cap;
   p.sliding_window = options.sliding_window;
   return p;
+}
+
+enum class DecodeKernel { kV1, kV2, kFp32 };
+
+/// PAGEDLLM_DECODE_KERNEL=v1 selects the CTA-per-item decode kernel for every head size (for
+/// benchmarking the two; read once).
+bool force_v1() {
+  static const bool v1 = [] {
+    const char* v = std::getenv("PAGEDLLM_DECODE_KERNEL");
+    return v != nullptr && std::string(v) == "v1";
+  }();
+  return v1;
+}
+
+/// Automatic flash-decoding split count. A wave-aware cost model: with `units` work units running
+/// at once (warps for v2, CTAs otherwise) and base = the work items of one partition, S splits
+/// give ceil(base * S / units) waves, each as long as the longest partition (in rounds of
+/// `tokens_per_round` tokens) plus a fixed per-item cost; a split also costs the reduction.
+/// The cheapest S (the smallest on ties) wins; partitions are kept >= `min_partition` tokens.
+int64_t choose_splits(DecodeKernel kind, DType dtype, int head_size, const AttnParams& p) {
+  const int64_t chunks = (p.group + 15) / 16;
+  int64_t base, units, tokens_per_round, min_partition;
+  switch (kind) {
+    case DecodeKernel::kV2:
+      base = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * chunks;
+      units = decode_v2_units(dtype, head_size);
+      tokens_per_round = 16;
+      min_partition = 64;
+      break;
+    case DecodeKernel::kV1:
+      base = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * chunks;
+      units = decode_v1_units(dtype, head_size);
+      tokens_per_round = 64;
+      min_partition = 128;
+      break;
+    default:
+      base = static_cast<int64_t>(p.num_seqs) * p.num_heads;
+      units = attention_fp32_units(head_size);
+      tokens_per_round = 4;
+      min_partition = 64;
+      break;
+  }
+  const int64_t max_blocks = p.max_blocks_per_seq;
+  const int64_t max_ctx = max_blocks * p.block_size;
+  const int64_t s_max = std::clamp<int64_t>(max_ctx / min_partition, 1, 1024);
+  int64_t best_s = 1;
+  double best_cost = 0;
+  for (int64_t s = 1; s <= s_max; ++s) {
+    const int64_t part_tokens = (max_blocks + s - 1) / s * p.block_size;
+    const int64_t waves = (base * s + units - 1) / units;
+    const int64_t rounds = (part_tokens + tokens_per_round - 1) / tokens_per_round + 1 + (s > 1 ? 1 : 0);
+    const double cost = static_cast<double>(waves) * static_cast<double>(rounds);
+    if (s == 1 || cost < best_cost) {
+      best_cost = cost;
+      best_s = s;
+    }
+  }
+  return best_s;
 }
 
 void require_aligned(const TensorView& t, const char* name) {
@@ -143,34 +193,34 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const int64_t max_blocks = p.max_blocks_per_seq;
   if (p.num_seqs == 0) return;
 
+  // Which decode kernel: v2 (persistent per-warp items) for bf16/fp16 up to d128, the
+  // CTA-per-item kernel for d256 (or when PAGEDLLM_DECODE_KERNEL=v1), float32 on CUDA cores.
+  const DecodeKernel kind = dtype == DType::kFloat32                               ? DecodeKernel::kFp32
+                            : decode_v2_supports(dtype, head_size) && !force_v1() ? DecodeKernel::kV2
+                                                                                  : DecodeKernel::kV1;
+
   // Flash-decoding split: partitions of whole blocks.
   int64_t splits = 1;
   if (options.split_k > 0) {
-    splits = options.split_k;
+    splits = std::min<int64_t>(options.split_k, 1024);
   } else if (options.split_k < 0 && max_blocks > 0) {
-    const int64_t ctas = dtype == DType::kFloat32
-                             ? static_cast<int64_t>(p.num_seqs) * p.num_heads
-                             : static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ((p.group + 15) / 16);
-    const int64_t target = 2 * static_cast<int64_t>(multiprocessor_count());
-    if (ctas < target) {
-      constexpr int64_t kMinPartitionTokens = 128;
-      const int64_t by_length = std::max<int64_t>(1, max_blocks * p.block_size / kMinPartitionTokens);
-      splits = std::min<int64_t>((target + ctas - 1) / ctas, by_length);
-    }
+    splits = choose_splits(kind, dtype, head_size, p);
   }
-  splits = std::min<int64_t>(splits, 1024);
   if (splits > 1 && max_blocks > 0) {
     const int64_t blocks_per_part = (max_blocks + splits - 1) / splits;
     p.partition_tokens = static_cast<int>(blocks_per_part * p.block_size);
     // Keep the requested count: partitions past the context are empty.
     p.num_splits = static_cast<int>(splits);
   }
+  auto launch = [&] {
+    switch (kind) {
+      case DecodeKernel::kFp32: return launch_attention_fp32(head_size, p, stream);
+      case DecodeKernel::kV2: return launch_decode_v2(dtype, head_size, p, stream);
+      case DecodeKernel::kV1: return launch_decode_mma(dtype, head_size, p, stream);
+    }
+  };
 
-  if (p.num_splits == 1) {
-    if (dtype == DType::kFloat32) launch_attention_fp32(head_size, p, stream);
-    else launch_decode_mma(dtype, head_size, p, stream);
-    return;
-  }
+  if (p.num_splits == 1) return launch();
 
   keep_pool_memory();
   const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_heads * p.num_splits;
@@ -181,8 +231,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.partial_max = p.partial_out + rows * head_size;
   p.partial_sum = p.partial_max + rows;
   try {
-    if (dtype == DType::kFloat32) launch_attention_fp32(head_size, p, stream);
-    else launch_decode_mma(dtype, head_size, p, stream);
+    launch();
     launch_splitk_reduce(dtype, head_size, p, stream);
   } catch (...) {
     cudaFreeAsync(workspace, stream);

@@ -247,6 +247,34 @@ void launch_decode_typed(const AttnParams& p, cudaStream_t stream) {
   PAGEDLLM_CUDA_CHECK_LAUNCH();
 }
 
+template <typename T, int D>
+int v1_units() {
+  static std::atomic<int> cached{0};
+  if (cached.load() > 0) return cached.load();
+  using C = DecodeCfg<T, D>;
+  auto kernel = paged_decode_mma_kernel<T, D>;
+  static std::atomic<uint64_t> smem_raised{0};
+  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, smem_raised);
+  int per_sm = 0, sms = 0, dev = 0;
+  PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
+  PAGEDLLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::kThreads, C::kSmemBytes));
+  PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cached.store(std::max(1, per_sm) * sms);
+  return cached.load();
+}
+
+template <typename T>
+int v1_units_dtype(int head_size) {
+  switch (head_size) {
+    case 64: return v1_units<T, 64>();
+    case 80: return v1_units<T, 80>();
+    case 96: return v1_units<T, 96>();
+    case 128: return v1_units<T, 128>();
+    case 256: return v1_units<T, 256>();
+    default: throw std::runtime_error("CUDA decode: unsupported head size " + std::to_string(head_size));
+  }
+}
+
 template <typename T>
 void launch_decode_dtype(int head_size, const AttnParams& p, cudaStream_t stream) {
   switch (head_size) {
@@ -260,6 +288,10 @@ void launch_decode_dtype(int head_size, const AttnParams& p, cudaStream_t stream
 }
 
 }  // namespace
+
+int decode_v1_units(DType dtype, int head_size) {
+  return dtype == DType::kBFloat16 ? v1_units_dtype<__nv_bfloat16>(head_size) : v1_units_dtype<__half>(head_size);
+}
 
 void launch_decode_mma(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {
   if (dtype == DType::kBFloat16) return launch_decode_dtype<__nv_bfloat16>(head_size, p, stream);

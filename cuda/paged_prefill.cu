@@ -1,13 +1,13 @@
 // cuda/paged_prefill.cu — variable-length causal attention over the paged KV cache on tensor
 // cores (bf16 / fp16): chunked prefill, prefix-cache hits and decode rows in one launch.
-// FlashAttention-2 (Dao 2023, algorithm 1) per query tile, with GQA packing: a tile is 64 rows
+// FlashAttention-2 (Dao 2023, algorithm 1) per query tile, with GQA packing: a tile is 16 x warps rows
 // of (query token, query head of one KV head's group), token-major, so each K/V tile read from
-// the cache serves every query head of the group. 4 warps x 16 rows; K/V tiles of kBC tokens go
-// through a 2-stage cp.async pipeline shared by the CTA. Causal and sliding-window masks are
+// the cache serves every query head of the group. 4 warps x 16 rows (8 x 16 for d128); K/V
+// tiles of kBC tokens go through a 2- (or 3-) stage cp.async pipeline shared by the CTA. Causal and sliding-window masks are
 // applied per row; warps skip KV tiles entirely outside their rows' range.
 //
 // Grid: x = an upper bound on the number of query tiles (sum over sequences of
-// ceil(q_len * G / 64) <= T*G/64 + B), y = KV head. Each CTA finds its (sequence, tile) by a
+// ceil(q_len * G / rows) <= T*G/rows + B), y = KV head. Each CTA finds its (sequence, tile) by a
 // warp prefix scan over query_start_loc — no host-side knowledge of q lengths is needed, so the
 // launch never syncs and is graph-capturable. Surplus CTAs exit at once.
 #include <cstdlib>
@@ -19,22 +19,22 @@
 namespace pagedllm::cuda::detail {
 namespace {
 
-template <typename T, int D, int W>
+template <typename T, int D, int W, int NS>
 struct PrefillCfg {
   static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16 * kWarps;            // packed (token, head) rows per CTA
   static constexpr int kBC = D <= 128 ? 64 : 32;        // keys per KV tile
-  static constexpr int kStages = 2;
+  static constexpr int kStages = NS;
   static constexpr int kRow = D + 8;                    // smem row stride in elements (16 B pad)
   static constexpr int kChunks = D / 8;
   static constexpr int kStageElems = 2 * kBC * kRow;
   static constexpr size_t kSmemBytes = (kRows * kRow + kStages * kStageElems) * sizeof(T);
 };
 
-template <typename T, int D, int W>
+template <typename T, int D, int W, int NS>
 __global__ void __launch_bounds__(32 * W) paged_prefill_mma_kernel(const AttnParams p) {
-  using C = PrefillCfg<T, D, W>;
+  using C = PrefillCfg<T, D, W, NS>;
   using TT = TypeTraits<T>;
   constexpr int KSTEPS = D / 16;
   constexpr int NT = C::kBC / 8;  // n8 tiles of scores per KV tile
@@ -140,9 +140,12 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_mma_kernel(const AttnPar
     }
   };
 
-  issue(0, 0);
-  cp_async_commit();
-  cp_async_wait<1>();  // the Q group
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) {
+    if (s < n_kv_tiles) issue(s, s);
+    cp_async_commit();
+  }
+  cp_async_wait<C::kStages - 1>();  // the Q group
   __syncthreads();
 
   const int a_row = (lane % 8) + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;
@@ -161,9 +164,9 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_mma_kernel(const AttnPar
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
   for (int k = 0; k < n_kv_tiles; ++k) {
-    if (k + 1 < n_kv_tiles) issue(k + 1, (k + 1) % C::kStages);
+    if (k + C::kStages - 1 < n_kv_tiles) issue(k + C::kStages - 1, (k + C::kStages - 1) % C::kStages);
     cp_async_commit();
-    cp_async_wait<1>();
+    cp_async_wait<C::kStages - 1>();
     __syncthreads();
 
     const int t0 = kv_lo + k * C::kBC;
@@ -268,10 +271,10 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_mma_kernel(const AttnPar
   }
 }
 
-template <typename T, int D, int W = 4>
+template <typename T, int D, int W = 4, int NS = 2>
 void launch_prefill_typed(const AttnParams& p, cudaStream_t stream) {
-  using C = PrefillCfg<T, D, W>;
-  auto kernel = paged_prefill_mma_kernel<T, D, W>;
+  using C = PrefillCfg<T, D, W, NS>;
+  auto kernel = paged_prefill_mma_kernel<T, D, W, NS>;
   static std::atomic<uint64_t> smem_raised{0};
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, smem_raised);
   const int64_t tiles = (static_cast<int64_t>(p.num_rows) * p.group + C::kRows - 1) / C::kRows + p.num_seqs;
@@ -280,15 +283,19 @@ void launch_prefill_typed(const AttnParams& p, cudaStream_t stream) {
   PAGEDLLM_CUDA_CHECK_LAUNCH();
 }
 
-/// Warps per CTA for head size 128: 4 (64 query rows per CTA, the default) or 8 (128 rows: half
-/// the K/V re-reads from L2, one CTA per SM). PAGEDLLM_PREFILL_WARPS=8 selects the latter (for
-/// benchmarking the two; read once).
-int prefill_warps() {
-  static const int warps = [] {
-    const char* v = std::getenv("PAGEDLLM_PREFILL_WARPS");
-    return v != nullptr && std::string(v) == "8" ? 8 : 4;
+/// Head size 128 configurations: 0 = 8 warps (128 query rows per CTA, half the K/V re-reads
+/// from L2), 2-stage K/V ring — the default: on the H200 it beat 4 warps / 64 rows by 11% at
+/// 4,096 tokens (run 1); 1 = 4 warps, 2 stages (PAGEDLLM_PREFILL_WARPS=4); 2 = 8 warps,
+/// 3 stages (PAGEDLLM_PREFILL_STAGES=3). The variables exist to benchmark them; read once.
+int prefill_variant() {
+  static const int variant = [] {
+    const char* w = std::getenv("PAGEDLLM_PREFILL_WARPS");
+    const char* s = std::getenv("PAGEDLLM_PREFILL_STAGES");
+    if (w != nullptr && std::string(w) == "4") return 1;
+    if (s != nullptr && std::string(s) == "3") return 2;
+    return 0;
   }();
-  return warps;
+  return variant;
 }
 
 template <typename T>
@@ -298,8 +305,11 @@ void launch_prefill_dtype(int head_size, const AttnParams& p, cudaStream_t strea
     case 80: return launch_prefill_typed<T, 80>(p, stream);
     case 96: return launch_prefill_typed<T, 96>(p, stream);
     case 128:
-      if (prefill_warps() == 8) return launch_prefill_typed<T, 128, 8>(p, stream);
-      return launch_prefill_typed<T, 128, 4>(p, stream);
+      switch (prefill_variant()) {
+        case 1: return launch_prefill_typed<T, 128, 4, 2>(p, stream);
+        case 2: return launch_prefill_typed<T, 128, 8, 3>(p, stream);
+        default: return launch_prefill_typed<T, 128, 8, 2>(p, stream);
+      }
     case 256: return launch_prefill_typed<T, 256>(p, stream);
     default: throw std::runtime_error("CUDA prefill: unsupported head size " + std::to_string(head_size));
   }

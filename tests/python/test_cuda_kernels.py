@@ -171,6 +171,27 @@ def test_decode_long_context_auto_split(gen):
     run_decode(torch.bfloat16, 128, 16, 32, 8, [4096, 1, 3000, 2049], split_ks=(-1, 0), gen=gen)
 
 
+@pytest.mark.parametrize("dtype,head_size", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256)],
+                         ids=["bf16-d128", "fp16-d64", "bf16-d256"])
+def test_decode_many_items_per_warp(dtype, head_size, gen):
+    """Far more (sequence, KV head) work items than warps in the grid: the persistent decode
+    kernel's cp.async ring then runs across item boundaries (ragged lengths, empty sequences)."""
+    lens = torch.randint(0, 300, (1500,), generator=gen, device=DEV)
+    lens[::97] = 0
+    lens[5] = 1
+    ctx = [int(n) for n in lens]
+    ks, vs, kc, vc, bt, seq_lens = make_paged(ctx, 4, head_size, 16, dtype, gen=gen)
+    q = torch.randn(len(ctx), 8, head_size, generator=gen, device=DEV, dtype=torch.float64).to(dtype)
+    scale = head_size ** -0.5
+    ref = torch.stack([ref_rows(q[i:i + 1].double(), ks[i], vs[i], [ctx[i] - 1], scale)[0] for i in range(len(ctx))])
+    for split_k in (0, 2, -1):
+        out = torch.full_like(q, float("nan"))
+        ops.paged_attention(out, q, kc, vc, bt, seq_lens, scale, split_k=split_k)
+        torch.cuda.synchronize()
+        check(out, ref, dtype, f"decode, 1500 sequences, split_k={split_k}")
+        assert torch.equal(out[lens == 0].float(), torch.zeros_like(out[lens == 0].float()))
+
+
 def test_decode_empty_sequence_writes_zeros(gen):
     for dtype in DTYPES:
         ks, vs, kc, vc, bt, _ = make_paged([5, 9], 2, 64, 16, dtype, gen=gen)
