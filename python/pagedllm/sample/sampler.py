@@ -1,0 +1,380 @@
+"""The Sampler: one batched call per engine step, logits [R, V] -> token ids (+ logprobs).
+
+Per-sequence sampling parameters live in preallocated numpy tables indexed by a slot; a
+sequence gets a slot in ``add_sequence`` and gives it back in ``remove_sequence``. One step
+gathers the rows' parameters with a vectorised lookup of ``seq_ids`` (no per-row Python loop
+for plain rows; only rows with logit_bias, an active min_tokens mask, penalties or a seed are
+visited individually).
+
+Usage by the engine loop (see pagedllm.sample.__init__ for the whole contract)::
+
+    sampler = Sampler(vocab_size, seed=0)
+    sampler.add_sequence(seq_id, params, prompt_token_ids, index, eos_token_ids)   # new_seqs
+    out = sampler(logits, sched_out.sample_seq_ids)     # SamplerOutput
+    result = core.update_from_output(sched_out, out.sampled_token_ids)
+    sampler.append_output_tokens(result.seq_ids, result.token_ids)
+    for (_, seq_id, *_rest) in result.finished: sampler.remove_sequence(seq_id)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from pagedllm.sample import ops
+from pagedllm.sampling_params import _SAMPLING_EPS, SamplingParams
+
+_SEED_MASK = 2**64 - 1
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of R rows (numpy, on the host).
+
+    token_ids int64 [R, K+1], logprobs float32 [R, K+1]: column 0 is the sampled (or, for
+    prompt logprobs, the actual next) token, columns 1..K the top-K tokens, descending.
+    ranks int64 [R]: rank of column 0's token (1 = most likely).
+    num_logprobs int64 [R]: how many top-K columns row r asked for (-1 = row asked for none).
+    K is the largest request in the batch; row r uses columns 0..num_logprobs[r].
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    num_logprobs: np.ndarray
+
+
+@dataclass
+class SamplerOutput:
+    """sampled_token_ids: int32 [R] (numpy, host), for EngineCore.update_from_output.
+    logprobs: LogprobsTensors when any row asked for logprobs, else None."""
+
+    sampled_token_ids: np.ndarray
+    logprobs: Optional[LogprobsTensors]
+
+
+class Sampler:
+    """Batched sampler with per-sequence state (vLLM v1 semantics, see SamplingParams).
+
+    vocab_size: V of the logits. seed: seeds the stream shared by unseeded rows (LLM(seed=...)).
+    capacity: initial number of slots (grows by doubling as needed).
+    Errors: ValueError for an unknown seq id, a seq id added twice, or params whose token ids
+    are outside the vocabulary.
+    """
+
+    def __init__(self, vocab_size: int, seed: int = 0, capacity: int = 256) -> None:
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        self.vocab_size = int(vocab_size)
+        self.seed = int(seed)
+        self._default_generators: dict[torch.device, torch.Generator] = {}
+        self._capacity = 0
+        self._free: list[int] = []
+        # Sorted seq ids and their slots (vectorised lookup with np.searchsorted).
+        self._keys = np.zeros(0, dtype=np.int64)
+        self._key_slots = np.zeros(0, dtype=np.int64)
+        self._grow(max(1, int(capacity)))
+
+    # ------------------------------------------------------------------ slot tables
+    def _grow(self, capacity: int) -> None:
+        old = self._capacity
+
+        def grow(arr: Optional[np.ndarray], dtype, fill) -> np.ndarray:
+            new = np.full(capacity, fill, dtype=dtype)
+            if arr is not None:
+                new[:old] = arr
+            return new
+
+        g = lambda name: getattr(self, name, None)  # noqa: E731
+        self.temperature = grow(g("temperature"), np.float32, 1.0)
+        self.top_k = grow(g("top_k"), np.int64, 0)  # 0 = off
+        self.top_p = grow(g("top_p"), np.float32, 1.0)
+        self.min_p = grow(g("min_p"), np.float32, 0.0)
+        self.repetition_penalty = grow(g("repetition_penalty"), np.float32, 1.0)
+        self.frequency_penalty = grow(g("frequency_penalty"), np.float32, 0.0)
+        self.presence_penalty = grow(g("presence_penalty"), np.float32, 0.0)
+        self.min_tokens = grow(g("min_tokens"), np.int64, 0)
+        self.num_logprobs = grow(g("num_logprobs"), np.int64, -1)  # -1 = none
+        self.num_output_tokens = grow(g("num_output_tokens"), np.int64, 0)
+        self.has_penalty = grow(g("has_penalty"), np.bool_, False)
+        self.has_bias = grow(g("has_bias"), np.bool_, False)
+        self.has_seed = grow(g("has_seed"), np.bool_, False)
+        extend = capacity - old
+        self._generators: list[Optional[torch.Generator]] = (g("_generators") or []) + [None] * extend
+        self._seeds: list[Optional[int]] = (g("_seeds") or []) + [None] * extend
+        self._stop_ids: list[list[int]] = (g("_stop_ids") or []) + [[] for _ in range(extend)]
+        self._bias: list[Optional[tuple[list[int], list[float]]]] = (g("_bias") or []) + [None] * extend
+        self._prompt_ids: list[Optional[np.ndarray]] = (g("_prompt_ids") or []) + [None] * extend
+        self._output_ids: list[Optional[list[int]]] = (g("_output_ids") or []) + [None] * extend
+        self._free.extend(range(capacity - 1, old - 1, -1))
+        self._capacity = capacity
+
+    def _slots_for(self, seq_ids: np.ndarray) -> np.ndarray:
+        seq_ids = np.asarray(seq_ids, dtype=np.int64)
+        if seq_ids.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        pos = np.searchsorted(self._keys, seq_ids)
+        pos_c = np.minimum(pos, max(len(self._keys) - 1, 0))
+        ok = (pos < len(self._keys)) & (self._keys[pos_c] == seq_ids) if len(self._keys) else np.zeros(len(seq_ids), bool)
+        if not ok.all():
+            bad = seq_ids[~ok][:8].tolist()
+            raise ValueError(f"seq_ids {bad} were never added to the sampler (add_sequence) or were removed")
+        return self._key_slots[pos_c]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._keys)
+
+    def has_sequence(self, seq_id: int) -> bool:
+        pos = int(np.searchsorted(self._keys, seq_id))
+        return pos < len(self._keys) and int(self._keys[pos]) == int(seq_id)
+
+    def add_sequence(
+        self,
+        seq_id: int,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int] | np.ndarray = (),
+        index: int = 0,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Register sequence ``seq_id`` (an engine seq id) with its request's params.
+
+        prompt_token_ids: the request's prompt (kept only when repetition_penalty != 1).
+        index: the sequence's CompletionOutput.index; a seeded request's sequence i uses seed
+          ``params.seed + i`` (as vLLM's n > 1 children), so the n draws differ.
+        eos_token_ids: the model's EOS ids; masked with stop_token_ids before min_tokens
+          outputs (also with ignore_eos: the real EOS ids, never a placeholder).
+        """
+        seq_id = int(seq_id)
+        if self.has_sequence(seq_id):
+            raise ValueError(f"seq_id {seq_id} is already in the sampler")
+        params.verify_for_vocab(self.vocab_size)
+        for t in eos_token_ids:
+            if not 0 <= int(t) < self.vocab_size:
+                raise ValueError(f"eos_token_ids contains {t}, outside the vocabulary (vocab_size={self.vocab_size})")
+        if not self._free:
+            self._grow(self._capacity * 2)
+        slot = self._free.pop()
+        greedy = params.temperature < _SAMPLING_EPS
+        self.temperature[slot] = 0.0 if greedy else params.temperature
+        top_k = params.top_k
+        self.top_k[slot] = 0 if (top_k <= 0 or top_k >= self.vocab_size) else top_k
+        self.top_p[slot] = params.top_p
+        self.min_p[slot] = params.min_p
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.frequency_penalty[slot] = params.frequency_penalty
+        self.presence_penalty[slot] = params.presence_penalty
+        self.min_tokens[slot] = params.min_tokens
+        lp = params.logprobs
+        self.num_logprobs[slot] = -1 if lp is None else (self.vocab_size if lp == -1 else lp)
+        self.num_output_tokens[slot] = 0
+        penalty = (
+            params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        )
+        self.has_penalty[slot] = penalty
+        self._output_ids[slot] = [] if penalty else None
+        self._prompt_ids[slot] = (
+            np.asarray(prompt_token_ids, dtype=np.int64).copy() if params.repetition_penalty != 1.0 else None
+        )
+        bias = params.logit_bias
+        self.has_bias[slot] = bool(bias)
+        self._bias[slot] = (list(bias.keys()), list(bias.values())) if bias else None
+        stop_ids = sorted({int(t) for t in eos_token_ids} | set(params.stop_token_ids))
+        self._stop_ids[slot] = stop_ids if params.min_tokens > 0 else []
+        if params.seed is not None and not greedy:
+            self.has_seed[slot] = True
+            self._seeds[slot] = (params.seed + int(index)) & _SEED_MASK
+        else:
+            self.has_seed[slot] = False
+            self._seeds[slot] = None
+        self._generators[slot] = None  # created on the logits' device at first use
+        pos = int(np.searchsorted(self._keys, seq_id))
+        self._keys = np.insert(self._keys, pos, seq_id)
+        self._key_slots = np.insert(self._key_slots, pos, slot)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Forget ``seq_id`` (finished or aborted) and free its slot; unknown ids are ignored."""
+        seq_id = int(seq_id)
+        pos = int(np.searchsorted(self._keys, seq_id))
+        if pos >= len(self._keys) or int(self._keys[pos]) != seq_id:
+            return
+        slot = int(self._key_slots[pos])
+        self._keys = np.delete(self._keys, pos)
+        self._key_slots = np.delete(self._key_slots, pos)
+        self._generators[slot] = None
+        self._prompt_ids[slot] = None
+        self._output_ids[slot] = None
+        self._bias[slot] = None
+        self._stop_ids[slot] = []
+        self._free.append(slot)
+
+    def append_output_tokens(self, seq_ids: np.ndarray, token_ids: np.ndarray) -> None:
+        """Record tokens the engine appended (UpdateResult.seq_ids / token_ids, int64/int32 [K]).
+
+        Feeds min_tokens counting and the penalties' output history. Ids not in the sampler
+        (e.g. already removed) are skipped.
+        """
+        seq_ids = np.asarray(seq_ids, dtype=np.int64)
+        if seq_ids.size == 0 or len(self._keys) == 0:
+            return
+        token_ids = np.asarray(token_ids)
+        pos = np.minimum(np.searchsorted(self._keys, seq_ids), len(self._keys) - 1)
+        known = self._keys[pos] == seq_ids
+        slots = self._key_slots[pos[known]]
+        np.add.at(self.num_output_tokens, slots, 1)
+        pen = self.has_penalty[slots]
+        if pen.any():
+            for slot, tok in zip(slots[pen].tolist(), token_ids[known][pen].tolist()):
+                self._output_ids[slot].append(tok)
+
+    # ------------------------------------------------------------------ sampling
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._default_generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._default_generators[device] = gen
+        return gen
+
+    def _generator(self, slot: int, device: torch.device) -> torch.Generator:
+        gen = self._generators[slot]
+        if gen is None or gen.device != device:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._seeds[slot])
+            self._generators[slot] = gen
+        return gen
+
+    def _check(self, logits: torch.Tensor, seq_ids) -> None:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D [rows, vocab], got shape {tuple(logits.shape)}")
+        if len(seq_ids) != logits.shape[0]:
+            raise ValueError(f"seq_ids has {len(seq_ids)} entries but logits has {logits.shape[0]} rows")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits has {logits.shape[1]} columns, fewer than vocab_size={self.vocab_size}")
+
+    def _process(self, logits: torch.Tensor, slots: np.ndarray, want_raw: bool):
+        """The logits transforms of one step. Returns (processed logits float32 [R, V] — the
+        distribution the draw uses, after temperature/min_p/top_k/top_p for random rows —,
+        argmax of the penalised logits for greedy rows or None, greedy row mask, raw logprobs)."""
+        device = logits.device
+        # A float32 copy: the transforms work in place and the caller's tensor stays intact.
+        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True).contiguous()
+        raw_logprobs = ops.compute_logprobs(logits) if want_raw else None
+
+        # min_tokens: mask EOS and stop_token_ids while fewer outputs than min_tokens.
+        active_min = np.nonzero(self.num_output_tokens[slots] < self.min_tokens[slots])[0]
+        if active_min.size:
+            rows = active_min.tolist()
+            ops.mask_tokens(logits, rows, [self._stop_ids[int(slots[r])] for r in rows])
+        # logit_bias
+        for r in np.nonzero(self.has_bias[slots])[0].tolist():
+            ids, vals = self._bias[int(slots[r])]
+            logits[r, torch.tensor(ids, device=device)] += torch.tensor(vals, device=device, dtype=logits.dtype)
+        # penalties
+        pen_rows = np.nonzero(self.has_penalty[slots])[0]
+        if pen_rows.size:
+            self._apply_penalties(logits, pen_rows, slots[pen_rows], device)
+
+        temps = self.temperature[slots]
+        greedy_rows = temps < _SAMPLING_EPS
+        greedy_sampled = logits.argmax(dim=-1) if greedy_rows.any() else None
+        if not greedy_rows.all():
+            t = torch.from_numpy(np.where(greedy_rows, np.float32(1.0), temps)).to(device)
+            ops.apply_temperature(logits, t)
+            min_p = self.min_p[slots]
+            if (min_p > 0).any():
+                ops.apply_min_p(logits, torch.from_numpy(min_p).to(device))
+            top_k = self.top_k[slots]
+            top_p = self.top_p[slots]
+            k = p = None
+            if (top_k > 0).any():
+                k = torch.from_numpy(np.where(top_k > 0, top_k, self.vocab_size)).to(device)
+            if (top_p < 1.0).any():
+                p = torch.from_numpy(top_p).to(device)
+            logits = ops.apply_top_k_top_p(logits, k, p)
+        return logits, greedy_sampled, greedy_rows, raw_logprobs
+
+    @torch.inference_mode()
+    def processed_logits(self, logits: torch.Tensor, seq_ids) -> torch.Tensor:
+        """The float32 [R, V] logits the draw of ``__call__`` would use (for tests and debugging):
+        after min_tokens masking, logit_bias and penalties, and for non-greedy rows temperature,
+        min_p, top_k and top_p (masked tokens are -inf). Consumes no random numbers."""
+        self._check(logits, seq_ids)
+        return self._process(logits, self._slots_for(seq_ids), False)[0]
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seq_ids) -> SamplerOutput:
+        """Sample one token for each row of ``logits``.
+
+        logits: [R, V] float32/bf16/fp16 on CPU or CUDA (V == vocab_size, or larger: padded
+          vocabulary columns are ignored). seq_ids: int64 [R] (SchedulerOutput.sample_seq_ids);
+          a sequence may appear once per call.
+        Returns SamplerOutput (token ids int32 [R] on the host, logprobs if any row asked).
+        """
+        self._check(logits, seq_ids)
+        if logits.shape[0] == 0:
+            return SamplerOutput(np.zeros(0, dtype=np.int32), None)
+        slots = self._slots_for(seq_ids)
+        device = logits.device
+        num_logprobs = self.num_logprobs[slots]
+        want_logprobs = bool((num_logprobs >= 0).any())
+        logits, greedy_sampled, greedy_rows, raw_logprobs = self._process(logits, slots, want_logprobs)
+        if greedy_rows.all():
+            sampled = greedy_sampled
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            seeded = np.nonzero(self.has_seed[slots])[0].tolist()
+            generators = {r: self._generator(int(slots[r]), device) for r in seeded}
+            random_sampled = ops.random_sample(probs, generators, self._default_generator(device))
+            if greedy_sampled is not None:
+                mask = torch.from_numpy(greedy_rows).to(device)
+                sampled = torch.where(mask, greedy_sampled, random_sampled)
+            else:
+                sampled = random_sampled
+
+        logprobs = None
+        if raw_logprobs is not None:
+            k_max = int(num_logprobs.max())
+            ids, vals, ranks = ops.gather_logprobs(raw_logprobs, sampled, max(k_max, 0))
+            logprobs = LogprobsTensors(
+                token_ids=ids.cpu().numpy(),
+                logprobs=vals.cpu().numpy(),
+                ranks=ranks.cpu().numpy(),
+                num_logprobs=num_logprobs.copy(),
+            )
+        return SamplerOutput(sampled.to(torch.int32).cpu().numpy(), logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, device) -> None:
+        V = self.vocab_size
+        n = len(rows)
+        outs = [self._output_ids[int(s)] or [] for s in slots]
+        max_len = max((len(o) for o in outs), default=0)
+        counts = torch.zeros((n, V + 1), dtype=torch.int32, device=device)
+        if max_len:
+            padded = np.full((n, max_len), V, dtype=np.int64)  # column V is a discard bin
+            for i, o in enumerate(outs):
+                padded[i, : len(o)] = o
+            idx = torch.from_numpy(padded).to(device)
+            counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
+        counts = counts[:, :V]
+        prompt_mask = None
+        prompts = [self._prompt_ids[int(s)] for s in slots]
+        if any(p is not None and len(p) for p in prompts):
+            mask = torch.zeros((n, V + 1), dtype=torch.bool, device=device)
+            for i, pids in enumerate(prompts):
+                if pids is not None and len(pids):
+                    mask[i, torch.from_numpy(pids).to(device)] = True
+            prompt_mask = mask[:, :V]
+        sub = logits[torch.from_numpy(rows).to(device)]
+        ops.apply_penalties(
+            sub,
+            prompt_mask,
+            counts,
+            torch.from_numpy(self.repetition_penalty[slots]).to(device),
+            torch.from_numpy(self.frequency_penalty[slots]).to(device),
+            torch.from_numpy(self.presence_penalty[slots]).to(device),
+        )
+        logits[torch.from_numpy(rows).to(device)] = sub

@@ -1,0 +1,300 @@
+"""SamplingParams: how one request is sampled and when it stops (vLLM's names and defaults).
+
+A vLLM user's ``SamplingParams(...)`` call works unchanged. Differences from vLLM, on purpose:
+``max_tokens=0`` is accepted (score the prompt only, e.g. for ``prompt_logprobs``; the engine
+finishes the request with ``"length"`` without sampling), and temperatures below 1e-2 are not
+raised to 1e-2 (the sampler works in float32 and stays finite down to the greedy threshold
+``_SAMPLING_EPS``; below it a request is greedy).
+
+Errors: every invalid value raises ``ValueError`` whose message starts with the field's name.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+#: Temperatures below this are greedy (argmax), as in vLLM.
+_SAMPLING_EPS = 1e-5
+
+#: torch.Generator.manual_seed accepts seeds in this range.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (used by streaming front ends).
+
+    CUMULATIVE: all text/tokens so far; DELTA: only what is new since the last output;
+    FINAL_ONLY: a single output when the request finishes.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request (vLLM's ``SamplingParams``).
+
+    Fields (defaults as vLLM):
+      n: number of output sequences (completions) for the prompt, >= 1. n > 1 forks the
+        prompt's KV blocks copy-on-write; each child samples independently.
+      presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of every token
+        that appears in the output so far (presence: once; frequency: times its count).
+      repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it
+        when positive and multiplied by it when negative (CTRL, Keskar et al. 2019, sec. 4.1).
+      temperature: >= 0; 0 (below 1e-5) = greedy.
+      top_p: in (0, 1]; keep the smallest set of most likely tokens whose probability sum
+        reaches top_p (nucleus sampling, Holtzman et al. 2020, sec. 3.1).
+      top_k: -1 or 0 = off; otherwise >= 1; larger than the vocabulary = no limit.
+      min_p: in [0, 1]; drop tokens whose probability is below min_p * the top probability.
+      seed: per-request seed (same result whatever else is in the batch); None = engine's stream.
+      stop: stop strings (str or list of str, non-empty); the text is cut before the match
+        (after it with include_stop_str_in_output) and stop_reason is the matched string.
+      stop_token_ids: token ids that end the sequence (stop_reason = the id).
+      ignore_eos: keep generating after EOS (EOS is still masked before min_tokens).
+      max_tokens: most output tokens per sequence (default 16); None = up to max_model_len;
+        0 = compute the prompt only (for prompt_logprobs).
+      min_tokens: before this many output tokens, EOS and stop_token_ids are masked out and
+        stop strings do not end the sequence; <= max_tokens.
+      logprobs: number of top log-probabilities returned per output token (plus the sampled
+        token's); None = none, -1 = the whole vocabulary.
+      prompt_logprobs: the same for each prompt token (first entry is None).
+      skip_special_tokens, spaces_between_special_tokens: detokenization options.
+      include_stop_str_in_output: keep the matched stop string (or stop token's text) in text.
+      logit_bias: {token_id: bias} added to the logits before sampling.
+      output_kind: RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY).
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[int, float]] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        # Normalise the forms vLLM accepts.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.seed == -1:
+            self.seed = None
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict {{token_id: bias}}, got {type(self.logit_bias).__name__}.")
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"logit_bias must map int token ids to float biases: {exc}.") from None
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.") from None
+        self._verify_args()
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other sampling knobs have no effect (as vLLM).
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+
+    # ------------------------------------------------------------------ validation
+    def _verify_args(self) -> None:
+        def need_number(name: str) -> None:
+            value = getattr(self, name)
+            if not _is_number(value) or math.isnan(value):
+                raise ValueError(f"{name} must be a number, got {value!r}.")
+
+        def need_int(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not _is_int(value):
+                raise ValueError(f"{name} must be an int, got {value!r}.")
+
+        need_int("n")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            need_number(name)
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be non-negative and finite, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        need_int("top_k")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        need_int("seed", allow_none=True)
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
+            raise ValueError(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}.")
+        need_int("max_tokens", allow_none=True)
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0 (0 = score the prompt only), got {self.max_tokens}.")
+        need_int("min_tokens")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            need_int(name, allow_none=True)
+            value = getattr(self, name)
+            if value is not None and value < -1:
+                raise ValueError(f"{name} must be non-negative (or -1 for the whole vocabulary), got {value}.")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must be a string or a list of strings, got an item {s!r}.")
+        if any(not s for s in self.stop):
+            raise ValueError("stop cannot contain an empty string.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True.")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}.")
+        if self.logit_bias:
+            for token_id, bias in self.logit_bias.items():
+                if token_id < 0:
+                    raise ValueError(f"logit_bias token id must be non-negative, got {token_id}.")
+                if math.isnan(bias):
+                    raise ValueError(f"logit_bias for token {token_id} is NaN.")
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+
+    def verify_for_vocab(self, vocab_size: int) -> None:
+        """Check token ids against the model's vocabulary (ValueError naming the field).
+
+        Called when a request is added (the vocabulary size is not known at construction).
+        """
+        bad = [t for t in (self.logit_bias or {}) if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias contains out-of-vocabulary token ids {bad[:8]} (vocab_size={vocab_size}).")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids contains out-of-vocabulary token ids {bad[:8]} (vocab_size={vocab_size}).")
+        limit = vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name}={value} is larger than the vocabulary size {vocab_size}.")
+
+    # ------------------------------------------------------------------ derived properties
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """stop_token_ids as a set (the engine adds the model's EOS ids where it needs them)."""
+        return set(self.stop_token_ids)
+
+    def clone(self) -> "SamplingParams":
+        """A copy (lists and dicts copied too)."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
+        kwargs["stop"] = list(self.stop)
+        kwargs["stop_token_ids"] = list(self.stop_token_ids)
+        kwargs["logit_bias"] = dict(self.logit_bias) if self.logit_bias is not None else None
+        return SamplingParams(**kwargs)
+
+    def to_request_params(
+        self,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str = "",
+    ):
+        """The native engine's view of these params: a ``pagedllm._C.RequestParams``.
+
+        eos_token_ids: the model's EOS ids (tokenizer / generation_config); the engine stops on
+          them unless ignore_eos, and never before min_tokens.
+        priority: lower = more urgent (vLLM). arrival_time: seconds (time.time()), default now.
+        max_tokens None -> -1 (until max_model_len). prompt_logprobs -> a bool (the engine only
+        needs to know that the prompt's logits must be computed, not served from the cache).
+        """
+        import time
+
+        from pagedllm import _C
+
+        if not hasattr(_C, "RequestParams"):
+            raise RuntimeError("pagedllm._C has no RequestParams: the native engine is not built into this _C")
+        p = _C.RequestParams()
+        p.max_tokens = -1 if self.max_tokens is None else int(self.max_tokens)
+        p.min_tokens = int(self.min_tokens)
+        p.eos_token_ids = [int(t) for t in eos_token_ids]
+        p.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        p.ignore_eos = bool(self.ignore_eos)
+        p.n = int(self.n)
+        p.priority = int(priority)
+        p.arrival_time = float(time.time() if arrival_time is None else arrival_time)
+        p.cache_salt = str(cache_salt)
+        p.prompt_logprobs = self.prompt_logprobs is not None
+        return p
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"SamplingParams({parts})"
+
+
+__all__ = ["SamplingParams", "RequestOutputKind", "SamplingType", "_SAMPLING_EPS"]
