@@ -200,7 +200,7 @@ def bench_prefill(seq: int) -> dict:
         "ours_us": round(t_ours, 1), "ours_TFLOPs": round(flops / t_ours / 1e6, 1),
         "sdpa_us": round(t_sdpa, 1), "sdpa_TFLOPs": round(flops / t_sdpa / 1e6, 1),
         "ratio_vs_sdpa": round(t_sdpa / t_ours, 3), "sdpa": note,
-        "prefill_warps": int(os.environ.get("PAGEDLLM_PREFILL_WARPS", "4")),
+        "variant": {k: v for k, v in os.environ.items() if k.startswith("PAGEDLLM_") and k != "PAGEDLLM_COMMIT"},
         "rel_l2_vs_sdpa": float(f"{err:.2e}"),
     }
 
@@ -210,11 +210,13 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true", help="only the goal cases")
     ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. a variant)")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     doc = {
-        "bench": "cuda_kernels", "commit": git_commit(), "date": datetime.date.today().isoformat(),
+        "bench": "cuda_kernels", "commit": git_commit(),
+        "variant": {k: v for k, v in os.environ.items() if k.startswith("PAGEDLLM_") and k != "PAGEDLLM_COMMIT"}, "date": datetime.date.today().isoformat(),
         "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
         "shape": {"num_heads": HQ, "num_kv_heads": HKV, "head_size": D, "block_size": BS, "dtype": "bfloat16"},
         "timing": "CUDA-graph replay, median of 10 replays / calls per graph; inputs rotated past 4x L2",
@@ -235,7 +237,7 @@ def main() -> None:
     print(text)
     os.makedirs(args.out, exist_ok=True)
     gpu = "h200" if "H200" in props.name else props.name.replace(" ", "-").lower()
-    suffix = "-prefill" if args.prefill_only else ""
+    suffix = ("-prefill" if args.prefill_only else "") + (f"-{args.tag}" if args.tag else "")
     path = os.path.join(args.out, f"{doc['date']}-{gpu}-cuda-kernels{suffix}.json")
     with open(path, "w") as f:
         f.write(text + "\n")
