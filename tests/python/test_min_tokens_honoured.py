@@ -31,7 +31,7 @@ def test_long_prompt_counts_only_outputs():
 
 def test_eos_and_stop_ids_masked_then_allowed():
     llm = bundled_llm()
-    prompt = chat_ids(llm, "Say yes.")
+    prompt = chat_ids(llm, "Is the sky blue? Answer yes or no.")
     free = llm.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "stop" and len(free.token_ids) < 16  # EOS comes early unmasked
     for ignore_eos in (False, True):
