@@ -1,10 +1,37 @@
 """pagedllm: a paged-KV-cache LLM inference and serving engine (vLLM-compatible API).
 
-The native core (KV cache, scheduler, kernels) lives in :mod:`pagedllm._C`.
+The native core (KV cache, scheduler, kernels) lives in :mod:`pagedllm._C`. The offline API uses
+vLLM's names: ``from pagedllm import LLM, SamplingParams``.
 """
 
 from pagedllm import _C
 
 __version__ = "0.1.0"
 
-__all__ = ["_C", "__version__"]
+_LAZY = {  # vLLM's top-level names, imported on first use (keeps `import pagedllm` light)
+    "LLM": "pagedllm.entrypoints.llm",
+    "LLMEngine": "pagedllm.engine.llm_engine",
+    "EngineArgs": "pagedllm.engine.llm_engine",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutputKind": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "Logprob": "pagedllm.outputs",
+    "TokensPrompt": "pagedllm.inputs",
+    "TextPrompt": "pagedllm.inputs",
+    "PromptType": "pagedllm.inputs",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = ["_C", "__version__", *_LAZY]

@@ -1,0 +1,58 @@
+// Bindings for pagedllm/attention.h. The GIL is released while a kernel runs.
+#include "pagedllm/attention.h"
+
+#include <pybind11/stl.h>
+
+#include "registry.h"
+
+PAGEDLLM_BINDING(attention, m) {
+  namespace py = pybind11;
+  using pagedllm::AttentionOptions;
+  using pagedllm::TensorView;
+  m.def("supported_head_sizes", &pagedllm::supported_head_sizes,
+        "Head sizes the attention kernels support.");
+  m.def("supported_block_sizes", &pagedllm::supported_block_sizes,
+        "Block sizes (tokens per KV block) the kernels support.");
+  m.def(
+      "supported_cache_dtypes",
+      [](const std::string& device) {
+        PAGEDLLM_CHECK(device == "cpu" || device == "cuda", "supported_cache_dtypes: device '",
+                       device, "' is not supported; expected 'cpu' or 'cuda'");
+        std::vector<std::string> names;
+        for (auto d : pagedllm::supported_cache_dtypes(device == "cpu" ? pagedllm::DeviceType::kCPU
+                                                                       : pagedllm::DeviceType::kCUDA))
+          names.emplace_back(pagedllm::dtype_name(d));
+        return names;
+      },
+      py::arg("device"), "Cache dtype names the kernels of 'cpu' or 'cuda' implement.");
+  m.def("set_num_threads", &pagedllm::set_num_threads, py::arg("n"),
+        "Threads of the CPU kernels; n <= 0 = all cores.");
+  m.def("get_num_threads", &pagedllm::get_num_threads, "Threads of the CPU kernels.");
+  m.def(
+      "paged_attention",
+      [](const TensorView& out, const TensorView& query, const TensorView& key_cache,
+         const TensorView& value_cache, const TensorView& block_tables, const TensorView& seq_lens,
+         double scale, int32_t sliding_window, float soft_cap, int32_t split_k, std::uintptr_t stream) {
+        pagedllm::paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                  AttentionOptions{sliding_window, soft_cap, split_k}, stream);
+      },
+      py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
+      py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
+      py::arg("soft_cap") = 0.0f, py::arg("split_k") = -1, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(), "Decode paged attention (see pagedllm/attention.h).");
+  m.def(
+      "paged_prefill_attention",
+      [](const TensorView& out, const TensorView& query, const TensorView& key_cache,
+         const TensorView& value_cache, const TensorView& block_tables, const TensorView& seq_lens,
+         const TensorView& query_start_loc, double scale, int32_t sliding_window, float soft_cap,
+         std::uintptr_t stream) {
+        pagedllm::paged_prefill_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                          query_start_loc, scale,
+                                          AttentionOptions{sliding_window, soft_cap, -1}, stream);
+      },
+      py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
+      py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
+      py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0f, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "Varlen causal paged attention for prefill / mixed batches (see pagedllm/attention.h).");
+}

@@ -1,0 +1,371 @@
+// CPU paged attention: decode (with flash-decoding split-K) and varlen causal prefill.
+//
+// Both kernels run one routine, attend_blocks(): a tile of R query rows — all G = Hq / Hkv query
+// heads of one KV head (GQA), times a few query tokens for prefill — walks the (block, kv head)
+// tiles of its context once, so each contiguous K/V tile is read from memory once per tile of
+// rows and reused from L1 by every row. Scores use the online softmax of FlashAttention
+// (Dao et al. 2022, section 3.1; running max m, running sum l, rescaled accumulator), in fp32.
+// Split-K (flash-decoding) partitions a sequence's context; the partial (m, l, acc) triples are
+// combined by a log-sum-exp reduction. Work items are spread over OpenMP threads.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "cpu_qk_pv.h"
+#include "cpu_vec.h"
+
+namespace pagedllm::cpu {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+/// Geometry shared by every work item of one launch.
+template <typename T>
+struct Context {
+  const T* key_cache;
+  const T* value_cache;
+  const int32_t* block_tables;
+  int64_t max_blocks;  // M, row length of block_tables
+  int64_t num_kv_heads;
+  int block_size;
+  int32_t sliding_window;
+  float soft_cap;
+};
+
+/// Per-thread scratch, sized for up to `rows` query rows.
+struct Workspace {
+  std::vector<float> q, acc, m, l, s, vf;
+  std::vector<bf16> qb;
+  std::vector<int32_t> pos;
+  Workspace(int rows, int head_size, int block_size)
+      : q(size_t(rows) * head_size), acc(size_t(rows) * head_size), m(rows), l(rows),
+        s(size_t(rows) * block_size), vf(size_t(block_size) * head_size),
+        qb(size_t(rows) * head_size), pos(rows) {}
+};
+
+/// Online-softmax attention of R query rows (w.q: [R][D] fp32, already multiplied by `scale`;
+/// for bf16 also w.qb: the unscaled bf16 rows; w.pos[r]: the row's position) over the context
+/// tokens [lo, hi) of one sequence (`table`: its block-table row) and KV head `kvh`, updating
+/// w.m, w.l, w.acc ([R][D]). Row r sees token j iff j <= pos[r] and (no window or
+/// j > pos[r] - window).
+template <typename T, int D>
+void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64_t lo, int64_t hi,
+                   int R, float scale, Workspace& w) {
+  const int bs = c.block_size;
+  const float* q = w.q.data();
+  const bf16* qb = w.qb.data();
+  const int32_t* pos = w.pos.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
+  float* acc = w.acc.data();
+  float* s = w.s.data();
+  const float cap = c.soft_cap;
+  const int32_t window = c.sliding_window;
+  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+    const int64_t base = blk * bs;  // position of row 0 of this block
+    const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
+    const int t1 = static_cast<int>(std::min<int64_t>(hi, base + bs) - base);
+    const int64_t tile = (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * bs * D;
+    const T* kt = c.key_cache + tile;
+    if ((blk + 1) * bs < hi) {
+      // Blocks are scattered, so the hardware prefetcher cannot run ahead across tiles: fetch
+      // the next (block, kv head) K and V tiles while this one is computed.
+      const int64_t next = (static_cast<int64_t>(table[blk + 1]) * c.num_kv_heads + kvh) * bs * D;
+      const char* nk = reinterpret_cast<const char*>(c.key_cache + next);
+      const char* nv = reinterpret_cast<const char*>(c.value_cache + next);
+      for (size_t off = 0; off < size_t(bs) * D * sizeof(T); off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
+    const float* vp;
+    if constexpr (std::is_same_v<T, float>) {
+      vp = c.value_cache + tile;
+    } else {
+      to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
+      vp = w.vf.data();
+    }
+    // Scores S = Q K^T for this block, 16 tokens at a time (bs is a multiple of 16); a chunk's
+    // K rows stay in L1 for all R rows. Rows outside [t0, t1) are computed but never used.
+    for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16)
+      for (int r = 0; r < R; ++r)
+        qk_chunk16<T, D>(q + r * D, qb + r * D, scale, kt + c16 * D, s + r * bs + c16);
+    for (int r = 0; r < R; ++r) {
+      float* sr = s + r * bs;
+      if (cap > 0.0f) {
+        const float inv = 1.0f / cap;
+#pragma omp simd
+        for (int t = t0; t < t1; ++t) sr[t] = cap * tanh_vec(sr[t] * inv);
+      }
+      // Causal and sliding-window mask, only where the block crosses a boundary of this row.
+      const int64_t p = pos[r];
+      const bool crosses_causal = base + t1 - 1 > p;
+      const bool crosses_window = window > 0 && base + t0 <= p - window;
+      if (crosses_causal || crosses_window) {
+        const int64_t wlo = window > 0 ? p - window : std::numeric_limits<int64_t>::min();
+#pragma omp simd
+        for (int t = t0; t < t1; ++t) {
+          const int64_t j = base + t;
+          sr[t] = (j <= p && j > wlo) ? sr[t] : kNegInf;
+        }
+      }
+      float mx = kNegInf;
+#pragma omp simd reduction(max : mx)
+      for (int t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
+      if (mx == kNegInf) continue;  // nothing visible to this row in this block
+      const float m_new = std::max(m[r], mx);
+      const float corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = t0; t < t1; ++t) {
+        const float e = exp_neg(sr[t] - m_new);
+        const float pr = sr[t] == kNegInf ? 0.0f : e;
+        sr[t] = pr;
+        sum += pr;
+      }
+      m[r] = m_new;
+      l[r] = l[r] * corr + sum;
+      pv_row<D>(acc + r * D, corr, sr, vp, t0, t1);
+    }
+  }
+}
+
+/// Load query row `src` (D elements) into dst as fp32 times `scale`.
+/// (and, for bf16, its unscaled bits into qb).
+template <typename T, int D>
+inline void load_query(const T* src, float scale, float* dst, bf16* qb) {
+#pragma omp simd
+  for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+  if constexpr (std::is_same_v<T, bf16>) std::copy_n(src, D, qb);
+}
+
+/// out row = acc / l (a zero row when the row saw no token, l == 0).
+template <typename T, int D>
+inline void store_row(const float* acc, float l, T* dst) {
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma omp simd
+  for (int d = 0; d < D; ++d) dst[d] = from_float<T>(acc[d] * inv);
+}
+
+inline void reset_rows(Workspace& w, int R, int D) {
+  std::fill_n(w.m.begin(), R, kNegInf);
+  std::fill_n(w.l.begin(), R, 0.0f);
+  std::fill_n(w.acc.begin(), size_t(R) * D, 0.0f);
+}
+
+template <typename T>
+Context<T> make_context(const TensorView& key_cache, const TensorView& value_cache,
+                        const TensorView& block_tables, const AttentionOptions& o) {
+  return Context<T>{key_cache.ptr<const T>(), value_cache.ptr<const T>(),
+                    block_tables.ptr<const int32_t>(), block_tables.size(1), key_cache.size(1),
+                    static_cast<int>(key_cache.size(2)), o.sliding_window, o.soft_cap};
+}
+
+template <typename T, int D>
+void decode(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+            const TensorView& value_cache, const TensorView& block_tables,
+            const TensorView& seq_lens, float scale, const AttentionOptions& o, int nt) {
+  const Context<T> c = make_context<T>(key_cache, value_cache, block_tables, o);
+  const int64_t B = query.size(0), Hq = query.size(1), Hkv = key_cache.size(1);
+  const int G = static_cast<int>(Hq / Hkv);
+  const int32_t* sl = seq_lens.ptr<const int32_t>();
+  const T* qp = query.ptr<const T>();
+  T* op = out.ptr<T>();
+  const int64_t max_len = *std::max_element(sl, sl + B);
+  const int S = decode_num_splits(B, Hkv, max_len, o.split_k, nt);
+  // Split-K partials, [B][Hq][S] (m, l) and [B][Hq][S][D] (acc); unused when S == 1.
+  std::vector<float> pm, pl, pacc;
+  if (S > 1) {
+    pm.resize(size_t(B) * Hq * S);
+    pl.resize(pm.size());
+    pacc.resize(pm.size() * D);
+  }
+  const int64_t items = B * Hkv * S;
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, items)))
+  {
+    Workspace w(G, D, c.block_size);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t b = item / (Hkv * S);
+      const int64_t kvh = (item / S) % Hkv;
+      const int split = static_cast<int>(item % S);
+      const int64_t len = sl[b];
+      const int64_t p = len - 1;  // the query's position
+      const int64_t start = (c.sliding_window > 0) ? std::max<int64_t>(0, p - c.sliding_window + 1) : 0;
+      const int64_t span = std::max<int64_t>(0, len - start);
+      const int64_t part = (span + S - 1) / S;
+      const int64_t lo = start + split * part;
+      const int64_t hi = std::min<int64_t>(len, lo + part);
+      for (int g = 0; g < G; ++g) {
+        load_query<T, D>(qp + (b * Hq + kvh * G + g) * D, scale, w.q.data() + g * D, w.qb.data() + g * D);
+        w.pos[g] = static_cast<int32_t>(p);
+      }
+      reset_rows(w, G, D);
+      if (lo < hi) attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, scale, w);
+      for (int g = 0; g < G; ++g) {
+        const int64_t h = kvh * G + g;
+        if (S == 1) {
+          store_row<T, D>(w.acc.data() + g * D, w.l[g], op + (b * Hq + h) * D);
+        } else {
+          const size_t idx = (size_t(b) * Hq + h) * S + split;
+          pm[idx] = w.m[g];
+          pl[idx] = w.l[g];
+          std::copy_n(w.acc.data() + g * D, D, pacc.data() + idx * D);
+        }
+      }
+    }
+  }
+  if (S == 1) return;
+  // Flash-decoding reduction: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t row = 0; row < B * Hq; ++row) {
+    const float* m = pm.data() + row * S;
+    const float* l = pl.data() + row * S;
+    float M = kNegInf;
+    for (int s = 0; s < S; ++s) M = std::max(M, m[s]);
+    float a[D] = {};
+    float L = 0.0f;
+    if (M != kNegInf) {
+      for (int s = 0; s < S; ++s) {
+        if (m[s] == kNegInf) continue;
+        const float f = exp_neg(m[s] - M);
+        L += f * l[s];
+        const float* ps = pacc.data() + (size_t(row) * S + s) * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) a[d] += f * ps[d];
+      }
+    }
+    store_row<T, D>(a, L, op + row * D);
+  }
+}
+
+/// One prefill work item: query rows [q0, q1) of sequence b, all heads of KV head kvh.
+struct PrefillTile {
+  int64_t b, q0, q1, cost;
+};
+
+template <typename T, int D>
+void prefill(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+             const TensorView& value_cache, const TensorView& block_tables,
+             const TensorView& seq_lens, const TensorView& query_start_loc, float scale,
+             const AttentionOptions& o, int nt) {
+  const Context<T> c = make_context<T>(key_cache, value_cache, block_tables, o);
+  const int64_t B = seq_lens.size(0), Hq = query.size(1), Hkv = key_cache.size(1);
+  const int G = static_cast<int>(Hq / Hkv);
+  const int32_t* sl = seq_lens.ptr<const int32_t>();
+  const int32_t* qsl = query_start_loc.ptr<const int32_t>();
+  const T* qp = query.ptr<const T>();
+  T* op = out.ptr<T>();
+  // Query tile: about 64 rows (query tokens x G heads) share each K/V tile.
+  const int QT = std::max(1, 64 / G);
+  std::vector<PrefillTile> tiles;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = qsl[b + 1] - qsl[b];
+    for (int64_t q0 = 0; q0 < q_len; q0 += QT) {
+      const int64_t q1 = std::min<int64_t>(q_len, q0 + QT);
+      const int64_t hi = sl[b] - q_len + q1;  // one past the last position this tile sees
+      const int64_t lo = o.sliding_window > 0
+                             ? std::max<int64_t>(0, sl[b] - q_len + q0 - o.sliding_window + 1)
+                             : 0;
+      tiles.push_back({b, q0, q1, (hi - lo) * (q1 - q0)});
+    }
+  }
+  // Most expensive first, so that dynamic scheduling balances the causal triangle.
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const PrefillTile& x, const PrefillTile& y) { return x.cost > y.cost; });
+  const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
+  const int R = QT * G;
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, std::max<int64_t>(items, 1))))
+  {
+    Workspace w(R, D, c.block_size);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const PrefillTile& tile = tiles[item / Hkv];
+      const int64_t kvh = item % Hkv;
+      const int64_t b = tile.b;
+      const int64_t q_len = qsl[b + 1] - qsl[b];
+      const int64_t first_pos = sl[b] - q_len;  // position of query row 0
+      const int rows = static_cast<int>(tile.q1 - tile.q0) * G;
+      for (int64_t i = tile.q0; i < tile.q1; ++i)
+        for (int g = 0; g < G; ++g) {
+          const int r = static_cast<int>(i - tile.q0) * G + g;
+          load_query<T, D>(qp + ((qsl[b] + i) * Hq + kvh * G + g) * D, scale, w.q.data() + r * D,
+                           w.qb.data() + r * D);
+          w.pos[r] = static_cast<int32_t>(first_pos + i);
+        }
+      reset_rows(w, rows, D);
+      const int64_t hi = first_pos + tile.q1;
+      const int64_t lo = c.sliding_window > 0
+                             ? std::max<int64_t>(0, first_pos + tile.q0 - c.sliding_window + 1)
+                             : 0;
+      attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
+      for (int64_t i = tile.q0; i < tile.q1; ++i)
+        for (int g = 0; g < G; ++g) {
+          const int r = static_cast<int>(i - tile.q0) * G + g;
+          store_row<T, D>(w.acc.data() + r * D, w.l[r], op + ((qsl[b] + i) * Hq + kvh * G + g) * D);
+        }
+    }
+  }
+}
+
+/// Calls f.template operator()<T, D>() for the runtime dtype and head size.
+template <typename F>
+void dispatch(DType dtype, int64_t head_size, F&& f) {
+  auto by_size = [&]<typename T>() {
+    switch (head_size) {
+      case 64: return f.template operator()<T, 64>();
+      case 80: return f.template operator()<T, 80>();
+      case 96: return f.template operator()<T, 96>();
+      case 128: return f.template operator()<T, 128>();
+      case 256: return f.template operator()<T, 256>();
+    }
+  };
+  if (dtype == DType::kFloat32)
+    by_size.template operator()<float>();
+  else
+    by_size.template operator()<bf16>();
+}
+
+}  // namespace
+
+int decode_num_splits(int64_t batch, int64_t num_kv_heads, int64_t max_seq_len, int split_k,
+                      int num_threads) {
+  if (split_k > 0) return split_k;
+  if (split_k == 0) return 1;
+  // Auto: split only when the (sequence, kv head) items cannot keep every thread busy, into
+  // partitions of at least 256 tokens; aim for ~8 items per thread to balance uneven lengths.
+  const int64_t items = std::max<int64_t>(1, batch * num_kv_heads);
+  if (items >= 8LL * num_threads) return 1;
+  const int64_t want = (8LL * num_threads + items - 1) / items;
+  const int64_t most = std::max<int64_t>(1, max_seq_len / 256);
+  return static_cast<int>(std::max<int64_t>(1, std::min(want, most)));
+}
+
+void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                     const TensorView& value_cache, const TensorView& block_tables,
+                     const TensorView& seq_lens, float scale, const AttentionOptions& options,
+                     int num_threads) {
+  dispatch(key_cache.dtype, key_cache.size(3), [&]<typename T, int D>() {
+    decode<T, D>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, options,
+                 num_threads);
+  });
+}
+
+void paged_prefill_attention(const TensorView& out, const TensorView& query,
+                             const TensorView& key_cache, const TensorView& value_cache,
+                             const TensorView& block_tables, const TensorView& seq_lens,
+                             const TensorView& query_start_loc, float scale,
+                             const AttentionOptions& options, int num_threads) {
+  dispatch(key_cache.dtype, key_cache.size(3), [&]<typename T, int D>() {
+    prefill<T, D>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                  scale, options, num_threads);
+  });
+}
+
+}  // namespace pagedllm::cpu

@@ -1,0 +1,78 @@
+// cpu_vec.h — internal: small numeric helpers for the CPU kernels, written so that GCC
+// vectorizes them (-march=native; `#pragma omp simd` under -fopenmp) without -ffast-math:
+// bfloat16 <-> float32 conversion, a vectorizable exp, dot products.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+
+namespace pagedllm::cpu {
+
+/// bfloat16 storage: the high 16 bits of an IEEE float32.
+struct bf16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16); }
+
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+/// Round to nearest even (NaN stays a quiet NaN), as torch's float -> bfloat16 conversion.
+template <>
+inline bf16 from_float<bf16>(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x0040u)};
+  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(rounded >> 16)};
+}
+
+/// dst[i] = float(src[i]) for i < n.
+template <typename T>
+inline void to_float_row(const T* __restrict src, float* __restrict dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+/// exp(x) for x <= 0 (softmax arguments), relative error ~2e-7; x < -87 gives ~0 (never NaN).
+/// Cody-Waite reduction x = n*ln2 + r, |r| <= ln2/2, degree-7 Taylor polynomial of e^r, then
+/// scaling by 2^n through the exponent bits. Branch-free, so loops over it vectorize.
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 0.0f ? 0.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(e);
+}
+
+/// tanh(x) = 1 - 2 / (exp(2x) + 1), for the logit soft-cap; exact enough (~1e-7) for fp32.
+inline float tanh_vec(float x) {
+  const float ax = x < 0.0f ? -x : x;
+  const float e = exp_neg(-2.0f * ax);  // in (0, 1]
+  const float t = (1.0f - e) / (1.0f + e);
+  return x < 0.0f ? -t : t;
+}
+
+template <int D>
+inline float dot(const float* __restrict a, const float* __restrict b) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+}  // namespace pagedllm::cpu

@@ -1,0 +1,101 @@
+// kernel_checks.h — internal: argument validation shared by the attention and cache-op
+// launchers. Every check throws pagedllm::InvalidArgument whose message starts with the op's
+// name and names the offending argument and value.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "pagedllm/attention.h"
+#include "pagedllm/errors.h"
+#include "pagedllm/tensor_view.h"
+
+namespace pagedllm::detail {
+
+inline std::string join(const std::vector<int64_t>& values) {
+  std::string s;
+  for (size_t i = 0; i < values.size(); ++i) s += (i ? ", " : "") + std::to_string(values[i]);
+  return s;
+}
+
+inline std::string device_str(const TensorView& t) {
+  std::string s = device_name(t.device);
+  if (t.device == DeviceType::kCUDA) s += ":" + std::to_string(t.device_index);
+  return s;
+}
+
+/// Cache dtypes the kernels of `device` implement.
+inline const char* supported_dtypes(DeviceType device) {
+  return device == DeviceType::kCPU ? "float32, bfloat16" : "float32, bfloat16, float16";
+}
+
+inline void check_cache_dtype(const char* op, const TensorView& cache) {
+  bool ok = cache.dtype == DType::kFloat32 || cache.dtype == DType::kBFloat16 ||
+            (cache.dtype == DType::kFloat16 && cache.device == DeviceType::kCUDA);
+  PAGEDLLM_CHECK(ok, op, ": cache dtype ", dtype_name(cache.dtype), " is not supported on ",
+                 device_name(cache.device), "; supported dtypes on ", device_name(cache.device), ": ",
+                 supported_dtypes(cache.device));
+}
+
+inline void check_contiguous(const char* op, const char* name, const TensorView& t) {
+  PAGEDLLM_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got ", t.describe(),
+                 " with non-contiguous strides");
+}
+
+inline void check_ndim(const char* op, const char* name, const TensorView& t, int ndim,
+                       const char* layout) {
+  PAGEDLLM_CHECK(t.ndim == ndim, op, ": ", name, " must be ", ndim, "-D ", layout, ", got ",
+                 t.describe());
+}
+
+inline void check_dtype(const char* op, const char* name, const TensorView& t, DType dtype) {
+  PAGEDLLM_CHECK(t.dtype == dtype, op, ": ", name, " must be ", dtype_name(dtype), ", got ",
+                 dtype_name(t.dtype), " (", t.describe(), ")");
+}
+
+inline void check_same_device(const char* op, const char* name, const TensorView& t,
+                              const char* ref_name, const TensorView& ref) {
+  bool same = t.device == ref.device &&
+              (t.device == DeviceType::kCPU || t.device_index == ref.device_index);
+  PAGEDLLM_CHECK(same, op, ": ", name, " is on ", device_str(t), " but ", ref_name, " is on ",
+                 device_str(ref), "; all tensors must be on one device");
+}
+
+inline void check_dim(const char* op, const char* name, const TensorView& t, int dim,
+                      int64_t expected, const char* what) {
+  PAGEDLLM_CHECK(t.size(dim) == expected, op, ": ", name, " dimension ", dim, " (", what,
+                 ") must be ", expected, ", got ", t.size(dim), " (", name, " is ", t.describe(), ")");
+}
+
+/// key_cache / value_cache: 4-D [num_blocks, Hkv, block_size, D], equal shape/dtype/device,
+/// contiguous, supported dtype, block size and head size.
+inline void check_kv_caches(const char* op, const TensorView& key_cache, const TensorView& value_cache) {
+  const char* layout = "[num_blocks, num_kv_heads, block_size, head_size]";
+  check_ndim(op, "key_cache", key_cache, 4, layout);
+  check_ndim(op, "value_cache", value_cache, 4, layout);
+  check_same_device(op, "value_cache", value_cache, "key_cache", key_cache);
+  PAGEDLLM_CHECK(value_cache.dtype == key_cache.dtype, op, ": value_cache dtype ",
+                 dtype_name(value_cache.dtype), " differs from key_cache dtype ",
+                 dtype_name(key_cache.dtype));
+  for (int d = 0; d < 4; ++d)
+    PAGEDLLM_CHECK(value_cache.size(d) == key_cache.size(d), op, ": value_cache shape ",
+                   value_cache.describe(), " differs from key_cache shape ", key_cache.describe());
+  check_cache_dtype(op, key_cache);
+  check_contiguous(op, "key_cache", key_cache);
+  check_contiguous(op, "value_cache", value_cache);
+  const auto& bs = supported_block_sizes();
+  PAGEDLLM_CHECK(std::find(bs.begin(), bs.end(), key_cache.size(2)) != bs.end(), op,
+                 ": block size ", key_cache.size(2), " (key_cache dimension 2) is not supported; "
+                 "supported block sizes: ", join(bs));
+  const auto& hs = supported_head_sizes();
+  PAGEDLLM_CHECK(std::find(hs.begin(), hs.end(), key_cache.size(3)) != hs.end(), op,
+                 ": head size ", key_cache.size(3), " (key_cache dimension 3) is not supported; "
+                 "supported head sizes: ", join(hs));
+  PAGEDLLM_CHECK(key_cache.size(1) > 0, op, ": num_kv_heads must be positive, got ",
+                 key_cache.size(1));
+  PAGEDLLM_CHECK(key_cache.data != nullptr || key_cache.numel() == 0, op,
+                 ": key_cache has a null data pointer");
+}
+
+}  // namespace pagedllm::detail

@@ -1,0 +1,281 @@
+"""LLMEngine: one engine step = native schedule -> model runner -> sampler -> native update ->
+detokenization and stop strings -> RequestOutputs.
+
+    out = core.schedule()                       # flat batch buffers (C++), zero-copy numpy views
+    logits = runner.execute_model(out)          # embeddings ... paged attention ... logits rows
+    ids = sampler(logits, out.sample_seq_ids)   # next tokens (+ logprobs)
+    result = core.update_from_output(out, ids)  # append, EOS/stop ids/max_tokens, free finished
+    core.release(out)
+    text / stop strings per sequence            # a stop string -> core.finish_sequence(seq, str)
+
+The LLM class (offline API) and AsyncLLM (server) both drive this object from one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pagedllm import _C, ops
+from pagedllm.metrics import HistogramData, Metric, metrics_from_stats
+from pagedllm.model_executor.config import ModelConfig, resolve_dtype
+from pagedllm.model_executor.loader import resolve_model
+from pagedllm.output_processor import OutputProcessor
+from pagedllm.outputs import RequestOutput
+from pagedllm.sample import Sampler, compute_prompt_logprobs
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+_ITERATION_TOKEN_BOUNDS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_ITERATION_SEQ_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Engine settings (names and defaults of vLLM's LLM(...) arguments)."""
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: Any = "auto"
+    max_model_len: Optional[int] = None
+    block_size: int = 16
+    kv_cache_memory_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    num_gpu_blocks_override: Optional[int] = None
+
+
+class LLMEngine:
+    """Owns the native EngineCore, the ModelRunner (weights + KV cache), the Sampler and the
+    tokenizer. Not thread-safe: one thread calls add_request / abort_request / step."""
+
+    def __init__(self, args: EngineArgs):
+        if args.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: pagedllm runs on one device (use 1)")
+        if args.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
+        if args.block_size not in ops.SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size={args.block_size} is not supported: use one of {list(ops.SUPPORTED_BLOCK_SIZES)}")
+        self.args = args
+        self.device = _resolve_device(args.device)
+        self.model_path = resolve_model(args.model)
+        self.model_name = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        cfg = self.model_config
+        if cfg.head_dim not in ops.SUPPORTED_HEAD_SIZES:
+            raise ValueError(f"head_dim={cfg.head_dim} is not supported by the attention kernels: "
+                             f"{list(ops.SUPPORTED_HEAD_SIZES)}")
+        self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
+        self.max_model_len = _max_model_len(args.max_model_len, cfg)
+        self.tokenizer = _load_tokenizer(args.tokenizer or self.model_path)
+        self.eos_token_ids = _eos_token_ids(self.model_path, cfg, self.tokenizer)
+        self.generation_defaults = _generation_defaults(self.model_path)
+        self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
+        self.runner = ModelRunner(
+            self.model_path, cfg, dtype=self.dtype, device=self.device, block_size=args.block_size,
+            max_model_len=self.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
+        )
+        ec = _C.EngineConfig()
+        ec.num_blocks = self.runner.num_blocks
+        ec.block_size = args.block_size
+        ec.max_num_seqs = args.max_num_seqs
+        ec.max_num_batched_tokens = self.max_num_batched_tokens
+        ec.max_model_len = self.max_model_len
+        ec.enable_prefix_caching = args.enable_prefix_caching
+        ec.enable_chunked_prefill = args.enable_chunked_prefill
+        ec.scheduling_policy = args.scheduling_policy
+        self.core = _C.EngineCore(ec)
+        self.sampler = Sampler(cfg.vocab_size, seed=args.seed)
+        self.output_processor = OutputProcessor(self.tokenizer, self.sampler, self.eos_token_ids)
+        self.histograms = {
+            "iteration_tokens_total": HistogramData(_ITERATION_TOKEN_BOUNDS),
+            "iteration_num_seqs": HistogramData(_ITERATION_SEQ_BOUNDS),
+        }
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Optional[str],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (nothing queued) for an empty prompt, token ids
+        outside the vocabulary, a prompt of max_model_len tokens or more, or bad params."""
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty (0 tokens)")
+        arr = np.asarray(prompt_token_ids, dtype=np.int64)
+        bad = arr[(arr < 0) | (arr >= self.model_config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: a prompt must "
+                             "be shorter than max_model_len")
+        if priority != 0 and self.args.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} given, but scheduling_policy is 'fcfs': use scheduling_policy='priority'")
+        params.verify_for_vocab(self.model_config.vocab_size)
+        rp = params.to_request_params(self.eos_token_ids, priority=priority, arrival_time=arrival_time)
+        room = self.max_model_len - n  # generation stops at max_model_len ("length")
+        if rp.max_tokens < 0 or rp.max_tokens > room:
+            rp.max_tokens = room
+        rp.min_tokens = min(rp.min_tokens, rp.max_tokens)
+        self.output_processor.add_request(request_id, prompt, list(map(int, prompt_token_ids)), params)
+        try:
+            self.core.add_request(request_id, arr.astype(np.int32), rp)
+        except BaseException:
+            self.output_processor.abort_request(request_id)
+            raise
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Abort a request (finish_reason "abort"); returns its final output, None if unknown."""
+        self.core.abort_request(request_id)
+        return self.output_processor.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def has_request(self, request_id: str) -> bool:
+        return self.output_processor.has_request(request_id)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the RequestOutputs it produced (per each request's
+        output_kind; finished requests included). An exception leaves no KV block leaked: the
+        step's sequences are rescheduled (release of a step that was never updated)."""
+        sched = self.core.schedule()
+        try:
+            if sched.num_tokens == 0:
+                return []
+            proc = self.output_processor
+            proc.on_schedule(sched)
+            self.histograms["iteration_tokens_total"].observe(int(sched.num_tokens))
+            self.histograms["iteration_num_seqs"].observe(int(sched.num_seqs))
+            run = self.runner.execute_model(sched)
+            sampled = self.sampler(run.logits, sched.sample_seq_ids)
+            for request_id, (first_position, rows) in run.prompt_logits.items():
+                state = proc.requests.get(request_id)
+                if state is None or state.params.prompt_logprobs is None:
+                    continue
+                prompt = state.prompt_token_ids
+                targets = prompt[first_position + 1: first_position + 1 + rows.shape[0]]
+                if targets:
+                    lp = compute_prompt_logprobs(rows[: len(targets)], targets, state.params.prompt_logprobs,
+                                                 self.model_config.vocab_size)
+                    proc.add_prompt_logprobs(request_id, first_position, lp)
+            result = self.core.update_from_output(
+                sched, np.ascontiguousarray(sampled.sampled_token_ids, dtype=np.int32))
+            outputs, stops = proc.on_update(result, sched.sample_seq_ids, sampled)
+        finally:
+            self.core.release(sched)
+        for seq_id, stop_str in stops:  # stop strings matched on the Python side
+            self.core.finish_sequence(seq_id, stop_str)
+        return outputs
+
+    # ---- observability / lifecycle --------------------------------------------------------
+    def get_metrics(self) -> list[Metric]:
+        return metrics_from_stats(self.core.stats(), self.model_name, self.histograms)
+
+    def shutdown(self) -> None:
+        """Free the KV pool, the weights and the native engine."""
+        if self.core is not None:
+            for request_id in list(self.output_processor.requests):
+                self.abort_request(request_id)
+        if getattr(self, "runner", None) is not None:
+            self.runner.shutdown()
+            self.runner = None
+        self.core = None
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported: use 'auto', 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return dev
+
+
+def _max_model_len(requested: Optional[int], cfg: ModelConfig) -> int:
+    limit = cfg.max_position_embeddings
+    if requested is None:
+        return limit
+    if not isinstance(requested, int) or requested < 2:
+        raise ValueError(f"max_model_len must be an int >= 2, got {requested!r}")
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}")
+    return requested
+
+
+def _batched_tokens(args: EngineArgs, max_model_len: int) -> int:
+    if args.max_num_batched_tokens is None:
+        return 8192 if args.enable_chunked_prefill else max(8192, max_model_len)
+    value = args.max_num_batched_tokens
+    if value < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {value}")
+    if not args.enable_chunked_prefill and value < max_model_len:
+        raise ValueError(f"max_num_batched_tokens={value} is smaller than max_model_len={max_model_len}; "
+                         "without chunked prefill a whole prompt must fit one step")
+    return value
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _eos_token_ids(path, cfg: ModelConfig, tokenizer) -> list[int]:
+    """EOS ids: the tokenizer's, the config's and generation_config.json's (vLLM stops on all)."""
+    ids = list(cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen = _read_generation_config(path)
+    eos = gen.get("eos_token_id")
+    ids += [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+    return sorted(set(ids))
+
+
+def _read_generation_config(path) -> dict:
+    import json
+    from pathlib import Path
+
+    file = Path(path) / "generation_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _generation_defaults(path) -> dict:
+    """Sampling defaults the checkpoint's generation_config.json sets (vLLM applies them to
+    SamplingParams() when the user gives none)."""
+    gen = _read_generation_config(path)
+    keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+    if gen.get("do_sample") is False:
+        return {}
+    return {ours: gen[theirs] for theirs, ours in keys.items() if gen.get(theirs) is not None}

@@ -1,0 +1,251 @@
+"""The offline API: ``LLM`` with vLLM's constructor arguments, ``generate``, ``chat``,
+``get_tokenizer``, ``get_metrics`` and ``shutdown`` — a vLLM user's script runs after changing
+the import.
+
+Length rule (as vLLM's offline API): a prompt of max_model_len tokens or more raises ValueError
+(nothing is queued); generation stops when prompt + output reach max_model_len, with
+finish_reason "length" (max_tokens=None means "until max_model_len").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+from pagedllm.engine.llm_engine import EngineArgs, LLMEngine
+from pagedllm.metrics import Metric
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+# vLLM arguments that do not apply here (single device, no LoRA/speculation...): accepted, logged.
+_IGNORED_ARGS = {
+    "trust_remote_code", "tokenizer_mode", "skip_tokenizer_init", "revision", "tokenizer_revision",
+    "quantization", "swap_space", "cpu_offload_gb", "disable_custom_all_reduce", "disable_log_stats",
+    "max_seq_len_to_capture", "disable_async_output_proc", "compilation_config", "hf_overrides",
+    "mm_processor_kwargs", "allowed_local_media_path", "download_dir", "load_format",
+    "pipeline_parallel_size", "distributed_executor_backend", "enable_lora", "max_logprobs", "kv_cache_dtype",
+}
+
+
+class LLM:
+    """An offline inference engine over one model (vLLM's ``LLM``).
+
+    model: None or "HuggingFaceTB/SmolLM2-135M-Instruct" (the bundled GGUF), a Hugging Face folder,
+      a .gguf file, or a hub id present in the local HF cache. dtype: "auto" | "float32" |
+      "bfloat16" | "float16" (CUDA). kv_cache_memory_bytes: KV pool size (default 4 GiB on CPU;
+      on CUDA gpu_memory_utilization of the device). max_num_batched_tokens: token budget per step
+      (default 8192). seed: seeds the sampling of requests without their own seed.
+    Errors: ValueError naming the bad argument.
+    """
+
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        tokenizer: Optional[str] = None,
+        dtype: Any = "auto",
+        max_model_len: Optional[int] = None,
+        block_size: int = 16,
+        kv_cache_memory_bytes: Optional[int] = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: Optional[int] = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        device: str = "auto",
+        num_gpu_blocks_override: Optional[int] = None,
+        **kwargs: Any,
+    ):
+        unknown = sorted(set(kwargs) - _IGNORED_ARGS)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}")
+        for name in sorted(kwargs):
+            logger.info("LLM(%s=...) is accepted for vLLM compatibility and has no effect here", name)
+        start = time.perf_counter()
+        self.llm_engine = LLMEngine(EngineArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy, seed=seed, enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size, device=device,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+        ))
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("LLM ready in %.1f s", self.startup_seconds)
+
+    # ---- vLLM API -------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() updated with the checkpoint's generation_config.json defaults."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
+    def generate(
+        self,
+        prompts: Union[str, dict, Sequence[Union[str, dict]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        priority: Optional[list[int]] = None,
+        lora_request: Any = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for `prompts` (str, TextPrompt, TokensPrompt / {"prompt_token_ids":
+        [...]}, or a list of them) with one SamplingParams or one per prompt. Returns one finished
+        RequestOutput per prompt, in input order. ValueError (nothing queued) for a malformed
+        prompt, a length mismatch of the per-prompt lists, or a prompt of >= max_model_len tokens."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported by pagedllm")
+        items = _as_list(prompts)
+        params = self._params_list(sampling_params, len(items))
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"priority has {len(priority)} entries for {len(items)} prompts")
+        engine = self.llm_engine
+        parsed = [self._parse_prompt(p) for p in items]
+        for (_, ids), p in zip(parsed, params):  # validate everything before queueing anything
+            if len(ids) >= engine.max_model_len:
+                raise ValueError(f"a prompt has {len(ids)} tokens, but max_model_len is {engine.max_model_len}: "
+                                 "prompts must be shorter than max_model_len")
+        ids_in_order = []
+        try:
+            for i, ((text, ids), p) in enumerate(zip(parsed, params)):
+                request_id = engine.new_request_id()
+                engine.add_request(request_id, text, ids, p, priority=priority[i] if priority else 0)
+                ids_in_order.append(request_id)
+            finished = self._run(ids_in_order, use_tqdm)
+        except BaseException:
+            for request_id in ids_in_order:
+                if engine.has_request(request_id):
+                    engine.abort_request(request_id)
+            raise
+        return [finished[r] for r in ids_in_order]
+
+    def chat(
+        self,
+        messages: Union[list[dict], list[list[dict]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[dict] = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (list of {"role", "content"}) or a list of them,
+        rendered by the tokenizer's chat template (or `chat_template`), BOS exactly once."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self._chat_ids(c, chat_template, add_generation_prompt,
+                                                       continue_final_message, chat_template_kwargs or {})}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics (vLLM v1 names with the ``pagedllm:`` prefix; see pagedllm.metrics)."""
+        return self.llm_engine.get_metrics()
+
+    def shutdown(self) -> None:
+        """Free the KV pool and the weights; another LLM can start in this process afterwards."""
+        if self.llm_engine is not None:
+            self.llm_engine.shutdown()
+            self.llm_engine = None
+        import gc
+
+        gc.collect()
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts: pass one, or one per prompt")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params entries must be SamplingParams, got {type(p).__name__}")
+        return params
+
+    def _parse_prompt(self, prompt) -> tuple[Optional[str], list[int]]:
+        tok = self.llm_engine.tokenizer
+        if isinstance(prompt, str):
+            return prompt, list(tok.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of ints")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], list(tok.encode(prompt["prompt"]))
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        raise ValueError(f"a prompt must be a str, a TextPrompt or a TokensPrompt dict, got {type(prompt).__name__}")
+
+    def _chat_ids(self, conversation, chat_template, add_generation_prompt, continue_final_message, kwargs) -> list[int]:
+        tok = self.llm_engine.tokenizer
+        text = tok.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, **kwargs)
+        ids = list(tok.encode(text, add_special_tokens=False))  # the template writes BOS itself (or not)
+        bos = tok.bos_token_id
+        if bos is not None:
+            adds_bos = tok.encode("a")[:1] == [bos]  # does this tokenizer start sequences with BOS?
+            if adds_bos and (not ids or ids[0] != bos):
+                ids.insert(0, bos)
+            while len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+                ids.pop(0)
+        return ids
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        engine = self.llm_engine
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                       postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        start = time.perf_counter()
+        in_tokens = out_tokens = 0
+        idle_steps = 0
+        try:
+            while pending:
+                outputs = engine.step()
+                if not outputs and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"the engine stopped with {len(pending)} request(s) unfinished")
+                idle_steps = 0 if outputs or engine.core.stats().num_running else idle_steps + 1
+                if idle_steps > 1000:
+                    raise RuntimeError("the engine scheduled nothing for 1000 steps (KV pool too small?)")
+                for out in outputs:
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            in_tokens += len(out.prompt_token_ids)
+                            out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                            elapsed = time.perf_counter() - start
+                            bar.postfix = (f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
+                                           f"output: {out_tokens / elapsed:.2f} toks/s")
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return finished
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence):
+        items = list(prompts)
+        if not items:
+            raise ValueError("no prompts given")
+        return items
+    raise ValueError(f"prompts must be a str, a prompt dict or a list of them, got {type(prompts).__name__}")

@@ -1,0 +1,69 @@
+"""Paged attention for one decoder layer, over a flat (unpadded) token batch.
+
+`AttentionMetadata` is built once per step from the scheduler's batch buffers and passed
+explicitly through the model (no global context). `Attention.forward` writes this step's keys and
+values into the layer's paged KV cache (``pagedllm.ops.reshape_and_cache``) and attends:
+``paged_attention`` (decode kernel) when every sequence has exactly one query token, else
+``paged_prefill_attention`` (variable-length causal chunks over the paged context; decode rows may
+be mixed in). PagedAttention: Kwon et al. 2023, "Efficient Memory Management for Large Language
+Model Serving with PagedAttention", section 4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedllm import ops
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """One step's attention inputs (device tensors).
+
+    slot_mapping int64 [T] (cache slot of each token; < 0 skips), block_tables int32 [S, M],
+    seq_lens int32 [S] (context length including this step's tokens), query_start_loc int32 [S+1],
+    decode_only: every sequence has one query token this step (T == S).
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    decode_only: bool
+
+
+class Attention:
+    """Scaled dot-product attention of q [T, Hq, D] against the paged cache (GQA: Hq % Hkv == 0)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window or None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D] -> out [T, Hq, D] (same dtype)."""
+        key_cache, value_cache = kv_cache
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.decode_only:
+            ops.paged_attention(
+                out, q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
+                sliding_window=self.sliding_window,
+            )
+        else:
+            ops.paged_prefill_attention(
+                out, q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                self.scale, sliding_window=self.sliding_window,
+            )
+        return out

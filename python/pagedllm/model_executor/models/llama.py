@@ -1,0 +1,204 @@
+"""Llama-family decoder (Llama 2/3/3.x, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) over a flat
+token batch with a paged KV cache.
+
+Per layer: RMSNorm -> fused QKV projection (+ bias for Qwen2) -> [q/k RMSNorm per head for Qwen3]
+-> RoPE -> paged attention (writes the KV cache) -> O projection -> residual -> RMSNorm -> fused
+gate_up projection -> SiLU(gate) * up (SwiGLU; Shazeer 2020) -> down projection -> residual.
+Logits are computed only for the rows that are sampled.
+
+Numerics follow Hugging Face transformers' modeling_llama / modeling_qwen2 / modeling_qwen3
+(RMSNorm in float32, weight multiplied in the model dtype), so fp32 logits agree with HF to
+rounding. Weights come from HF checkpoints: q/k/v and gate/up are concatenated on load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model_executor.attention import Attention, AttentionMetadata
+from pagedllm.model_executor.config import ModelConfig
+from pagedllm.model_executor.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, computed in float32
+    and cast back before the weight multiply (as HF's LlamaRMSNorm). x [..., N] -> [..., N]."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _linear(rows: int, cols: int, bias: bool, dtype, device) -> nn.Linear:
+    layer = nn.Linear(cols, rows, bias=bias, dtype=dtype, device=device)
+    layer.requires_grad_(False)
+    return layer
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = _linear(self.q_size + 2 * self.kv_size, cfg.hidden_size, cfg.attention_bias, dtype, device)
+        self.o_proj = _linear(cfg.hidden_size, self.q_size, False, dtype, device)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+        window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else 0
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = _linear(2 * cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
+        self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size] (residual stream after this layer)."""
+        T = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = rotary.apply(q, cos, sin)
+        k = rotary.apply(k, cos, sin)
+        attn = self.attn.forward(q, k, v.contiguous(), kv_cache, meta)
+        hidden = hidden + self.o_proj(attn.view(T, self.q_size))
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
+        gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder. forward(input_ids int [T], positions int64 [T], kv_caches (one (k, v) per
+    layer), meta, logits_indices int64 [R]) -> float32 logits [R, vocab_size]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.device = device
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
+            self.lm_head_weight = self.lm_head.weight
+        self.rotary = RotaryEmbedding(
+            cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, self.rotary, kv_cache, meta)
+        return self.compute_logits(hidden.index_select(0, logits_indices))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden_size] (pre final norm) -> float32 logits [R, vocab_size]."""
+        return F.linear(self.norm(hidden), self.lm_head_weight).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+    _STACKED = {  # HF name piece -> (our param piece, shard index)
+        "self_attn.q_proj": ("qkv_proj", 0),
+        "self_attn.k_proj": ("qkv_proj", 1),
+        "self_attn.v_proj": ("qkv_proj", 2),
+        "mlp.gate_proj": ("gate_up_proj", 0),
+        "mlp.up_proj": ("gate_up_proj", 1),
+    }
+    _RENAMES = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj", "self_attn.q_norm": "q_norm",
+                "self_attn.k_norm": "k_norm"}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model (casting to its dtype). Raises ValueError on an
+        unknown or missing tensor or a shape mismatch, naming it."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            dest, offset = self._map(name)
+            if dest not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+            param = params[dest]
+            target = param.data if offset is None else self._shard(param.data, dest, offset)
+            if target.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(dest if offset is None else f"{dest}#{offset}")
+        expected: set[str] = set()
+        for dest in params:
+            if dest == "lm_head_weight":
+                continue
+            if ".qkv_proj." in dest:
+                expected |= {f"{dest}#{i}" for i in range(3)}
+            elif ".gate_up_proj." in dest:
+                expected |= {f"{dest}#{i}" for i in range(2)}
+            else:
+                expected.add(dest)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:4]}")
+
+    def _map(self, name: str) -> tuple[str, int | None]:
+        for hf, (ours, shard) in self._STACKED.items():
+            if f".{hf}." in f".{name}":
+                return name.replace(hf, ours), shard
+        for hf, ours in self._RENAMES.items():
+            if f".{hf}." in f".{name}":
+                return name.replace(hf, ours), None
+        return name, None
+
+    def _shard(self, full: torch.Tensor, dest: str, shard: int) -> torch.Tensor:
+        if ".qkv_proj." in dest:
+            cfg = self.config
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            start, size = [(0, q), (q, kv), (q + kv, kv)][shard]
+        else:
+            size = self.config.intermediate_size
+            start = shard * size
+        return full.narrow(0, start, size)

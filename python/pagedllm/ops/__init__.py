@@ -1,0 +1,150 @@
+"""pagedllm.ops: the paged KV-cache and attention kernels, called with torch tensors.
+
+Thin wrappers: each function makes :class:`pagedllm._C.TensorView` views of its torch tensors and
+calls the native launcher (declared in ``cpp/include/pagedllm/attention.h`` and ``cache_ops.h``),
+which validates everything and dispatches to the CPU kernels or, for CUDA tensors, the CUDA ones
+on ``torch.cuda.current_stream()``. Bad arguments raise ``ValueError`` naming the bad value.
+
+KV cache layout (both devices), per layer: ``key_cache`` and ``value_cache`` each
+``[num_blocks, num_kv_heads, block_size, head_size]``, contiguous; slot ``s`` is block
+``s // block_size``, row ``s % block_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pagedllm import _C
+
+__all__ = [
+    "SUPPORTED_BLOCK_SIZES",
+    "SUPPORTED_HEAD_SIZES",
+    "supported_cache_dtypes",
+    "kv_cache_shape",
+    "allocate_kv_cache",
+    "reshape_and_cache",
+    "paged_attention",
+    "paged_prefill_attention",
+    "copy_blocks",
+    "swap_blocks",
+    "set_num_threads",
+    "get_num_threads",
+]
+
+#: Tokens per KV block the kernels support (the engine accepts exactly these).
+SUPPORTED_BLOCK_SIZES: tuple[int, ...] = tuple(_C.supported_block_sizes())
+#: Attention head sizes the kernels support.
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = tuple(_C.supported_head_sizes())
+
+
+def supported_cache_dtypes(device: str | torch.device = "cpu") -> tuple[torch.dtype, ...]:
+    """KV-cache dtypes the kernels of ``device`` ('cpu' or 'cuda') implement."""
+    return tuple(getattr(torch, name) for name in _C.supported_cache_dtypes(torch.device(device).type))
+
+
+def _view(t: torch.Tensor) -> "_C.TensorView":
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
+    dev = t.device
+    return _C.TensorView(t.data_ptr(), str(t.dtype), list(t.shape), list(t.stride()), dev.type,
+                         dev.index or 0)
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the CPU kernels use (n <= 0: all cores). Independent of torch's thread count."""
+    _C.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    """Threads the CPU kernels use."""
+    return _C.get_num_threads()
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
+    """``(num_blocks, num_kv_heads, block_size, head_size)``: one layer's key (or value) cache.
+
+    Raises ValueError for a non-positive size or an unsupported block / head size.
+    """
+    return tuple(_C.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size))
+
+
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                      dtype: torch.dtype = torch.bfloat16,
+                      device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-filled ``(key_cache, value_cache)`` of :func:`kv_cache_shape` for one layer.
+
+    Raises ValueError for an unsupported size or a dtype the device's kernels lack (float16 on
+    the CPU), listing the supported ones.
+    """
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    device = torch.device(device)
+    supported = supported_cache_dtypes(device)
+    if dtype not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        raise ValueError(f"allocate_kv_cache: cache dtype {str(dtype).removeprefix('torch.')} is not "
+                         f"supported on {device.type}; supported dtypes on {device.type}: {names}")
+    return (torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device))
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping`` (int64 ``[T]``,
+    same device; a negative slot skips the token)."""
+    _C.reshape_and_cache(_view(key), _view(value), _view(key_cache), _view(value_cache),
+                         _view(slot_mapping), _stream(key_cache))
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float, *, sliding_window: int | None = None, soft_cap: float | None = None,
+                    split_k: int | None = None) -> None:
+    """Decode attention, one query per sequence, written into ``out`` ``[B, Hq, D]``.
+
+    ``query`` ``[B, Hq, D]`` (cache dtype), ``block_tables`` int32 ``[B, M]``, ``seq_lens`` int32
+    ``[B]`` (context length including the query's token). ``sliding_window``: attend to the last
+    N tokens; ``soft_cap``: Gemma-2 logit soft-cap; ``split_k``: None/-1 auto, 0 single pass,
+    k > 0 force a k-way flash-decoding split.
+    """
+    _C.paged_attention(_view(out), _view(query), _view(key_cache), _view(value_cache),
+                       _view(block_tables), _view(seq_lens), float(scale),
+                       int(sliding_window or 0), float(soft_cap or 0.0),
+                       -1 if split_k is None else int(split_k), _stream(key_cache))
+
+
+def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                            sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+    """Varlen causal attention of query chunks (prefill, chunked prefill, mixed decode rows).
+
+    ``query``/``out`` ``[T, Hq, D]``; ``query_start_loc`` int32 ``[B+1]``; ``seq_lens`` int32
+    ``[B]`` is each context length including its chunk; row i of sequence b sits at position
+    ``seq_lens[b] - q_len_b + i`` and sees positions up to its own.
+    """
+    _C.paged_prefill_attention(_view(out), _view(query), _view(key_cache), _view(value_cache),
+                               _view(block_tables), _view(seq_lens), _view(query_start_loc),
+                               float(scale), int(sliding_window or 0), float(soft_cap or 0.0),
+                               _stream(key_cache))
+
+
+def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: copy block ``src`` to ``dst`` for each row of ``block_mapping`` (int64
+    ``[C, 2]`` on the caches' device) in every layer's key and value cache."""
+    stream = _stream(key_caches[0]) if len(key_caches) else 0
+    _C.copy_blocks([_view(k) for k in key_caches], [_view(v) for v in value_caches],
+                   _view(block_mapping), stream)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy blocks between caches, e.g. GPU -> CPU (swap out) or back; ``block_mapping`` int64
+    ``[C, 2]`` of (src_block, dst_block) on the CPU."""
+    stream = _stream(src) if src.is_cuda else _stream(dst)
+    _C.swap_blocks(_view(src), _view(dst), _view(block_mapping), stream)
