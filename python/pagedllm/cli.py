@@ -160,29 +160,30 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def stream_reply(llm, prompt_token_ids: list[int], params) -> Iterator[str]:
-    """Generate one reply and yield its text as it grows (pieces join to the final text)."""
+    """Generate one reply and yield its text as it grows (DELTA outputs: the pieces join to the
+    final text; partial stop strings and incomplete UTF-8 characters are held back)."""
+    from pagedllm.sampling_params import RequestOutputKind
+
     engine = llm.llm_engine
+    params = params.clone()
+    params.output_kind = RequestOutputKind.DELTA
     request_id = engine.new_request_id()
     engine.add_request(request_id, None, prompt_token_ids, params)
-    sent = ""
     try:
         while True:
             outputs = engine.step()
-            done = False
             for o in outputs:
                 if o.request_id != request_id:
                     continue
-                text = o.outputs[0].text
-                if text.startswith(sent) and len(text) > len(sent):
-                    yield text[len(sent):]
-                    sent = text
-                done = o.finished
-            if done:
-                return
+                for comp in o.outputs:
+                    if comp.text:
+                        yield comp.text
+                if o.finished:
+                    return
             if not outputs and not engine.has_unfinished_requests():
                 return
     finally:
-        if request_id in getattr(engine, "requests", {}):
+        if engine.has_request(request_id):
             engine.abort_request(request_id)
 
 
