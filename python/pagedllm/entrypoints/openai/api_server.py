@@ -145,6 +145,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="model name(s) accepted in requests; the first is reported (default: MODEL)")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="answer 503 (Retry-After) when this many requests already wait")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="CPU threads for torch and the kernels (0: leave as is)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
@@ -156,6 +158,14 @@ def run_server(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.cli_args import engine_args_from
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads > 0:
+        import torch
+
+        from pagedllm import ops
+
+        torch.set_num_threads(args.threads)
+        if hasattr(ops, "set_num_threads"):
+            ops.set_num_threads(args.threads)
     engine_args = engine_args_from(args)
     if args.model_tag is not None:
         engine_args.model = args.model_tag
