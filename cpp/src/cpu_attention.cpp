@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_qk_pv.h"
 #include "cpu_vec.h"
 
 namespace pagedllm::cpu {
@@ -23,6 +24,9 @@ namespace pagedllm::cpu {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+/// Launches with less work than this (multiply-adds of QK^T per query head group) run on the
+/// calling thread only.
+constexpr int64_t kMinParallelElements = 1 << 16;
 
 /// Geometry shared by every work item of one launch.
 template <typename T>
@@ -39,23 +43,26 @@ struct Context {
 
 /// Per-thread scratch, sized for up to `rows` query rows.
 struct Workspace {
-  std::vector<float> q, acc, m, l, s, kf, vf;
+  std::vector<float> q, acc, m, l, s, vf;
+  std::vector<bf16> qb;
   std::vector<int32_t> pos;
   Workspace(int rows, int head_size, int block_size)
       : q(size_t(rows) * head_size), acc(size_t(rows) * head_size), m(rows), l(rows),
-        s(size_t(rows) * block_size), kf(size_t(block_size) * head_size),
-        vf(size_t(block_size) * head_size), pos(rows) {}
+        s(size_t(rows) * block_size), vf(size_t(block_size) * head_size),
+        qb(size_t(rows) * head_size), pos(rows) {}
 };
 
-/// Online-softmax attention of R query rows (q: [R][D], already multiplied by the softmax
-/// scale; pos[r]: the row's position) over the context tokens [lo, hi) of one sequence
-/// (`table`: its block-table row) and KV head `kvh`, updating m, l, acc ([R][D]).
-/// Row r sees token j iff j <= pos[r] and (no window or j > pos[r] - window).
+/// Online-softmax attention of R query rows (w.q: [R][D] fp32, already multiplied by `scale`;
+/// for bf16 also w.qb: the unscaled bf16 rows; w.pos[r]: the row's position) over the context
+/// tokens [lo, hi) of one sequence (`table`: its block-table row) and KV head `kvh`, updating
+/// w.m, w.l, w.acc ([R][D]). Row r sees token j iff j <= pos[r] and (no window or
+/// j > pos[r] - window).
 template <typename T, int D>
 void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64_t lo, int64_t hi,
-                   int R, Workspace& w) {
+                   int R, float scale, Workspace& w) {
   const int bs = c.block_size;
   const float* q = w.q.data();
+  const bf16* qb = w.qb.data();
   const int32_t* pos = w.pos.data();
   float* m = w.m.data();
   float* l = w.l.data();
@@ -68,22 +75,30 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
     const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
     const int t1 = static_cast<int>(std::min<int64_t>(hi, base + bs) - base);
     const int64_t tile = (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * bs * D;
-    const float* kp;
+    const T* kt = c.key_cache + tile;
+    if ((blk + 1) * bs < hi) {
+      // Blocks are scattered, so the hardware prefetcher cannot run ahead across tiles: fetch
+      // the next (block, kv head) K and V tiles while this one is computed.
+      const int64_t next = (static_cast<int64_t>(table[blk + 1]) * c.num_kv_heads + kvh) * bs * D;
+      const char* nk = reinterpret_cast<const char*>(c.key_cache + next);
+      const char* nv = reinterpret_cast<const char*>(c.value_cache + next);
+      for (size_t off = 0; off < size_t(bs) * D * sizeof(T); off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
     const float* vp;
     if constexpr (std::is_same_v<T, float>) {
-      kp = c.key_cache + tile;
       vp = c.value_cache + tile;
     } else {
-      to_float_row(c.key_cache + tile + t0 * D, w.kf.data() + t0 * D, (t1 - t0) * D);
       to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
-      kp = w.kf.data();
       vp = w.vf.data();
     }
-    // Scores S = Q K^T for this block (rows of K are contiguous, reused by all R rows).
-    for (int t = t0; t < t1; ++t) {
-      const float* k = kp + t * D;
-      for (int r = 0; r < R; ++r) s[r * bs + t] = dot<D>(q + r * D, k);
-    }
+    // Scores S = Q K^T for this block, 16 tokens at a time (bs is a multiple of 16); a chunk's
+    // K rows stay in L1 for all R rows. Rows outside [t0, t1) are computed but never used.
+    for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16)
+      for (int r = 0; r < R; ++r)
+        qk_chunk16<T, D>(q + r * D, qb + r * D, scale, kt + c16 * D, s + r * bs + c16);
     for (int r = 0; r < R; ++r) {
       float* sr = s + r * bs;
       if (cap > 0.0f) {
@@ -119,28 +134,18 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
       }
       m[r] = m_new;
       l[r] = l[r] * corr + sum;
-      float a[D];
-      const float* accr = acc + r * D;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) a[d] = accr[d] * corr;
-      for (int t = t0; t < t1; ++t) {
-        const float pr = sr[t];
-        const float* v = vp + t * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) a[d] += pr * v[d];
-      }
-      float* accw = acc + r * D;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) accw[d] = a[d];
+      pv_row<D>(acc + r * D, corr, sr, vp, t0, t1);
     }
   }
 }
 
 /// Load query row `src` (D elements) into dst as fp32 times `scale`.
+/// (and, for bf16, its unscaled bits into qb).
 template <typename T, int D>
-inline void load_query(const T* src, float scale, float* dst) {
+inline void load_query(const T* src, float scale, float* dst, bf16* qb) {
 #pragma omp simd
   for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+  if constexpr (std::is_same_v<T, bf16>) std::copy_n(src, D, qb);
 }
 
 /// out row = acc / l (a zero row when the row saw no token, l == 0).
@@ -176,6 +181,11 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
   const T* qp = query.ptr<const T>();
   T* op = out.ptr<T>();
   const int64_t max_len = *std::max_element(sl, sl + B);
+  int64_t total_len = 0;
+  for (int64_t b = 0; b < B; ++b) total_len += sl[b];
+  // Below ~64K K elements (e.g. 1 sequence x 1K tokens x 1 KV head x d64) the work is a few
+  // microseconds: waking other threads would cost more than it saves.
+  if (total_len * Hkv * D < kMinParallelElements) nt = 1;
   const int S = decode_num_splits(B, Hkv, max_len, o.split_k, nt);
   // Split-K partials, [B][Hq][S] (m, l) and [B][Hq][S][D] (acc); unused when S == 1.
   std::vector<float> pm, pl, pacc;
@@ -201,11 +211,11 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
       const int64_t lo = start + split * part;
       const int64_t hi = std::min<int64_t>(len, lo + part);
       for (int g = 0; g < G; ++g) {
-        load_query<T, D>(qp + (b * Hq + kvh * G + g) * D, scale, w.q.data() + g * D);
+        load_query<T, D>(qp + (b * Hq + kvh * G + g) * D, scale, w.q.data() + g * D, w.qb.data() + g * D);
         w.pos[g] = static_cast<int32_t>(p);
       }
       reset_rows(w, G, D);
-      if (lo < hi) attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, w);
+      if (lo < hi) attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, scale, w);
       for (int g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
         if (S == 1) {
@@ -218,28 +228,30 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
         }
       }
     }
-  }
-  if (S == 1) return;
-  // Flash-decoding reduction: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t row = 0; row < B * Hq; ++row) {
-    const float* m = pm.data() + row * S;
-    const float* l = pl.data() + row * S;
-    float M = kNegInf;
-    for (int s = 0; s < S; ++s) M = std::max(M, m[s]);
-    float a[D] = {};
-    float L = 0.0f;
-    if (M != kNegInf) {
-      for (int s = 0; s < S; ++s) {
-        if (m[s] == kNegInf) continue;
-        const float f = exp_neg(m[s] - M);
-        L += f * l[s];
-        const float* ps = pacc.data() + (size_t(row) * S + s) * D;
+    // (implicit barrier) Flash-decoding reduction, in the same parallel region:
+    // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
+    if (S > 1) {
+#pragma omp for schedule(static)
+      for (int64_t row = 0; row < B * Hq; ++row) {
+        const float* m = pm.data() + row * S;
+        const float* l = pl.data() + row * S;
+        float M = kNegInf;
+        for (int s = 0; s < S; ++s) M = std::max(M, m[s]);
+        float a[D] = {};
+        float L = 0.0f;
+        if (M != kNegInf) {
+          for (int s = 0; s < S; ++s) {
+            if (m[s] == kNegInf) continue;
+            const float f = exp_neg(m[s] - M);
+            L += f * l[s];
+            const float* ps = pacc.data() + (size_t(row) * S + s) * D;
 #pragma omp simd
-        for (int d = 0; d < D; ++d) a[d] += f * ps[d];
+            for (int d = 0; d < D; ++d) a[d] += f * ps[d];
+          }
+        }
+        store_row<T, D>(a, L, op + row * D);
       }
     }
-    store_row<T, D>(a, L, op + row * D);
   }
 }
 
@@ -279,6 +291,9 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
                    [](const PrefillTile& x, const PrefillTile& y) { return x.cost > y.cost; });
   const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
   const int R = QT * G;
+  int64_t work = 0;  // query rows x visible tokens per KV head, in tiles
+  for (const PrefillTile& t : tiles) work += t.cost;
+  if (work * Hkv * D < kMinParallelElements) nt = 1;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, std::max<int64_t>(items, 1))))
   {
     Workspace w(R, D, c.block_size);
@@ -293,7 +308,8 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
       for (int64_t i = tile.q0; i < tile.q1; ++i)
         for (int g = 0; g < G; ++g) {
           const int r = static_cast<int>(i - tile.q0) * G + g;
-          load_query<T, D>(qp + ((qsl[b] + i) * Hq + kvh * G + g) * D, scale, w.q.data() + r * D);
+          load_query<T, D>(qp + ((qsl[b] + i) * Hq + kvh * G + g) * D, scale, w.q.data() + r * D,
+                           w.qb.data() + r * D);
           w.pos[r] = static_cast<int32_t>(first_pos + i);
         }
       reset_rows(w, rows, D);
@@ -301,7 +317,7 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
       const int64_t lo = c.sliding_window > 0
                              ? std::max<int64_t>(0, first_pos + tile.q0 - c.sliding_window + 1)
                              : 0;
-      attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, w);
+      attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
       for (int64_t i = tile.q0; i < tile.q1; ++i)
         for (int g = 0; g < G; ++g) {
           const int r = static_cast<int>(i - tile.q0) * G + g;

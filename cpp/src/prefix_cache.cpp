@@ -34,6 +34,14 @@ uint64_t PrefixCache::hash_block(uint64_t parent_hash, std::span<const int32_t> 
   const size_t len = tokens.size_bytes();
   uint64_t seed = mum(parent_hash ^ kP0, extra_key ^ kP1) ^ parent_hash;
   size_t i = 0;
+  if (len >= 32) {  // two independent lanes, 32 bytes per round (as wyhash's wide loop)
+    uint64_t seed2 = seed ^ kP3;
+    for (; i + 32 <= len; i += 32) {
+      seed = mum(load64(p + i) ^ kP1, load64(p + i + 8) ^ seed);
+      seed2 = mum(load64(p + i + 16) ^ kP2, load64(p + i + 24) ^ seed2);
+    }
+    seed ^= seed2;
+  }
   for (; i + 16 <= len; i += 16) seed = mum(load64(p + i) ^ kP1, load64(p + i + 8) ^ seed);
   if (i < len) {  // 4, 8 or 12 bytes left (token ids are 4 bytes)
     unsigned char tail[16] = {};

@@ -75,7 +75,7 @@ class BlockPool {
   /// Reference count of `block` (0 = free). Throws InvalidArgument on an id out of range.
   int32_t ref_count(BlockId block) const {
     check_id(block);
-    return ref_count_[block];
+    return nodes_[block].ref_count;
   }
   bool is_free(BlockId block) const { return ref_count(block) == 0; }
 
@@ -93,12 +93,17 @@ class BlockPool {
   void push_front(BlockId block);
   void push_back(BlockId block);
 
+  // One 16-byte node per block (+ the sentinel): an operation on a block touches one cache line.
+  struct alignas(16) Node {
+    int32_t ref_count;
+    int32_t prev;  // free-queue links; meaningful only while ref_count == 0
+    int32_t next;
+  };
+
   int32_t num_blocks_;
   int32_t num_free_;
-  int32_t sentinel_;                 // == num_blocks_: index of the list's sentinel node
-  std::vector<int32_t> ref_count_;   // [num_blocks]
-  std::vector<int32_t> prev_;        // [num_blocks + 1]; meaningful only for free blocks
-  std::vector<int32_t> next_;        // [num_blocks + 1]
+  int32_t sentinel_;         // == num_blocks_: index of the list's sentinel node
+  std::vector<Node> nodes_;  // [num_blocks + 1]
   CacheHooks* hooks_ = nullptr;
 };
 

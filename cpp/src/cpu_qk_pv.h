@@ -1,0 +1,125 @@
+// cpu_qk_pv.h — internal: the two inner products of the CPU attention kernels, on one chunk of
+// a (block, kv head) K/V tile:
+//   qk_chunk16: s[t] = q . k_t for the 16 tokens of a chunk (one query row),
+//   pv_row:     acc += sum_t p[t] * v_t over tokens [t0, t1) (one query row).
+// AVX-512 versions (the build uses -march=native): QK accumulates 16 tokens in 16 registers and
+// reduces them with one 16x16 transpose-add tree (45 shuffles/adds for 16 dot products instead of
+// 16 horizontal reductions); bfloat16 K uses VDPBF16PS (exact bf16 products, fp32 sums) on the
+// unscaled bf16 query. PV keeps the row's accumulator in registers. Portable loops otherwise.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu_vec.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm::cpu {
+
+#if defined(__AVX512F__)
+
+/// lane i of the result = sum of the 16 lanes of v[i].
+inline __m512 reduce16(const __m512 v[16]) {
+  __m512 c[8];
+  for (int i = 0; i < 8; ++i)
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 d[4];
+  for (int i = 0; i < 4; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Each 128-bit lane L of d[i] now holds, for vectors 4i..4i+3, the partial sums of lane L.
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_f32x4(d[2], d[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(d[2], d[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e, f, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e, f, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+#endif
+
+/// s[t] = q . k[t*D .. t*D+D) for t in [0, 16). q: fp32 [D] (scaled) and, for bf16 K, qb: the
+/// same row in bfloat16 UNSCALED with `scale` applied to the sums. k: 16 rows of D elements.
+template <typename T, int D>
+inline void qk_chunk16(const float* __restrict q, const bf16* __restrict qb, float scale,
+                       const T* __restrict k, float* __restrict s) {
+#if defined(__AVX512F__)
+  static_assert(D % 16 == 0, "head sizes are multiples of 16");
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    // 32 bf16 per VDPBF16PS; a 16-element tail (D = 80, 96) uses a zero-masked load.
+    for (int c = 0; c < D; c += 32) {
+      const __mmask32 m = (D - c >= 32) ? 0xffffffffu : 0x0000ffffu;
+      const __m512bh qc = (__m512bh)_mm512_maskz_loadu_epi16(m, qb + c);
+      for (int t = 0; t < 16; ++t)
+        acc[t] = _mm512_dpbf16_ps(acc[t], qc, (__m512bh)_mm512_maskz_loadu_epi16(m, k + t * D + c));
+    }
+    _mm512_storeu_ps(s, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+    return;
+  }
+#endif
+  (void)qb;
+  (void)scale;
+  for (int c = 0; c < D; c += 16) {
+    const __m512 qc = _mm512_loadu_ps(q + c);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qc, load16(k + t * D + c), acc[t]);
+  }
+  _mm512_storeu_ps(s, reduce16(acc));
+#else
+  (void)qb;
+  (void)scale;
+  for (int t = 0; t < 16; ++t) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int d = 0; d < D; ++d) sum += q[d] * to_float(k[t * D + d]);
+    s[t] = sum;
+  }
+#endif
+}
+
+/// acc[0..D) = acc * corr + sum_{t in [t0, t1)} p[t] * v[t*D ..] (v: fp32 rows).
+template <int D>
+inline void pv_row(float* __restrict acc, float corr, const float* __restrict p,
+                   const float* __restrict v, int t0, int t1) {
+#if defined(__AVX512F__)
+  constexpr int NV = D / 16;
+  // Up to 8 accumulators in registers per pass (D = 256 takes two passes).
+  constexpr int W = NV > 8 ? 8 : NV;
+  for (int c0 = 0; c0 < NV; c0 += W) {
+    __m512 a[W];
+    const __m512 cr = _mm512_set1_ps(corr);
+    for (int c = 0; c < W; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * (c0 + c)), cr);
+    for (int t = t0; t < t1; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      const float* vt = v + t * D + 16 * c0;
+      for (int c = 0; c < W; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 16 * c), a[c]);
+    }
+    for (int c = 0; c < W; ++c) _mm512_storeu_ps(acc + 16 * (c0 + c), a[c]);
+  }
+#else
+  float a[D];
+#pragma omp simd
+  for (int d = 0; d < D; ++d) a[d] = acc[d] * corr;
+  for (int t = t0; t < t1; ++t) {
+    const float pt = p[t];
+#pragma omp simd
+    for (int d = 0; d < D; ++d) a[d] += pt * v[t * D + d];
+  }
+#pragma omp simd
+  for (int d = 0; d < D; ++d) acc[d] = a[d];
+#endif
+}
+
+}  // namespace pagedllm::cpu
