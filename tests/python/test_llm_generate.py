@@ -22,8 +22,10 @@ EOS = 2
 def one_thread():
     from pagedllm import ops
 
+    before = ops.get_num_threads()
     ops.set_num_threads(1)
     yield
+    ops.set_num_threads(before)
 
 
 def metrics(llm) -> dict[str, float]:
