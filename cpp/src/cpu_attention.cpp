@@ -24,6 +24,9 @@ namespace pagedllm::cpu {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+/// Launches with less work than this (multiply-adds of QK^T per query head group) run on the
+/// calling thread only.
+constexpr int64_t kMinParallelElements = 1 << 16;
 
 /// Geometry shared by every work item of one launch.
 template <typename T>
@@ -178,6 +181,11 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
   const T* qp = query.ptr<const T>();
   T* op = out.ptr<T>();
   const int64_t max_len = *std::max_element(sl, sl + B);
+  int64_t total_len = 0;
+  for (int64_t b = 0; b < B; ++b) total_len += sl[b];
+  // Below ~64K K elements (e.g. 1 sequence x 1K tokens x 1 KV head x d64) the work is a few
+  // microseconds: waking other threads would cost more than it saves.
+  if (total_len * Hkv * D < kMinParallelElements) nt = 1;
   const int S = decode_num_splits(B, Hkv, max_len, o.split_k, nt);
   // Split-K partials, [B][Hq][S] (m, l) and [B][Hq][S][D] (acc); unused when S == 1.
   std::vector<float> pm, pl, pacc;
@@ -220,28 +228,30 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
         }
       }
     }
-  }
-  if (S == 1) return;
-  // Flash-decoding reduction: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t row = 0; row < B * Hq; ++row) {
-    const float* m = pm.data() + row * S;
-    const float* l = pl.data() + row * S;
-    float M = kNegInf;
-    for (int s = 0; s < S; ++s) M = std::max(M, m[s]);
-    float a[D] = {};
-    float L = 0.0f;
-    if (M != kNegInf) {
-      for (int s = 0; s < S; ++s) {
-        if (m[s] == kNegInf) continue;
-        const float f = exp_neg(m[s] - M);
-        L += f * l[s];
-        const float* ps = pacc.data() + (size_t(row) * S + s) * D;
+    // (implicit barrier) Flash-decoding reduction, in the same parallel region:
+    // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
+    if (S > 1) {
+#pragma omp for schedule(static)
+      for (int64_t row = 0; row < B * Hq; ++row) {
+        const float* m = pm.data() + row * S;
+        const float* l = pl.data() + row * S;
+        float M = kNegInf;
+        for (int s = 0; s < S; ++s) M = std::max(M, m[s]);
+        float a[D] = {};
+        float L = 0.0f;
+        if (M != kNegInf) {
+          for (int s = 0; s < S; ++s) {
+            if (m[s] == kNegInf) continue;
+            const float f = exp_neg(m[s] - M);
+            L += f * l[s];
+            const float* ps = pacc.data() + (size_t(row) * S + s) * D;
 #pragma omp simd
-        for (int d = 0; d < D; ++d) a[d] += f * ps[d];
+            for (int d = 0; d < D; ++d) a[d] += f * ps[d];
+          }
+        }
+        store_row<T, D>(a, L, op + row * D);
       }
     }
-    store_row<T, D>(a, L, op + row * D);
   }
 }
 
@@ -281,6 +291,9 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
                    [](const PrefillTile& x, const PrefillTile& y) { return x.cost > y.cost; });
   const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
   const int R = QT * G;
+  int64_t work = 0;  // query rows x visible tokens per KV head, in tiles
+  for (const PrefillTile& t : tiles) work += t.cost;
+  if (work * Hkv * D < kMinParallelElements) nt = 1;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, std::max<int64_t>(items, 1))))
   {
     Workspace w(R, D, c.block_size);

@@ -1,0 +1,150 @@
+// pagedllm/scheduler.h — continuous batching over a KVCacheManager: the token-budget scheduler
+// with chunked prefill, prefix-cache hits, preemption by recompute, n > 1 forking, and the stop
+// rules applied to each step's sampled tokens.
+//
+// Algorithm (vLLM v1's scheduler, vllm/v1/core/sched/scheduler.py; Orca's iteration-level
+// scheduling, Yu et al., OSDI 2022; Sarathi-Serve's chunked prefill, Agrawal et al., OSDI 2024):
+// the scheduler speaks in tokens. Each step starts with a budget of max_num_batched_tokens.
+//  1. Running sequences, in running order, each get their pending tokens (1 for a decode, the
+//     rest of the prompt for a chunked prefill) capped by what is left of the budget. When the
+//     KV pool cannot supply the blocks, the running sequence that is scheduled last under the
+//     policy (lowest priority, latest arrival) and not yet scheduled this step is preempted by
+//     recompute: its blocks are freed, its computed count drops to 0, and it goes back to the
+//     FRONT of the waiting queue keeping its generated tokens, so that its replay recomputes
+//     prompt + outputs and then continues exactly where it stopped.
+//  2. If nothing was preempted this step, waiting sequences in policy order: the longest cached
+//     prefix is skipped (not for requests that still owe prompt logprobs), the rest of the tokens
+//     is capped by the budget (chunked prefill; with chunking off a sequence that does not fit
+//     waits), and admission stops at the first sequence that finds no blocks or no room under
+//     max_num_seqs (a request with n > 1 reserves n sequence slots before its fork).
+// A sequence whose step ends at its last known token gets a sampled row. In the step that
+// computes a request's last prompt token for the first time, n - 1 children are created (same
+// sampled row, distinct sequence ids); update_from_output forks their KV from the parent
+// (KVCacheManager::fork: shared blocks, copy-on-write at the first append).
+//
+// Sequences of a SchedulerOutput not yet passed to update_from_output are "in flight": later
+// schedule() calls skip them (so a second step can be prepared while one runs) and never pick
+// them as preemption victims. Full blocks are registered in the prefix cache in
+// update_from_output, once their KV is known to be computed.
+//
+// Not thread-safe: one thread drives a Scheduler (and its EngineCore).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "pagedllm/kv_cache_manager.h"
+#include "pagedllm/request.h"
+#include "pagedllm/scheduler_output.h"
+#include "pagedllm/scheduling_policy.h"
+
+namespace pagedllm {
+
+struct SchedulerConfig {
+  int32_t max_num_seqs = 256;
+  int32_t max_num_batched_tokens = 8192;
+  int32_t max_model_len = 2048;
+  bool enable_chunked_prefill = true;
+  SchedulingPolicy policy = SchedulingPolicy::kFcfs;
+};
+
+/// Monotonic counters (tokens unless said otherwise).
+struct SchedulerCounters {
+  int64_t num_preemptions = 0;        ///< sequences preempted (recompute)
+  int64_t num_prompt_tokens = 0;      ///< prompt lengths of requests whose prompt completed
+  int64_t num_generation_tokens = 0;  ///< sampled tokens appended
+  int64_t num_steps = 0;              ///< schedule() calls that scheduled >= 1 token
+  int64_t num_scheduled_tokens = 0;   ///< all tokens computed, replays included
+  int64_t num_recomputed_tokens = 0;  ///< tokens computed again after a preemption
+  int64_t num_chunked_prefills = 0;   ///< prefill chunks that stopped short of the last token
+  int64_t num_forks = 0;              ///< child sequences forked (n > 1)
+  int64_t num_copy_orders = 0;        ///< copy-on-write orders issued
+  int64_t prefix_cache_queries = 0;   ///< tokens looked up at admission
+  int64_t prefix_cache_hits = 0;      ///< of those, tokens found cached
+  int64_t num_finished_requests = 0;  ///< requests finished by a stop rule or finish_sequence
+  int64_t num_aborted_requests = 0;
+};
+
+class Scheduler {
+ public:
+  /// kv must outlive the scheduler. Throws InvalidArgument on a bad config.
+  Scheduler(const SchedulerConfig& config, KVCacheManager& kv);
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  /// Queue a request (already validated by EngineCore::add_request, request_id unused).
+  /// Returns the id of its index-0 sequence.
+  SeqId add_request(std::string request_id, std::vector<int32_t> prompt, const RequestParams& p);
+  /// Finish every sequence of the request with "abort", freeing its blocks. False if unknown.
+  bool abort_request(const std::string& request_id);
+  /// Finish one live sequence with "stop" (the caller matched a stop string). Returns true
+  /// when this was the request's last unfinished sequence. Throws on an unknown seq id.
+  bool finish_sequence(SeqId seq_id, StopReason stop_reason);
+
+  /// Fill `out` (reset first) with the next step. out.state becomes kScheduled.
+  void schedule(SchedulerOutput& out);
+  /// Apply the sampled tokens (int32 [out.num_sampled], in sample row order) of a scheduled
+  /// step: append, stop rules, free finished sequences, cache full blocks, fork children.
+  /// Rows of sequences aborted meanwhile are ignored. Throws InvalidArgument (changing
+  /// nothing) on a wrong length, a negative token id, or an output that is not kScheduled.
+  void update_from_output(SchedulerOutput& out, std::span<const int32_t> sampled,
+                          UpdateResult& result);
+  /// A scheduled step that will never be updated (the model failed): its sequences are
+  /// preempted (recompute), so nothing is lost or leaked. out.state becomes kFree.
+  void cancel(SchedulerOutput& out);
+
+  bool has_request(const std::string& request_id) const { return requests_.count(request_id) > 0; }
+  /// The live sequence with this id, or nullptr.
+  const Sequence* find_sequence(SeqId seq_id) const;
+  int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
+  int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
+  int32_t num_unfinished_requests() const { return static_cast<int32_t>(requests_.size()); }
+  bool has_unfinished_requests() const { return !requests_.empty(); }
+  const SchedulerCounters& counters() const { return counters_; }
+  const SchedulerConfig& config() const { return config_; }
+  /// Sequence slots held against max_num_seqs (an unforked running request holds n).
+  int32_t num_running_slots() const { return num_running_slots_; }
+
+ private:
+  Sequence* new_sequence(Request* req, int32_t index);
+  void release_sequence(Sequence* seq);
+  int32_t slots_of(const Sequence* seq) const;
+  /// Longest the request's sequences can get: min(prompt_len + max_tokens, max_model_len).
+  int32_t max_seq_tokens(const Request& req) const;
+  /// Remove a running sequence from running_ (O(n)).
+  void remove_running(Sequence* seq);
+  void preempt(Sequence* seq);
+  /// Mark finished, free KV, count; does not touch running_ (caller compacts or removes).
+  void finish(Sequence* seq, FinishReason reason, StopReason stop_reason);
+  /// Record a successfully allocated chunk of seq into the step's scheduled list.
+  void record(Sequence* seq, int32_t num_new, SchedulerOutput& out);
+  void fill_buffers(SchedulerOutput& out);
+  void fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& out);
+  void append_copies(SchedulerOutput& out);
+
+  SchedulerConfig config_;
+  KVCacheManager& kv_;
+  int32_t block_size_;
+  std::unordered_map<std::string, std::unique_ptr<Request>> requests_;
+  std::unordered_map<SeqId, Sequence*> live_seqs_;
+  std::vector<std::unique_ptr<Sequence>> slab_;  ///< every Sequence ever made, reused
+  std::vector<int32_t> free_slots_;
+  SeqId next_seq_id_ = 0;
+  std::vector<Sequence*> running_;
+  WaitingQueue waiting_;
+  int32_t num_running_slots_ = 0;
+  SchedulerCounters counters_;
+  // scratch, reused every step (no allocation once warm)
+  PrefixHit hit_;
+  std::vector<CopyOrder> copies_;
+  std::vector<Sequence*> candidates_;
+  std::vector<Sequence*> finished_scratch_;
+  std::vector<Request*> done_scratch_;
+};
+
+}  // namespace pagedllm

@@ -1,0 +1,463 @@
+#include "pagedllm/scheduler.h"
+
+#include <algorithm>
+
+#include "pagedllm/errors.h"
+
+namespace pagedllm {
+
+Scheduler::Scheduler(const SchedulerConfig& config, KVCacheManager& kv)
+    : config_(config), kv_(kv), block_size_(kv.block_size()), waiting_(config.policy) {
+  PAGEDLLM_CHECK(config.max_num_seqs >= 1, "max_num_seqs must be >= 1, got ", config.max_num_seqs);
+  PAGEDLLM_CHECK(config.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1, got ",
+                 config.max_num_batched_tokens);
+  PAGEDLLM_CHECK(config.max_model_len >= 2, "max_model_len must be >= 2, got ", config.max_model_len);
+  PAGEDLLM_CHECK(config.enable_chunked_prefill ||
+                     config.max_num_batched_tokens >= config.max_model_len,
+                 "with chunked prefill disabled, max_num_batched_tokens (",
+                 config.max_num_batched_tokens, ") must be >= max_model_len (", config.max_model_len,
+                 ") so that every sequence fits in one step");
+  running_.reserve(static_cast<size_t>(config.max_num_seqs));
+  candidates_.reserve(static_cast<size_t>(config.max_num_seqs));
+}
+
+Scheduler::~Scheduler() = default;
+
+// ------------------------------------------------------------------ sequences and requests
+
+Sequence* Scheduler::new_sequence(Request* req, int32_t index) {
+  int32_t slot;
+  if (free_slots_.empty()) {
+    slot = static_cast<int32_t>(slab_.size());
+    slab_.push_back(std::make_unique<Sequence>());
+    slab_.back()->slot = slot;
+  } else {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  }
+  Sequence* s = slab_[slot].get();
+  s->seq_id = next_seq_id_++;
+  s->request = req;
+  s->index = index;
+  s->token_ids.clear();
+  s->num_computed_tokens = 0;
+  s->max_computed_tokens = 0;
+  s->status = SequenceStatus::kWaiting;
+  s->in_flight = false;
+  s->announced = false;
+  s->finish_reason = FinishReason::kNone;
+  s->stop_reason = std::monostate{};
+  req->seqs[index] = s;
+  live_seqs_.emplace(s->seq_id, s);
+  return s;
+}
+
+void Scheduler::release_sequence(Sequence* seq) {
+  live_seqs_.erase(seq->seq_id);
+  seq->request->seqs[seq->index] = nullptr;
+  seq->request = nullptr;
+  ++seq->generation;  // every SeqRef to it is now stale
+  free_slots_.push_back(seq->slot);
+}
+
+const Sequence* Scheduler::find_sequence(SeqId seq_id) const {
+  auto it = live_seqs_.find(seq_id);
+  return it == live_seqs_.end() ? nullptr : it->second;
+}
+
+int32_t Scheduler::max_seq_tokens(const Request& req) const {
+  const int64_t limit = req.params.max_tokens < 0
+                            ? config_.max_model_len
+                            : static_cast<int64_t>(req.prompt_len()) + req.params.max_tokens;
+  return static_cast<int32_t>(std::min<int64_t>(limit, config_.max_model_len));
+}
+
+int32_t Scheduler::slots_of(const Sequence* seq) const {
+  return seq->request->forked ? 1 : seq->request->params.n;
+}
+
+SeqId Scheduler::add_request(std::string request_id, std::vector<int32_t> prompt,
+                             const RequestParams& params) {
+  PAGEDLLM_CHECK(!requests_.count(request_id), "request_id \"", request_id, "\" is already in use");
+  auto req = std::make_unique<Request>();
+  req->request_id = std::move(request_id);
+  req->prompt_token_ids = std::move(prompt);
+  req->params = params;
+  req->extra_key = cache_salt_key(params.cache_salt);
+  req->seqs.assign(static_cast<size_t>(params.n), nullptr);
+  Sequence* seq = new_sequence(req.get(), 0);
+  seq->token_ids.reserve(static_cast<size_t>(max_seq_tokens(*req)));  // no growth while decoding
+  seq->token_ids = req->prompt_token_ids;
+  waiting_.push_back(seq);
+  const std::string& key = req->request_id;
+  requests_.emplace(key, std::move(req));
+  return seq->seq_id;
+}
+
+void Scheduler::remove_running(Sequence* seq) {
+  auto it = std::find(running_.begin(), running_.end(), seq);
+  if (it != running_.end()) running_.erase(it);
+}
+
+void Scheduler::preempt(Sequence* seq) {
+  remove_running(seq);
+  num_running_slots_ -= slots_of(seq);
+  if (kv_.contains(seq->seq_id)) kv_.free(seq->seq_id);
+  seq->num_computed_tokens = 0;
+  seq->status = SequenceStatus::kWaiting;
+  seq->in_flight = false;
+  waiting_.push_front(seq);
+  ++counters_.num_preemptions;
+}
+
+void Scheduler::finish(Sequence* seq, FinishReason reason, StopReason stop_reason) {
+  if (seq->status == SequenceStatus::kRunning) num_running_slots_ -= slots_of(seq);
+  else if (seq->status == SequenceStatus::kWaiting) waiting_.remove(seq);
+  if (kv_.contains(seq->seq_id)) kv_.free(seq->seq_id);
+  seq->status = SequenceStatus::kFinished;
+  seq->in_flight = false;
+  seq->finish_reason = reason;
+  seq->stop_reason = std::move(stop_reason);
+  Request* req = seq->request;
+  ++req->num_finished_seqs;
+  // A request that never forked has no other sequence to wait for.
+  if (!req->forked) req->num_finished_seqs = req->params.n;
+}
+
+bool Scheduler::abort_request(const std::string& request_id) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return false;
+  Request* req = it->second.get();
+  for (Sequence* seq : req->seqs) {
+    if (!seq) continue;
+    if (seq->status == SequenceStatus::kRunning) remove_running(seq);
+    if (seq->status != SequenceStatus::kFinished) finish(seq, FinishReason::kAbort, std::monostate{});
+    release_sequence(seq);
+  }
+  requests_.erase(it);
+  ++counters_.num_aborted_requests;
+  return true;
+}
+
+bool Scheduler::finish_sequence(SeqId seq_id, StopReason stop_reason) {
+  auto it = live_seqs_.find(seq_id);
+  PAGEDLLM_CHECK(it != live_seqs_.end(), "finish_sequence: no live sequence with seq_id ", seq_id);
+  Sequence* seq = it->second;
+  Request* req = seq->request;
+  if (seq->status == SequenceStatus::kRunning) remove_running(seq);
+  finish(seq, FinishReason::kStop, std::move(stop_reason));
+  release_sequence(seq);
+  if (!req->finished()) return false;
+  // Sequences not created yet (an unforked request) or finished earlier: release what is left.
+  for (Sequence* s : req->seqs) {
+    if (!s) continue;
+    if (s->status == SequenceStatus::kRunning) remove_running(s);
+    if (s->status != SequenceStatus::kFinished) finish(s, FinishReason::kAbort, std::monostate{});
+    release_sequence(s);
+  }
+  requests_.erase(requests_.find(req->request_id));
+  ++counters_.num_finished_requests;
+  return true;
+}
+
+// ------------------------------------------------------------------ schedule
+
+void Scheduler::append_copies(SchedulerOutput& out) {
+  for (const CopyOrder& c : copies_) {
+    out.copy_orders.push_back(c.src);
+    out.copy_orders.push_back(c.dst);
+  }
+  counters_.num_copy_orders += static_cast<int64_t>(copies_.size());
+}
+
+void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out) {
+  Request* req = seq->request;
+  const int32_t start = seq->num_computed_tokens;
+  const int32_t end = start + num_new;
+  const bool completes_prompt = !req->forked && end >= req->prompt_len();
+  const int32_t fork_begin = static_cast<int32_t>(out.forks.size());
+  counters_.num_scheduled_tokens += num_new;
+  counters_.num_recomputed_tokens += std::max(0, std::min(end, seq->max_computed_tokens) - start);
+  if (end < seq->num_tokens()) ++counters_.num_chunked_prefills;
+  seq->num_computed_tokens = end;
+  seq->max_computed_tokens = std::max(seq->max_computed_tokens, end);
+  seq->in_flight = true;
+  if (completes_prompt) {
+    // The n - 1 children take n - 1 of the n slots the parent held: num_running_slots_ is unchanged.
+    req->forked = true;
+    counters_.num_prompt_tokens += req->prompt_len();
+    for (int32_t k = 1; k < req->params.n; ++k) {
+      Sequence* child = new_sequence(req, k);
+      child->token_ids.reserve(static_cast<size_t>(max_seq_tokens(*req)));
+      child->token_ids = req->prompt_token_ids;
+      child->num_computed_tokens = end;
+      child->max_computed_tokens = end;
+      child->status = SequenceStatus::kRunning;
+      child->in_flight = true;
+      child->announced = true;
+      running_.push_back(child);
+      out.new_seqs.push_back({child->seq_id, req->request_id, k});
+      out.forks.push_back({{seq, seq->generation}, {child, child->generation}});
+      ++counters_.num_forks;
+    }
+  }
+  out.scheduled.push_back({{seq, seq->generation}, start, num_new, completes_prompt, fork_begin,
+                           static_cast<int32_t>(out.forks.size())});
+}
+
+void Scheduler::schedule(SchedulerOutput& out) {
+  out.reset();
+  const SchedulingPolicy policy = config_.policy;
+  const bool chunked = config_.enable_chunked_prefill;
+  int32_t budget = config_.max_num_batched_tokens;
+  bool preempted = false;
+
+  // 1. Running sequences: decodes and unfinished prompt chunks.
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Sequence* seq = running_[i];
+    int32_t num_new = seq->num_tokens() - seq->num_computed_tokens;
+    if (seq->in_flight || num_new <= 0 || (!chunked && num_new > budget)) {
+      ++i;
+      continue;
+    }
+    num_new = std::min(num_new, budget);
+    bool allocated = false;
+    for (;;) {
+      copies_.clear();
+      if (kv_.allocate_slots(seq->seq_id, num_new, nullptr, &copies_)) {
+        allocated = true;
+        break;
+      }
+      candidates_.clear();
+      for (size_t j = i; j < running_.size(); ++j)
+        if (!running_[j]->in_flight) candidates_.push_back(running_[j]);
+      Sequence* victim = select_victim(policy, candidates_);
+      preempt(victim);
+      preempted = true;
+      if (victim == seq) break;
+    }
+    if (!allocated) continue;  // seq itself was preempted; running_[i] is the next one
+    append_copies(out);
+    record(seq, num_new, out);
+    budget -= num_new;
+    ++i;
+  }
+
+  // 2. Waiting sequences, unless this step had to preempt (vLLM v1: no admission then).
+  while (!preempted && budget > 0 && !waiting_.empty()) {
+    Sequence* seq = waiting_.front();
+    Request* req = seq->request;
+    const int32_t slots = slots_of(seq);
+    if (num_running_slots_ + slots > config_.max_num_seqs) break;
+    hit_.blocks.clear();
+    hit_.num_tokens = 0;
+    const bool use_cache = kv_.prefix_caching_enabled() && !req->needs_prompt_logprobs();
+    if (use_cache) kv_.find_cached_prefix(seq->token_ids, req->extra_key, &hit_, false);
+    int32_t num_new = seq->num_tokens() - hit_.num_tokens;
+    if (num_new > budget) {
+      if (!chunked) break;
+      num_new = budget;
+    }
+    copies_.clear();
+    if (!kv_.allocate_slots(seq->seq_id, num_new, use_cache ? &hit_ : nullptr, &copies_)) break;
+    waiting_.pop_front();
+    if (use_cache) {
+      counters_.prefix_cache_queries += seq->num_tokens();
+      counters_.prefix_cache_hits += hit_.num_tokens;
+    }
+    seq->num_computed_tokens = hit_.num_tokens;
+    seq->status = SequenceStatus::kRunning;
+    running_.push_back(seq);
+    num_running_slots_ += slots;
+    if (!seq->announced) {
+      seq->announced = true;
+      out.new_seqs.push_back({seq->seq_id, req->request_id, seq->index});
+    }
+    append_copies(out);
+    record(seq, num_new, out);
+    budget -= num_new;
+  }
+
+  fill_buffers(out);
+  if (out.num_tokens > 0) ++counters_.num_steps;
+  out.state = SchedulerOutput::State::kScheduled;
+}
+
+void Scheduler::fill_buffers(SchedulerOutput& out) {
+  // Decodes (query length 1) first, then prefills.
+  for (const auto& s : out.scheduled)
+    if (s.num_new == 1) fill_row(s, out);
+  out.num_decode_seqs = out.num_seqs;
+  for (const auto& s : out.scheduled)
+    if (s.num_new != 1) fill_row(s, out);
+  out.num_prefill_seqs = out.num_seqs - out.num_decode_seqs;
+  out.query_start_loc[out.num_seqs] = out.num_tokens;
+}
+
+void Scheduler::fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& out) {
+  Sequence* seq = s.ref.seq;
+  const Request* req = seq->request;
+  const int32_t row = out.num_seqs++;
+  const int32_t t0 = out.num_tokens;
+  const int32_t start = s.start;
+  const int32_t end = s.start + s.num_new;
+  std::span<const BlockId> blocks = kv_.block_ids(seq->seq_id);
+  out.set_block_table_row(row, blocks.data(), static_cast<int32_t>(blocks.size()));
+  out.query_start_loc[row] = t0;
+  out.seq_ids[row] = seq->seq_id;
+  out.seq_lens[row] = end;
+  out.max_query_len = std::max(out.max_query_len, s.num_new);
+  out.max_seq_len = std::max(out.max_seq_len, end);
+  if (s.num_new != 1) out.num_prefill_tokens += s.num_new;
+
+  const int32_t bs = block_size_;
+  const int32_t* tokens = seq->token_ids.data();
+  int32_t* ids = out.input_ids.data() + t0;
+  int64_t* pos = out.positions.data() + t0;
+  int64_t* slots = out.slot_mapping.data() + t0;
+  for (int32_t p = start; p < end; ++p) {
+    const int32_t k = p - start;
+    ids[k] = tokens[p];
+    pos[k] = p;
+    slots[k] = static_cast<int64_t>(blocks[p / bs]) * bs + (p % bs);
+  }
+  out.num_tokens = t0 + s.num_new;
+
+  if (end == seq->num_tokens() && req->params.max_tokens != 0) {
+    const int64_t logits_row = t0 + s.num_new - 1;
+    out.logits_indices[out.num_sampled] = logits_row;
+    out.sample_seq_ids[out.num_sampled++] = seq->seq_id;
+    out.samples.push_back(s.ref);
+    for (int32_t f = s.fork_begin; f < s.fork_end; ++f) {
+      const auto& child = out.forks[f].second;
+      out.logits_indices[out.num_sampled] = logits_row;
+      out.sample_seq_ids[out.num_sampled++] = child.seq->seq_id;
+      out.samples.push_back(child);
+    }
+  }
+
+  if (req->params.prompt_logprobs) {
+    Request* r = seq->request;
+    const int32_t p0 = std::max(start, r->prompt_logprobs_next_pos);
+    const int32_t p1 = std::min(end, r->prompt_len() - 1);
+    if (p1 > p0) {
+      out.prompt_logprob_rows.push_back({r->request_id, t0 + (p0 - start), p1 - p0, p0});
+      r->prompt_logprobs_next_pos = p1;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ update
+
+void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t> sampled,
+                                   UpdateResult& result) {
+  PAGEDLLM_CHECK(out.state == SchedulerOutput::State::kScheduled,
+                 "update_from_output: step ", out.step_id,
+                 out.state == SchedulerOutput::State::kUpdated ? " was already updated"
+                                                                : " is not a scheduled step");
+  PAGEDLLM_CHECK(static_cast<int64_t>(sampled.size()) == out.num_sampled,
+                 "sampled_token_ids has ", sampled.size(), " entries but step ", out.step_id,
+                 " sampled ", out.num_sampled, " rows (num_sampled)");
+  for (size_t r = 0; r < sampled.size(); ++r)
+    PAGEDLLM_CHECK(sampled[r] >= 0, "sampled_token_ids[", r, "] = ", sampled[r],
+                   " is not a token id (must be >= 0)");
+  result.clear();
+  finished_scratch_.clear();
+  const bool caching = kv_.prefix_caching_enabled();
+  const int32_t bs = block_size_;
+
+  // 1. The computed tokens: register full blocks, prompt-only requests finish.
+  for (const auto& s : out.scheduled) {
+    if (!s.ref.valid()) continue;
+    Sequence* seq = s.ref.seq;
+    Request* req = seq->request;
+    seq->in_flight = false;
+    const int32_t end = s.start + s.num_new;
+    if (caching && end / bs > s.start / bs)
+      kv_.cache_full_blocks(seq->seq_id, seq->token_ids, end, req->extra_key);
+    if (s.completes_prompt && req->params.max_tokens == 0) {
+      finish(seq, FinishReason::kLength, std::monostate{});
+      finished_scratch_.push_back(seq);
+      for (int32_t f = s.fork_begin; f < s.fork_end; ++f) {
+        Sequence* child = out.forks[f].second.seq;
+        if (!out.forks[f].second.valid()) continue;
+        finish(child, FinishReason::kLength, std::monostate{});
+        finished_scratch_.push_back(child);
+      }
+    }
+  }
+  // 2. Children get the parent's KV (after the parent's blocks were registered, so they
+  //    share its prefix-cache chain). A child whose parent went away recomputes.
+  candidates_.clear();
+  for (const auto& [parent, child] : out.forks) {
+    if (!child.valid() || child.seq->status == SequenceStatus::kFinished) continue;
+    child.seq->in_flight = false;
+    if (parent.valid() && parent.seq->status != SequenceStatus::kFinished)
+      kv_.fork(parent.seq->seq_id, child.seq->seq_id);
+    else
+      candidates_.push_back(child.seq);
+  }
+  // 3. Sampled tokens and the stop rules.
+  for (int32_t r = 0; r < out.num_sampled; ++r) {
+    const auto& ref = out.samples[r];
+    if (!ref.valid() || ref.seq->status == SequenceStatus::kFinished) continue;
+    Sequence* seq = ref.seq;
+    seq->in_flight = false;
+    const int32_t token = sampled[r];
+    seq->token_ids.push_back(token);
+    result.seq_ids.push_back(seq->seq_id);
+    result.token_ids.push_back(token);
+    ++counters_.num_generation_tokens;
+    StopReason stop_reason;
+    const FinishReason reason = check_stop(*seq, config_.max_model_len, &stop_reason);
+    if (reason != FinishReason::kNone) {
+      finish(seq, reason, std::move(stop_reason));
+      finished_scratch_.push_back(seq);
+    }
+  }
+  for (Sequence* orphan : candidates_)
+    if (orphan->status == SequenceStatus::kRunning) preempt(orphan);
+  out.state = SchedulerOutput::State::kUpdated;
+  if (finished_scratch_.empty()) return;
+
+  // 4. Drop finished sequences from running_, report them, free finished requests.
+  std::erase_if(running_, [](const Sequence* s) { return s->status == SequenceStatus::kFinished; });
+  for (Sequence* seq : finished_scratch_)
+    result.finished.push_back({seq->request->request_id, seq->seq_id, seq->index,
+                               seq->finish_reason, seq->stop_reason});
+  std::vector<Request*>& done = done_scratch_;
+  done.clear();
+  for (Sequence* seq : finished_scratch_) {
+    Request* req = seq->request;
+    release_sequence(seq);
+    if (req->finished() && !req->done) {
+      req->done = true;
+      done.push_back(req);
+    }
+  }
+  for (Request* req : done) {
+    result.request_finished.push_back(req->request_id);
+    ++counters_.num_finished_requests;
+    requests_.erase(requests_.find(req->request_id));
+  }
+}
+
+void Scheduler::cancel(SchedulerOutput& out) {
+  if (out.state == SchedulerOutput::State::kScheduled) {
+    // Hand the prompt-logprob positions out again.
+    for (const auto& rows : out.prompt_logprob_rows) {
+      auto it = requests_.find(rows.request_id);
+      if (it != requests_.end())
+        it->second->prompt_logprobs_next_pos =
+            std::min(it->second->prompt_logprobs_next_pos, rows.first_position);
+    }
+    for (const auto& [parent, child] : out.forks)
+      if (child.valid() && child.seq->status == SequenceStatus::kRunning) preempt(child.seq);
+    for (auto it = out.scheduled.rbegin(); it != out.scheduled.rend(); ++it)
+      if (it->ref.valid() && it->ref.seq->status == SequenceStatus::kRunning) preempt(it->ref.seq);
+  }
+  out.reset();
+  out.state = SchedulerOutput::State::kFree;
+}
+
+}  // namespace pagedllm
