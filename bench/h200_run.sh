@@ -20,7 +20,7 @@ T="tests/python/test_cuda_kernels.py tests/python/test_attention_kernels.py"
 PT="-q -rf -p no:cacheprovider --maxfail=20"
 t0=$(date +%s)
 { echo "== default kernels"; timeout 240 python3 -m pytest tests/python -m cuda $PT
-  for v in 2x6 3x4 4x3pf256 4x3nopf; do
+  for v in 4x3bulk 2x6 3x4 4x3pf256 4x3nopf; do
     echo "== PAGEDLLM_DECODE_V2=$v (decode tests)"
     PAGEDLLM_DECODE_V2=$v timeout 90 python3 -m pytest $T -m cuda $PT -k "decode or graph"
   done
@@ -30,7 +30,7 @@ t0=$(date +%s)
 echo "tests: $(( $(date +%s) - t0 )) s"; grep -E "^==|passed|failed|error" "$OUT/tests.log" | tail -30
 t0=$(date +%s)
 mkdir -p /tmp/variants
-for v in 4x3 4x3nopf 4x3pf256 2x6 3x4; do
+for v in 4x3 4x3bulk 4x3nopf 4x3pf256 2x6 3x4; do
   PAGEDLLM_DECODE_V2=$v timeout 60 python3 bench/cuda_kernels.py --quick --no-prefill --tag "$v" --out /tmp/variants >> "$OUT/bench.log" 2>&1
 done
 BEST=$(python3 - <<'PY'

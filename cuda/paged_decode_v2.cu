@@ -23,6 +23,7 @@ namespace {
 
 template <typename T, int D, int W, int NS>
 struct DecodeV2Cfg {
+  static constexpr size_t kBarrierBytes = W * NS * sizeof(uint64_t);  // one mbarrier per ring slot
   static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16;
@@ -31,7 +32,7 @@ struct DecodeV2Cfg {
   static constexpr int kChunks = D / 8;
   static constexpr int kStageElems = 2 * kTile * kRow;
   static constexpr int kWarpElems = kStages * kStageElems;
-  static constexpr size_t kSmemBytes = kWarps * kWarpElems * sizeof(T);
+  static constexpr size_t kSmemBytes = kWarps * kWarpElems * sizeof(T) + kBarrierBytes;
 };
 
 struct DecodeItem {
@@ -65,10 +66,13 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   return it;
 }
 
-template <typename T, int D, int W_, int NS, int PF>
+template <typename T, int D, int W_, int NS, int PF, bool BULK_>
 __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnParams p, int num_items,
                                                                   int head_chunks) {
   using C = DecodeV2Cfg<T, D, W_, NS>;
+  // BULK: whole in-block tiles arrive by cp.async.bulk, one 256-byte row copy per lane, on the
+  // copy engine (sm_90); other tiles (and other architectures) use cp.async.
+  constexpr bool BULK = BULK_ && PAGEDLLM_HAS_BULK_COPY;
   using TT = TypeTraits<T>;
   constexpr int KSTEPS = D / 16;
   constexpr int S = C::kStages;
@@ -82,6 +86,13 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   T* ring = reinterpret_cast<T*>(smem_raw) + warp * C::kWarpElems;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + C::kWarps * C::kWarpElems * sizeof(T)) + warp * S;
+  uint32_t bulk_slots = 0, phases = 0;  // per ring slot: filled by a bulk copy; parity to wait for
+  if constexpr (BULK) {
+    if (lane < S) mbarrier_init(bars + lane, 1);
+    mbarrier_init_fence();
+    __syncwarp();
+  }
   const int W = gridDim.x * C::kWarps;
   const int first = blockIdx.x * C::kWarps + warp;
   const T* kc = static_cast<const T*>(p.key_cache);
@@ -110,13 +121,27 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         // tile is one contiguous run of kTile rows.
         const T* kb = kc + kv_row_offset(iitem.bt, t0, iitem.kv_head, p, D);
         const T* vb = vc + (kb - kc);
+        if constexpr (BULK) {
+          static_assert(C::kTile == 16, "one lane per K row and per V row");
+          uint64_t* bar = bars + slot_issue;
+          // The slot was last read by ldmatrix (generic proxy); order those reads before the
+          // copy engine's writes (async proxy).
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          if (lane == 0) mbarrier_arrive_expect_tx(bar, 2 * C::kTile * D * sizeof(T));
+          __syncwarp();
+          const int r = lane & 15;
+          bulk_copy_g2s((lane < 16 ? sK : sV) + r * C::kRow, (lane < 16 ? kb : vb) + r * D, D * sizeof(T), bar);
+          bulk_slots |= 1u << slot_issue;
+        } else {
 #pragma unroll
-        for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
-          const int r = c / C::kChunks, col = c % C::kChunks;
-          cp_async_16<PF>(sK + r * C::kRow + col * 8, kb + r * D + col * 8, true);
-          cp_async_16<PF>(sV + r * C::kRow + col * 8, vb + r * D + col * 8, true);
+          for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
+            const int r = c / C::kChunks, col = c % C::kChunks;
+            cp_async_16<PF>(sK + r * C::kRow + col * 8, kb + r * D + col * 8, true);
+            cp_async_16<PF>(sV + r * C::kRow + col * 8, vb + r * D + col * 8, true);
+          }
         }
       } else {
+        bulk_slots &= ~(1u << slot_issue);
 #pragma unroll
         for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
           const int r = c / C::kChunks, col = c % C::kChunks;
@@ -167,6 +192,12 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     for (int k = 0; k < it.ntiles; ++k) {
       issue_next();
       cp_async_wait<S - 1>();
+      if constexpr (BULK) {
+        if (bulk_slots & (1u << slot)) {
+          mbarrier_wait(bars + slot, (phases >> slot) & 1u);
+          phases ^= 1u << slot;
+        }
+      }
       __syncwarp();
       const T* sK = ring + slot * C::kStageElems;
       const T* sV = sK + C::kTile * C::kRow;
@@ -262,7 +293,8 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 /// Ring shapes of the d128 kernel, selectable for benchmarking with PAGEDLLM_DECODE_V2
 /// (read once): "4x3" (default: 4 warps per CTA, 3 stages, L2::128B prefetch hint),
 /// "4x3nopf" (no hint), "4x3pf256" (L2::256B hint), "2x6" (2 warps, 6 stages: deeper rings,
-/// fewer warps), "3x4". Other head sizes always use 4x3 with the 128-byte hint.
+/// fewer warps), "3x4", "4x3bulk" (full tiles by cp.async.bulk row copies on the copy engine,
+/// completing on per-slot mbarriers). Other head sizes always use 4x3 with the 128-byte hint.
 int v2_variant() {
   static const int variant = [] {
     const char* v = std::getenv("PAGEDLLM_DECODE_V2");
@@ -271,15 +303,16 @@ int v2_variant() {
     if (s == "4x3pf256") return 2;
     if (s == "2x6") return 3;
     if (s == "3x4") return 4;
+    if (s == "4x3bulk") return 5;
     return 0;
   }();
   return variant;
 }
 
-template <typename T, int D, int W, int NS, int PF>
+template <typename T, int D, int W, int NS, int PF, bool BULK = false>
 struct V2 {
   using C = DecodeV2Cfg<T, D, W, NS>;
-  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF>; }
+  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, BULK>; }
 
   // Concurrent warps of the grid: occupancy x SMs x warps per CTA (cached per instantiation).
   static int units() {
@@ -322,6 +355,7 @@ auto with_config(int head_size, F&& f) {
         case 2: return f(V2<T, 128, 4, 3, 256>{});
         case 3: return f(V2<T, 128, 2, 6, 128>{});
         case 4: return f(V2<T, 128, 3, 4, 128>{});
+        case 5: return f(V2<T, 128, 4, 3, 128, true>{});
         default: return f(V2<T, 128, 4, 3, 128>{});
       }
     default: throw std::runtime_error("CUDA decode v2: unsupported head size " + std::to_string(head_size));
