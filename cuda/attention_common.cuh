@@ -107,57 +107,6 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
                  "r"(src_size));
   }
 }
-// ---- Hopper bulk asynchronous copies (TMA, non-tensor form) completing on an mbarrier (sm_90).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PAGEDLLM_HAS_BULK_COPY 1
-#else
-#define PAGEDLLM_HAS_BULK_COPY 0
-#endif
-
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
-#if PAGEDLLM_HAS_BULK_COPY
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-#endif
-}
-/// Make mbarrier initialisation visible to the async proxy (the copy engine).
-__device__ __forceinline__ void mbarrier_init_fence() {
-#if PAGEDLLM_HAS_BULK_COPY
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-/// One arrival that also expects `bytes` of transactions in the current phase.
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-#if PAGEDLLM_HAS_BULK_COPY
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-#endif
-}
-/// Spin until the phase with the given parity has completed.
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-#if PAGEDLLM_HAS_BULK_COPY
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-#endif
-}
-/// Copy `bytes` (multiple of 16, both addresses 16-byte aligned) global -> shared on the copy
-/// engine; completion is counted on `bar`.
-__device__ __forceinline__ void bulk_copy_g2s(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
-#if PAGEDLLM_HAS_BULK_COPY
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          smem_addr(smem)),
-      "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-#endif
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -12,7 +12,6 @@
 // straight from global memory into the A fragments. Each item ends with an online-softmax state
 // (FlashAttention-2, Dao 2023) written as the output row (one partition) or as flash-decoding
 // partials (Dao et al. 2023) that launch_splitk_reduce combines.
-#include <cstdlib>
 #include <string>
 
 #include "attention_launch.h"
@@ -23,7 +22,6 @@ namespace {
 
 template <typename T, int D, int W, int NS>
 struct DecodeV2Cfg {
-  static constexpr size_t kBarrierBytes = W * NS * sizeof(uint64_t);  // one mbarrier per ring slot
   static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16;
@@ -32,7 +30,7 @@ struct DecodeV2Cfg {
   static constexpr int kChunks = D / 8;
   static constexpr int kStageElems = 2 * kTile * kRow;
   static constexpr int kWarpElems = kStages * kStageElems;
-  static constexpr size_t kSmemBytes = kWarps * kWarpElems * sizeof(T) + kBarrierBytes;
+  static constexpr size_t kSmemBytes = kWarps * kWarpElems * sizeof(T);
 };
 
 struct DecodeItem {
@@ -66,13 +64,10 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   return it;
 }
 
-template <typename T, int D, int W_, int NS, int PF, bool BULK_>
+template <typename T, int D, int W_, int NS, int PF>
 __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnParams p, int num_items,
                                                                   int head_chunks) {
   using C = DecodeV2Cfg<T, D, W_, NS>;
-  // BULK: whole in-block tiles arrive by cp.async.bulk, one 256-byte row copy per lane, on the
-  // copy engine (sm_90); other tiles (and other architectures) use cp.async.
-  constexpr bool BULK = BULK_ && PAGEDLLM_HAS_BULK_COPY;
   using TT = TypeTraits<T>;
   constexpr int KSTEPS = D / 16;
   constexpr int S = C::kStages;
@@ -86,13 +81,6 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   T* ring = reinterpret_cast<T*>(smem_raw) + warp * C::kWarpElems;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + C::kWarps * C::kWarpElems * sizeof(T)) + warp * S;
-  uint32_t bulk_slots = 0, phases = 0;  // per ring slot: filled by a bulk copy; parity to wait for
-  if constexpr (BULK) {
-    if (lane < S) mbarrier_init(bars + lane, 1);
-    mbarrier_init_fence();
-    __syncwarp();
-  }
   const int W = gridDim.x * C::kWarps;
   const int first = blockIdx.x * C::kWarps + warp;
   const T* kc = static_cast<const T*>(p.key_cache);
@@ -121,27 +109,13 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         // tile is one contiguous run of kTile rows.
         const T* kb = kc + kv_row_offset(iitem.bt, t0, iitem.kv_head, p, D);
         const T* vb = vc + (kb - kc);
-        if constexpr (BULK) {
-          static_assert(C::kTile == 16, "one lane per K row and per V row");
-          uint64_t* bar = bars + slot_issue;
-          // The slot was last read by ldmatrix (generic proxy); order those reads before the
-          // copy engine's writes (async proxy).
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          if (lane == 0) mbarrier_arrive_expect_tx(bar, 2 * C::kTile * D * sizeof(T));
-          __syncwarp();
-          const int r = lane & 15;
-          bulk_copy_g2s((lane < 16 ? sK : sV) + r * C::kRow, (lane < 16 ? kb : vb) + r * D, D * sizeof(T), bar);
-          bulk_slots |= 1u << slot_issue;
-        } else {
 #pragma unroll
-          for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
-            const int r = c / C::kChunks, col = c % C::kChunks;
-            cp_async_16<PF>(sK + r * C::kRow + col * 8, kb + r * D + col * 8, true);
-            cp_async_16<PF>(sV + r * C::kRow + col * 8, vb + r * D + col * 8, true);
-          }
+        for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
+          const int r = c / C::kChunks, col = c % C::kChunks;
+          cp_async_16<PF>(sK + r * C::kRow + col * 8, kb + r * D + col * 8, true);
+          cp_async_16<PF>(sV + r * C::kRow + col * 8, vb + r * D + col * 8, true);
         }
       } else {
-        bulk_slots &= ~(1u << slot_issue);
 #pragma unroll
         for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
           const int r = c / C::kChunks, col = c % C::kChunks;
@@ -192,12 +166,6 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     for (int k = 0; k < it.ntiles; ++k) {
       issue_next();
       cp_async_wait<S - 1>();
-      if constexpr (BULK) {
-        if (bulk_slots & (1u << slot)) {
-          mbarrier_wait(bars + slot, (phases >> slot) & 1u);
-          phases ^= 1u << slot;
-        }
-      }
       __syncwarp();
       const T* sK = ring + slot * C::kStageElems;
       const T* sV = sK + C::kTile * C::kRow;
@@ -290,29 +258,14 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   cp_async_wait<0>();
 }
 
-/// Ring shapes of the d128 kernel, selectable for benchmarking with PAGEDLLM_DECODE_V2
-/// (read once): "4x3" (default: 4 warps per CTA, 3 stages, L2::128B prefetch hint),
-/// "4x3nopf" (no hint), "4x3pf256" (L2::256B hint), "2x6" (2 warps, 6 stages: deeper rings,
-/// fewer warps), "3x4", "4x3bulk" (full tiles by cp.async.bulk row copies on the copy engine,
-/// completing on per-slot mbarriers). Other head sizes always use 4x3 with the 128-byte hint.
-int v2_variant() {
-  static const int variant = [] {
-    const char* v = std::getenv("PAGEDLLM_DECODE_V2");
-    const std::string s = v ? v : "";
-    if (s == "4x3nopf") return 1;
-    if (s == "4x3pf256") return 2;
-    if (s == "2x6") return 3;
-    if (s == "3x4") return 4;
-    if (s == "4x3bulk") return 5;
-    return 0;
-  }();
-  return variant;
-}
-
-template <typename T, int D, int W, int NS, int PF, bool BULK = false>
+/// One kernel configuration: W warps per CTA, an NS-deep ring per warp, L2 prefetch hint PF.
+/// 4 x 3 with the 128-byte hint won on the H200 (run 3: 270 us at 64 x 4096 against 274-286 us
+/// for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row copies; see
+/// bench/cuda_kernels_notes.md).
+template <typename T, int D, int W = 4, int NS = 3, int PF = 128>
 struct V2 {
   using C = DecodeV2Cfg<T, D, W, NS>;
-  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, BULK>; }
+  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF>; }
 
   // Concurrent warps of the grid: occupancy x SMs x warps per CTA (cached per instantiation).
   static int units() {
@@ -342,22 +295,14 @@ struct V2 {
   }
 };
 
-/// Calls f.template operator()<V2<...>>() for the configuration of (T, head_size).
+/// Calls f(V2<...>{}) with the configuration of (T, head_size).
 template <typename T, typename F>
 auto with_config(int head_size, F&& f) {
   switch (head_size) {
-    case 64: return f(V2<T, 64, 4, 3, 128>{});
-    case 80: return f(V2<T, 80, 4, 3, 128>{});
-    case 96: return f(V2<T, 96, 4, 3, 128>{});
-    case 128:
-      switch (v2_variant()) {
-        case 1: return f(V2<T, 128, 4, 3, 0>{});
-        case 2: return f(V2<T, 128, 4, 3, 256>{});
-        case 3: return f(V2<T, 128, 2, 6, 128>{});
-        case 4: return f(V2<T, 128, 3, 4, 128>{});
-        case 5: return f(V2<T, 128, 4, 3, 128, true>{});
-        default: return f(V2<T, 128, 4, 3, 128>{});
-      }
+    case 64: return f(V2<T, 64>{});
+    case 80: return f(V2<T, 80>{});
+    case 96: return f(V2<T, 96>{});
+    case 128: return f(V2<T, 128>{});
     default: throw std::runtime_error("CUDA decode v2: unsupported head size " + std::to_string(head_size));
   }
 }
