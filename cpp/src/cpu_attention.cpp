@@ -41,15 +41,28 @@ struct Context {
   float soft_cap;
 };
 
-/// Per-thread scratch, sized for up to `rows` query rows.
+/// Per-thread scratch, sized for up to `rows` query rows (rounded up to 16 for the row-tiled
+/// prefill path, whose transposed query qt, probabilities pt and fp32 K chunk kf live here too).
 struct Workspace {
-  std::vector<float> q, acc, m, l, s, vf;
+  std::vector<float> q, acc, m, l, s, vf, qt, pt, kf;
   std::vector<bf16> qb;
   std::vector<int32_t> pos;
-  Workspace(int rows, int head_size, int block_size)
-      : q(size_t(rows) * head_size), acc(size_t(rows) * head_size), m(rows), l(rows),
-        s(size_t(rows) * block_size), vf(size_t(block_size) * head_size),
-        qb(size_t(rows) * head_size), pos(rows) {}
+  Workspace(int rows, int head_size, int block_size) {
+    const size_t r16 = (size_t(rows) + 15) / 16 * 16, d = head_size;
+    q.resize(r16 * d);
+    acc.resize(r16 * d);
+    m.resize(r16);
+    l.resize(r16);
+    s.resize(r16 * block_size);
+    vf.resize(size_t(block_size) * d);
+    qb.resize(r16 * d);
+    pos.resize(r16);
+    if (rows >= 16) {
+      qt.resize(r16 * d);
+      pt.resize(16 * 16);
+      kf.resize(16 * d);
+    }
+  }
 };
 
 /// Online-softmax attention of R query rows (w.q: [R][D] fp32, already multiplied by `scale`;
@@ -138,6 +151,119 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
     }
   }
 }
+
+#if defined(__AVX512F__)
+/// attend_blocks for many rows (prefill tiles), transposed: query rows sit in the 16 lanes of a
+/// vector, so S^T[t][rows] = sum_d K[t][d] * Q^T[d][rows] needs no horizontal reduction
+/// (broadcast K element times a column of Q^T; a bf16 chunk is widened to fp32 once), and the online
+/// softmax (max, exp, sum, mask) runs vertically over 16 rows at once. PV stays row-wise.
+template <typename T, int D>
+void attend_blocks_rows16(const Context<T>& c, const int32_t* table, int64_t kvh, int64_t lo,
+                          int64_t hi, int R, float /*scale: already in w.q*/, Workspace& w) {
+  const int bs = c.block_size;
+  const int NG = (R + 15) / 16;
+  for (int r = R; r < NG * 16; ++r) {  // padding rows: see nothing, never written back
+    w.pos[r] = -1;
+    w.m[r] = kNegInf;
+    w.l[r] = 0.0f;
+  }
+  for (int r = 0; r < NG * 16; ++r)  // transpose the query tile once per work item
+    for (int d = 0; d < D; ++d)
+      w.qt[(size_t(r / 16) * D + d) * 16 + r % 16] = r < R ? w.q[size_t(r) * D + d] : 0.0f;
+  const float cap = c.soft_cap;
+  const int32_t window = c.sliding_window;
+  float corr_lanes[16];
+  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+    const int64_t base = blk * bs;
+    const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
+    const int t1 = static_cast<int>(std::min<int64_t>(hi, base + bs) - base);
+    const int64_t tile = (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * bs * D;
+    const T* kt = c.key_cache + tile;
+    if ((blk + 1) * bs < hi) {
+      const int64_t next = (static_cast<int64_t>(table[blk + 1]) * c.num_kv_heads + kvh) * bs * D;
+      const char* nk = reinterpret_cast<const char*>(c.key_cache + next);
+      const char* nv = reinterpret_cast<const char*>(c.value_cache + next);
+      for (size_t off = 0; off < size_t(bs) * D * sizeof(T); off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
+    const float* vp;
+    if constexpr (std::is_same_v<T, float>) {
+      vp = c.value_cache + tile;
+    } else {
+      to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
+      vp = w.vf.data();
+    }
+    for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16) {
+      const int u0 = std::max(t0, c16) - c16, u1 = std::min(t1, c16 + 16) - c16;
+      const float* kf16;  // the chunk's 16 K rows in fp32 (converted once for all row groups)
+      if constexpr (std::is_same_v<T, float>) {
+        kf16 = kt + size_t(c16) * D;
+      } else {
+        to_float_row(kt + size_t(c16) * D, w.kf.data(), 16 * D);
+        kf16 = w.kf.data();
+      }
+      for (int g = 0; g < NG; ++g) {
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+        {
+          const float* kc16 = kf16;
+          const float* qg = w.qt.data() + size_t(g) * D * 16;
+          for (int d = 0; d < D; ++d) {
+            const __m512 qv = _mm512_loadu_ps(qg + d * 16);
+            for (int t = 0; t < 16; ++t)
+              acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(kc16[t * D + d]), qv, acc[t]);
+          }
+        }
+        if (cap > 0.0f) {
+          const __m512 cv = _mm512_set1_ps(cap), inv = _mm512_set1_ps(1.0f / cap);
+          for (int t = 0; t < 16; ++t) acc[t] = _mm512_mul_ps(cv, tanh512(_mm512_mul_ps(acc[t], inv)));
+        }
+        const __m512i posv = _mm512_loadu_si512(w.pos.data() + g * 16);
+        const __m512i wlo = _mm512_sub_epi32(posv, _mm512_set1_epi32(window));
+        const __m512 ninf = _mm512_set1_ps(kNegInf);
+        __mmask16 valid[16];
+        __mmask16 any = 0;
+        __m512 mx = ninf;
+        for (int t = 0; t < 16; ++t) {
+          if (t < u0 || t >= u1) {
+            valid[t] = 0;
+            continue;
+          }
+          const __m512i j = _mm512_set1_epi32(static_cast<int32_t>(base + c16 + t));
+          __mmask16 v = _mm512_cmp_epi32_mask(j, posv, _MM_CMPINT_LE);
+          if (window > 0) v &= _mm512_cmp_epi32_mask(j, wlo, _MM_CMPINT_NLE);
+          valid[t] = v;
+          any |= v;
+          mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(ninf, v, acc[t]));
+        }
+        if (!any) continue;
+        const __m512 mold = _mm512_loadu_ps(w.m.data() + g * 16);
+        const __m512 mnew = _mm512_max_ps(mold, mx);
+        const __mmask16 had = _mm512_cmp_ps_mask(mold, ninf, _CMP_NEQ_OQ);
+        const __m512 msafe = _mm512_mask_mov_ps(_mm512_setzero_ps(), any | had, mnew);
+        const __m512 corr = _mm512_maskz_mov_ps(had, exp512_neg(_mm512_sub_ps(mold, msafe)));
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = u0; t < u1; ++t) {
+          const __m512 p = _mm512_maskz_mov_ps(valid[t], exp512_neg(_mm512_sub_ps(acc[t], msafe)));
+          _mm512_storeu_ps(w.pt.data() + t * 16, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        _mm512_storeu_ps(w.m.data() + g * 16, mnew);
+        _mm512_storeu_ps(w.l.data() + g * 16,
+                         _mm512_fmadd_ps(_mm512_loadu_ps(w.l.data() + g * 16), corr, sum));
+        _mm512_storeu_ps(corr_lanes, corr);
+        for (int lane = 0; lane < 16 && g * 16 + lane < R; ++lane) {
+          if (!((any >> lane) & 1)) continue;  // nothing visible: m, l, acc unchanged
+          pv_row<D>(w.acc.data() + size_t(g * 16 + lane) * D, corr_lanes[lane], w.pt.data() + lane,
+                    vp + size_t(c16) * D, u0, u1, 16);
+        }
+      }
+    }
+  }
+}
+#endif
 
 /// Load query row `src` (D elements) into dst as fp32 times `scale`.
 /// (and, for bf16, its unscaled bits into qb).
@@ -317,7 +443,12 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
       const int64_t lo = c.sliding_window > 0
                              ? std::max<int64_t>(0, first_pos + tile.q0 - c.sliding_window + 1)
                              : 0;
-      attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
+#if defined(__AVX512F__)
+      if (rows >= 16)
+        attend_blocks_rows16<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
+      else
+#endif
+        attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
       for (int64_t i = tile.q0; i < tile.q1; ++i)
         for (int g = 0; g < G; ++g) {
           const int r = static_cast<int>(i - tile.q0) * G + g;

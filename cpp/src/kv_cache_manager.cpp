@@ -108,7 +108,9 @@ void KVCacheManager::find_cached_prefix(std::span<const int32_t> token_ids, uint
                                         PrefixHit* hit, bool record_stats) {
   hit->blocks.clear();
   hit->num_tokens = 0;
+  hit->cache_epoch = 0;
   if (!prefix_cache_) return;
+  hit->cache_epoch = prefix_cache_->num_evictions();
   // Leave at least one token to compute: the model must produce logits for the last one.
   const int64_t n = static_cast<int64_t>(token_ids.size());
   const int32_t max_blocks = n > 0 ? static_cast<int32_t>((n - 1) / block_size_) : 0;
@@ -134,6 +136,10 @@ int32_t KVCacheManager::check_hit(const PrefixHit& hit) const {
   if (n == 0) return 0;
   PAGEDLLM_CHECK(prefix_cache_ != nullptr, "a prefix hit of ", n,
                  " blocks was given but prefix caching is off");
+  PAGEDLLM_CHECK(hit.cache_epoch == prefix_cache_->num_evictions(),
+                 "stale prefix hit: taken at cache epoch ", hit.cache_epoch, ", now ",
+                 prefix_cache_->num_evictions(),
+                 " (blocks were evicted since; look the prefix up again right before allocate_slots)");
   if (++mark_epoch_ == 0) {  // epoch wrapped: clear the stamps
     std::fill(mark_.begin(), mark_.end(), 0);
     mark_epoch_ = 1;

@@ -18,6 +18,7 @@ Scheduler::Scheduler(const SchedulerConfig& config, KVCacheManager& kv)
                  config.max_num_batched_tokens, ") must be >= max_model_len (", config.max_model_len,
                  ") so that every sequence fits in one step");
   running_.reserve(static_cast<size_t>(config.max_num_seqs));
+  running_snapshot_.reserve(static_cast<size_t>(config.max_num_seqs));
   candidates_.reserve(static_cast<size_t>(config.max_num_seqs));
 }
 
@@ -212,35 +213,37 @@ void Scheduler::schedule(SchedulerOutput& out) {
   int32_t budget = config_.max_num_batched_tokens;
   bool preempted = false;
 
-  // 1. Running sequences: decodes and unfinished prompt chunks.
-  for (size_t i = 0; i < running_.size() && budget > 0;) {
-    Sequence* seq = running_[i];
-    int32_t num_new = seq->num_tokens() - seq->num_computed_tokens;
-    if (seq->in_flight || num_new <= 0 || (!chunked && num_new > budget)) {
-      ++i;
-      continue;
-    }
-    num_new = std::min(num_new, budget);
-    bool allocated = false;
-    for (;;) {
-      copies_.clear();
-      if (kv_.allocate_slots(seq->seq_id, num_new, nullptr, &copies_)) {
-        allocated = true;
-        break;
+  // 1. Running sequences: decodes first, then unfinished prompt chunks (and replays), each pass
+  //    in running order. A snapshot is walked because preemption removes from running_.
+  running_snapshot_ = running_;
+  for (const bool decode_pass : {true, false}) {
+    for (Sequence* seq : running_snapshot_) {
+      if (budget <= 0) break;
+      if (seq->status != SequenceStatus::kRunning || seq->in_flight) continue;
+      int32_t num_new = seq->num_tokens() - seq->num_computed_tokens;
+      if (num_new <= 0 || (num_new == 1) != decode_pass || (!chunked && num_new > budget)) continue;
+      num_new = std::min(num_new, budget);
+      bool allocated = false;
+      for (;;) {
+        copies_.clear();
+        if (kv_.allocate_slots(seq->seq_id, num_new, nullptr, &copies_)) {
+          allocated = true;
+          break;
+        }
+        // Victim: among running sequences not scheduled this step (nor in flight), seq included.
+        candidates_.clear();
+        for (Sequence* r : running_)
+          if (!r->in_flight) candidates_.push_back(r);
+        Sequence* victim = select_victim(policy, candidates_);
+        preempt(victim);
+        preempted = true;
+        if (victim == seq) break;
       }
-      candidates_.clear();
-      for (size_t j = i; j < running_.size(); ++j)
-        if (!running_[j]->in_flight) candidates_.push_back(running_[j]);
-      Sequence* victim = select_victim(policy, candidates_);
-      preempt(victim);
-      preempted = true;
-      if (victim == seq) break;
+      if (!allocated) continue;
+      append_copies(out);
+      record(seq, num_new, out);
+      budget -= num_new;
     }
-    if (!allocated) continue;  // seq itself was preempted; running_[i] is the next one
-    append_copies(out);
-    record(seq, num_new, out);
-    budget -= num_new;
-    ++i;
   }
 
   // 2. Waiting sequences, unless this step had to preempt (vLLM v1: no admission then).

@@ -153,6 +153,32 @@ TEST(KVCacheManager, BadHitsAreRejectedBeforeAnyChange) {
   EXPECT_THROW(off.cache_full_blocks(9, prompt, 0, 0), InvalidArgument);  // unknown seq
 }
 
+TEST(KVCacheManager, StaleHitIsRejected) {
+  constexpr int bs = 8;
+  KVCacheManager kv(4, bs, true);
+  auto prompt = iota_tokens(2 * bs + 1);
+  ASSERT_TRUE(kv.allocate_slots(1, 2 * bs + 1));
+  kv.cache_full_blocks(1, prompt, 2 * bs + 1, 0);
+  kv.free(1);
+  PrefixHit hit = kv.find_cached_prefix(prompt, 0);
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  // Another request takes every block: both cached blocks are evicted and reused.
+  auto other = iota_tokens(4 * bs, 900);
+  ASSERT_TRUE(kv.allocate_slots(2, 4 * bs));
+  kv.cache_full_blocks(2, other, 4 * bs, 0);
+  kv.free(2);
+  EXPECT_NE(error_of([&] { (void)kv.num_blocks_needed(3, 1, &hit); }).find("stale prefix hit"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { (void)kv.allocate_slots(3, 1, &hit); }).find("stale prefix hit"),
+            std::string::npos);
+  EXPECT_FALSE(kv.contains(3));
+  EXPECT_EQ(kv.num_free_blocks(), 4);
+  PrefixHit fresh = kv.find_cached_prefix(prompt, 0);
+  EXPECT_TRUE(fresh.blocks.empty());
+  EXPECT_TRUE(kv.allocate_slots(3, 1, &fresh));
+  kv.free(3);
+}
+
 TEST(KVCacheManager, ForkAndCopyOnWrite) {
   constexpr int bs = 8;
   KVCacheManager kv(8, bs, true);

@@ -14,7 +14,9 @@
 //   ... run the model, then  kv.cache_full_blocks(seq, all_tokens, num_computed, salt);
 //   each decode step: kv.allocate_slots(seq, 1, nullptr, &copies);   finally kv.free(seq).
 // A PrefixHit is valid until the next call that allocates blocks (allocate_slots, fork-then-CoW)
-// or reset_prefix_cache(): use it in the allocate_slots call right after the lookup.
+// or reset_prefix_cache(): use it in the allocate_slots call right after the lookup. A hit taken
+// before any prefix-cache entry was evicted is rejected (InvalidArgument "stale prefix hit"),
+// so a stale hit can never share blocks whose content has changed.
 //
 // Invariants (checked by the randomized tests): each block's ref count equals the number of block
 // tables holding it; a block is in the free queue iff its ref count is 0; every copy order goes
@@ -49,6 +51,9 @@ using SeqId = int64_t;
 struct PrefixHit {
   std::vector<BlockId> blocks;
   int32_t num_tokens = 0;
+  /// Set by find_cached_prefix: the prefix cache's eviction count at lookup time. A non-empty hit
+  /// whose count is not the current one is stale (allocate_slots/num_blocks_needed throw).
+  uint64_t cache_epoch = 0;
 };
 
 /// Usage and prefix-cache counters (vLLM's kv_cache_usage_perc / prefix_cache_queries / hits).
