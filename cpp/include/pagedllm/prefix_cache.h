@@ -20,7 +20,8 @@
 // BlockPool, and the pool tells the cache (BlockPool::CacheHooks) when a free cached block is
 // reused, which drops its entry (lazy eviction). Lookup and insert allocate no heap memory: the
 // entries, their token ids and an open-addressing hash table (linear probing, backward-shift
-// deletion, at most half full) are flat arrays sized at construction.
+// deletion, at most half full) are flat arrays sized at construction: 4 * block_size + 73 to 97
+// bytes per block (the table is 2 to 4 slots per block): 14 to 16 MB for 100,000 blocks of 16.
 #pragma once
 
 #include <cstdint>

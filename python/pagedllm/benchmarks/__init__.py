@@ -1,0 +1,1 @@
+"""Benchmarks runnable from the installed package (`pagedllm bench ...`); each prints JSON."""
