@@ -30,8 +30,14 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+# pagedllm's kernels and torch each run their own OpenMP runtime; with the default (spinning)
+# wait policy, one runtime's idle workers spin for milliseconds while the other's work, which on a
+# small shared machine dominates every timing. Both runtimes read this when they load (before
+# `import torch`); export OMP_WAIT_POLICY=ACTIVE to measure the default behaviour instead.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import pagedllm.ops as ops  # noqa: E402
@@ -65,15 +71,25 @@ def make_decode_inputs(batch, context, hq, hkv, d, dtype, device, gen):
     return q, k, v, kc, vc, tables, seq_lens
 
 
-def wall_median(fn, iters, warmup=3):
+def wall_pair(fn_a, fn_b, iters, warmup=3):
+    """Wall-clock (median, min) seconds per call of fn_a and fn_b, calls interleaved so that
+    load from other processes on a shared machine hits both alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        fn_a()
+        fn_b()
+    ta, tb = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        fn_a()
+        t1 = time.perf_counter()
+        fn_b()
+        tb.append(time.perf_counter() - t1)
+        ta.append(t1 - t0)
+    return (statistics.median(ta), min(ta)), (statistics.median(tb), min(tb))
+
+
+def cuda_pair(fn_a, fn_b):
+    return (cuda_median(fn_a), None), (cuda_median(fn_b), None)
 
 
 def cuda_median(fn, reps=20, trials=15):
@@ -110,6 +126,14 @@ def cuda_median(fn, reps=20, trials=15):
     return statistics.median(times)
 
 
+def timing_fields(prefix, t):
+    median, fastest = t
+    row = {f"{prefix}_us": median * 1e6}
+    if fastest is not None:
+        row[f"{prefix}_min_us"] = fastest * 1e6
+    return row
+
+
 def decode_row(batch, context, hq, hkv, d, dtype, device, gen, timer, split_k=None):
     q, k, v, kc, vc, tables, seq_lens = make_decode_inputs(batch, context, hq, hkv, d, dtype, device, gen)
     scale = 1.0 / math.sqrt(d)
@@ -122,8 +146,8 @@ def decode_row(batch, context, hq, hkv, d, dtype, device, gen, timer, split_k=No
     def sdpa():
         return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
 
-    t_paged = timer(paged)
-    t_sdpa = timer(sdpa)
+    tp, ts = timer(paged, sdpa)
+    t_paged, t_sdpa = tp[0], ts[0]
     paged()
     diff = (out.float() - sdpa().squeeze(2).float()).abs().max().item()
     kv_bytes = 2 * batch * context * hkv * d * q.element_size()
@@ -131,7 +155,7 @@ def decode_row(batch, context, hq, hkv, d, dtype, device, gen, timer, split_k=No
         "batch": batch, "context": context, "num_heads": hq, "num_kv_heads": hkv, "head_size": d,
         "dtype": str(dtype).removeprefix("torch."), "block_size": BLOCK_SIZE,
         "split_k": "auto" if split_k is None else split_k,
-        "paged_us": t_paged * 1e6, "sdpa_us": t_sdpa * 1e6,
+        **timing_fields("paged", tp), **timing_fields("sdpa", ts),
         "speed_vs_sdpa": t_sdpa / t_paged,
         "kv_bytes": kv_bytes, "paged_GBps": kv_bytes / t_paged / 1e9, "sdpa_GBps": kv_bytes / t_sdpa / 1e9,
         "max_abs_diff_vs_sdpa": diff,
@@ -159,29 +183,29 @@ def prefill_row(seq, hq, hkv, d, dtype, device, gen, timer, flash_only):
     def sdpa_gqa():
         return F.scaled_dot_product_attention(q4, k, v, scale=scale, is_causal=True, enable_gqa=True)
 
-    t_paged = timer(paged)
-    backend = "default"
+    backend = "default (enable_gqa)"
     if flash_only:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             try:
-                t_sdpa = timer(sdpa_gqa)
+                tp, ts = timer(paged, sdpa_gqa)
                 ref = sdpa_gqa()
                 backend = "flash (enable_gqa)"
             except RuntimeError:
-                t_sdpa = timer(sdpa)
+                tp, ts = timer(paged, sdpa)
                 ref = sdpa()
                 backend = "flash (K/V repeated, repeat timed)"
     else:
-        t_sdpa = timer(sdpa_gqa)
+        tp, ts = timer(paged, sdpa_gqa)
         ref = sdpa_gqa()
+    t_paged, t_sdpa = tp[0], ts[0]
     paged()
     diff = (out.float() - ref.squeeze(0).transpose(0, 1).float()).abs().max().item()
     flops = 2 * seq * seq * hq * d
     return {
         "seq_len": seq, "num_heads": hq, "num_kv_heads": hkv, "head_size": d,
         "dtype": str(dtype).removeprefix("torch."), "block_size": BLOCK_SIZE, "sdpa_backend": backend,
-        "paged_us": t_paged * 1e6, "sdpa_us": t_sdpa * 1e6, "speed_vs_sdpa": t_sdpa / t_paged,
+        **timing_fields("paged", tp), **timing_fields("sdpa", ts), "speed_vs_sdpa": t_sdpa / t_paged,
         "flops": flops, "paged_TFLOPs": flops / t_paged / 1e12, "sdpa_TFLOPs": flops / t_sdpa / 1e12,
         "max_abs_diff_vs_sdpa": diff,
     }
@@ -190,7 +214,7 @@ def prefill_row(seq, hq, hkv, d, dtype, device, gen, timer, flash_only):
 def run_cpu(args, gen):
     torch.set_num_threads(args.threads)
     ops.set_num_threads(args.threads)
-    timer = lambda fn: wall_median(fn, args.iters)  # noqa: E731
+    timer = lambda a, b: wall_pair(a, b, args.iters)  # noqa: E731
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for batch, context in ((1, 4096), (16, 1024)):
@@ -199,15 +223,17 @@ def run_cpu(args, gen):
             print(json.dumps(row), file=sys.stderr)
     prefill = []
     for dtype in (torch.float32, torch.bfloat16):
-        row = prefill_row(1024, 9, 3, 64, dtype, "cpu", gen, lambda fn: wall_median(fn, 5, 1), False)
+        row = prefill_row(1024, 9, 3, 64, dtype, "cpu", gen, lambda a, b: wall_pair(a, b, 7, 1), False)
         prefill.append(row)
         print(json.dumps(row), file=sys.stderr)
-    return {"threads": args.threads, "timer": "wall-clock median per call", "decode": rows,
+    return {"threads": args.threads, "load_average": os.getloadavg(),
+            "timer": "wall-clock median (and min) per call, pagedllm and SDPA calls interleaved",
+            "decode": rows,
             "prefill": prefill}
 
 
 def run_cuda(args, gen):
-    timer = cuda_median
+    timer = cuda_pair
     rows = []
     grid = [(1, 4096), (8, 4096), (64, 4096), (256, 1024), (16, 16384), (128, 2048)]
     for batch, context in grid:
@@ -235,6 +261,7 @@ def main():
     result = {
         "bench": "kernels", "date": datetime.date.today().isoformat(), "machine": args.machine,
         "git_commit": git_commit(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     if args.device in ("cpu", "all"):
         result["cpu"] = run_cpu(args, gen)

@@ -193,6 +193,12 @@ int main(int argc, char** argv) {
   std::ostringstream js;
   js << "{\n  \"name\": \"kv_cache\",\n  \"commit\": \"" << commit << "\",\n  \"machine\": \"" << machine
      << "\",\n  \"quick\": " << (quick ? "true" : "false") << ",\n";
+  {
+    std::ifstream la("/proc/loadavg");
+    double l1 = -1;
+    if (la) la >> l1;
+    js << "  \"load_average_1min_at_start\": " << fmt(l1) << ",\n";
+  }
   js << "  \"note\": \"best and median of " << reps
      << " repetitions; best is the least disturbed by other processes on a shared machine\",\n";
   js << "  \"pool_alloc_free_pairs_per_s\": {\n";

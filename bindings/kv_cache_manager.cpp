@@ -34,6 +34,8 @@ PAGEDLLM_BINDING(kv_cache_manager, m) {
            py::arg("blocks") = std::vector<int32_t>{}, py::arg("num_tokens") = 0)
       .def_readwrite("blocks", &PrefixHit::blocks)
       .def_readwrite("num_tokens", &PrefixHit::num_tokens)
+      .def_readwrite("cache_epoch", &PrefixHit::cache_epoch,
+                     "prefix-cache eviction count at lookup; a hit from before an eviction is stale")
       .def("__repr__", [](const PrefixHit& h) {
         return "PrefixHit(num_blocks=" + std::to_string(h.blocks.size()) +
                ", num_tokens=" + std::to_string(h.num_tokens) + ")";

@@ -1,23 +1,160 @@
-// PLACEHOLDER owned by the CUDA kernel engineer (cudakern): replace this file with the real
-// kernels. It exists only so that a CUDA build links before they land; every call throws.
+// cuda/cache_ops.cu — the KV-cache write and block-move kernels on CUDA: reshape_and_cache,
+// copy_blocks (copy-on-write), swap_blocks (CPU <-> GPU, cudaMemcpyAsync).
+//
+// All three move bytes, not values, so one kernel serves every dtype. Rows of head_size elements
+// are 160..1024 bytes — always a multiple of 16 for the supported head sizes and dtypes — so the
+// kernels copy 16-byte vectors (uint4): consecutive threads take consecutive vectors of a row,
+// fully coalesced on both sides.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <stdexcept>
+#include <string>
 
+#include "cuda_check.h"
 #include "kernels.h"
+#include "pagedllm/errors.h"
 
 namespace pagedllm::cuda {
+namespace {
 
-void reshape_and_cache(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
-                       const TensorView&, std::uintptr_t) {
-  throw std::runtime_error("CUDA reshape_and_cache is not implemented yet in this build");
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device != previous_) PAGEDLLM_CUDA_CHECK(cudaSetDevice(device));
+    else previous_ = -1;
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+/// One CTA per token: key[t] and value[t] ([Hkv, D] each) go to row slot % bs of block
+/// slot / bs, for every KV head. slot < 0 or >= num_slots: skipped.
+__global__ void reshape_and_cache_kernel(const uint4* __restrict__ key, const uint4* __restrict__ value,
+                                         uint4* __restrict__ key_cache, uint4* __restrict__ value_cache,
+                                         const int64_t* __restrict__ slot_mapping, int num_kv_heads,
+                                         int block_size, int row_vecs, int64_t num_slots) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = slot_mapping[token];
+  if (slot < 0 || slot >= num_slots) return;
+  const int64_t block = slot / block_size;
+  const int64_t row = slot % block_size;
+  const int n = num_kv_heads * row_vecs;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int head = i / row_vecs, c = i % row_vecs;
+    const int64_t dst = ((block * num_kv_heads + head) * block_size + row) * row_vecs + c;
+    key_cache[dst] = key[token * n + i];
+    value_cache[dst] = value[token * n + i];
+  }
 }
 
-void copy_blocks(const std::vector<TensorView>&, const std::vector<TensorView>&, const TensorView&,
-                 std::uintptr_t) {
-  throw std::runtime_error("CUDA copy_blocks is not implemented yet in this build");
+constexpr int kMaxLayersPerLaunch = 64;
+struct LayerPointers {
+  uint4* key[kMaxLayersPerLaunch];
+  uint4* value[kMaxLayersPerLaunch];
+};
+
+/// grid (pairs, layers, 2: key/value): copy block src -> dst, block_vecs uint4 each.
+__global__ void copy_blocks_kernel(const LayerPointers layers, const int64_t* __restrict__ mapping,
+                                   int64_t block_vecs) {
+  const int64_t pair = blockIdx.x;
+  uint4* cache = blockIdx.z == 0 ? layers.key[blockIdx.y] : layers.value[blockIdx.y];
+  const int64_t src = mapping[2 * pair] * block_vecs;
+  const int64_t dst = mapping[2 * pair + 1] * block_vecs;
+  for (int64_t i = threadIdx.x; i < block_vecs; i += blockDim.x) cache[dst + i] = cache[src + i];
 }
 
-void swap_blocks(const TensorView&, const TensorView&, const TensorView&, std::uintptr_t) {
-  throw std::runtime_error("CUDA swap_blocks is not implemented yet in this build");
+void require_aligned(const TensorView& t, const char* op, const char* name) {
+  if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0)
+    throw InvalidArgument(std::string("CUDA ") + op + ": " + name + " data pointer must be 16-byte aligned, got " +
+                          std::to_string(reinterpret_cast<std::uintptr_t>(t.data)));
+}
+
+int64_t row_bytes(const TensorView& t) {
+  return t.size(-1) * static_cast<int64_t>(dtype_size(t.dtype));
+}
+
+}  // namespace
+
+void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                       const TensorView& value_cache, const TensorView& slot_mapping,
+                       std::uintptr_t stream) {
+  DeviceGuard guard(key_cache.device_index);
+  const int64_t num_tokens = key.size(0);
+  if (num_tokens == 0) return;
+  require_aligned(key, "reshape_and_cache", "key");
+  require_aligned(value, "reshape_and_cache", "value");
+  require_aligned(key_cache, "reshape_and_cache", "key_cache");
+  require_aligned(value_cache, "reshape_and_cache", "value_cache");
+  const int64_t rb = row_bytes(key);
+  if (rb % 16 != 0)
+    throw std::runtime_error("CUDA reshape_and_cache: row of " + std::to_string(rb) + " bytes is not a multiple of 16");
+  const int row_vecs = static_cast<int>(rb / 16);
+  const int num_kv_heads = static_cast<int>(key.size(1));
+  const int block_size = static_cast<int>(key_cache.size(2));
+  const int64_t num_slots = key_cache.size(0) * block_size;
+  const int threads = std::clamp(num_kv_heads * row_vecs, 32, 256);
+  reshape_and_cache_kernel<<<static_cast<unsigned>(num_tokens), threads, 0,
+                             reinterpret_cast<cudaStream_t>(stream)>>>(
+      key.ptr<uint4>(), value.ptr<uint4>(), key_cache.ptr<uint4>(), value_cache.ptr<uint4>(),
+      slot_mapping.ptr<int64_t>(), num_kv_heads, block_size, row_vecs, num_slots);
+  PAGEDLLM_CUDA_CHECK_LAUNCH();
+}
+
+void copy_blocks(const std::vector<TensorView>& key_caches, const std::vector<TensorView>& value_caches,
+                 const TensorView& block_mapping, std::uintptr_t stream) {
+  if (key_caches.empty()) return;
+  const int64_t num_pairs = block_mapping.size(0);
+  if (num_pairs == 0) return;
+  DeviceGuard guard(key_caches[0].device_index);
+  const TensorView& c0 = key_caches[0];
+  const int64_t block_bytes = c0.size(1) * c0.size(2) * row_bytes(c0);
+  if (block_bytes % 16 != 0)
+    throw std::runtime_error("CUDA copy_blocks: block of " + std::to_string(block_bytes) + " bytes is not a multiple of 16");
+  const int64_t num_layers = static_cast<int64_t>(key_caches.size());
+  for (int64_t first = 0; first < num_layers; first += kMaxLayersPerLaunch) {
+    const int64_t n = std::min<int64_t>(kMaxLayersPerLaunch, num_layers - first);
+    LayerPointers ptrs{};
+    for (int64_t i = 0; i < n; ++i) {
+      require_aligned(key_caches[first + i], "copy_blocks", "key_caches[i]");
+      require_aligned(value_caches[first + i], "copy_blocks", "value_caches[i]");
+      ptrs.key[i] = key_caches[first + i].ptr<uint4>();
+      ptrs.value[i] = value_caches[first + i].ptr<uint4>();
+    }
+    dim3 grid(static_cast<unsigned>(num_pairs), static_cast<unsigned>(n), 2);
+    copy_blocks_kernel<<<grid, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+        ptrs, block_mapping.ptr<int64_t>(), block_bytes / 16);
+    PAGEDLLM_CUDA_CHECK_LAUNCH();
+  }
+}
+
+void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView& block_mapping,
+                 std::uintptr_t stream) {
+  const int64_t num_pairs = block_mapping.size(0);
+  if (num_pairs == 0) return;
+  const TensorView& on_device = src.device == DeviceType::kCUDA ? src : dst;
+  DeviceGuard guard(on_device.device_index);
+  const int64_t block_bytes = src.size(1) * src.size(2) * row_bytes(src);
+  const int64_t* map = block_mapping.ptr<int64_t>();
+  const char* s = static_cast<const char*>(src.data);
+  char* d = static_cast<char*>(dst.data);
+  // Runs of consecutive (src, dst) pairs become one copy.
+  int64_t i = 0;
+  while (i < num_pairs) {
+    int64_t j = i + 1;
+    while (j < num_pairs && map[2 * j] == map[2 * (j - 1)] + 1 && map[2 * j + 1] == map[2 * (j - 1) + 1] + 1) ++j;
+    PAGEDLLM_CUDA_CHECK(cudaMemcpyAsync(d + map[2 * i + 1] * block_bytes, s + map[2 * i] * block_bytes,
+                                        static_cast<size_t>((j - i) * block_bytes), cudaMemcpyDefault,
+                                        reinterpret_cast<cudaStream_t>(stream)));
+    i = j;
+  }
 }
 
 }  // namespace pagedllm::cuda

@@ -83,10 +83,18 @@ void BlockTable::share_full_blocks(BlockPool& pool, std::span<const BlockId> blo
 
 BlockTable BlockTable::fork(BlockPool& pool) const {
   BlockTable child(block_size_);
-  child.blocks_ = blocks_;  // copy first (may throw) before any reference is taken
-  for (BlockId b : blocks_) pool.incref(b);
-  child.num_tokens_ = num_tokens_;
+  fork_into(pool, &child);
   return child;
+}
+
+void BlockTable::fork_into(BlockPool& pool, BlockTable* child) const {
+  PAGEDLLM_CHECK(child->num_tokens_ == 0 && child->blocks_.empty(),
+                 "fork_into needs an empty child table, it holds ", child->num_tokens_, " tokens");
+  PAGEDLLM_CHECK(child->block_size_ == block_size_, "fork_into: child block_size ",
+                 child->block_size_, " != ", block_size_);
+  child->blocks_.assign(blocks_.begin(), blocks_.end());  // may allocate: before any reference
+  for (BlockId b : blocks_) pool.incref(b);
+  child->num_tokens_ = num_tokens_;
 }
 
 void BlockTable::free(BlockPool& pool) {

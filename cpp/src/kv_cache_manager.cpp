@@ -17,15 +17,90 @@ KVCacheManager::KVCacheManager(int32_t num_blocks, int32_t block_size, bool enab
 
 KVCacheManager::~KVCacheManager() { pool_.set_cache_hooks(nullptr); }
 
+// ------------------------------------------------------------------ sequence index
+KVCacheManager::SeqIndex::SeqIndex() : mask_(15), keys_(16, 0), vals_(16, -1) {}
+
+uint64_t KVCacheManager::SeqIndex::home(SeqId id) const {
+  uint64_t x = static_cast<uint64_t>(id) + 0x9e3779b97f4a7c15ull;  // splitmix64 finalizer
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return (x ^ (x >> 31)) & mask_;
+}
+
+int32_t KVCacheManager::SeqIndex::find(SeqId id) const {
+  for (uint64_t i = home(id);; i = (i + 1) & mask_) {
+    if (vals_[i] < 0) return -1;
+    if (keys_[i] == id) return vals_[i];
+  }
+}
+
+void KVCacheManager::SeqIndex::reserve(int32_t n) {
+  if (static_cast<uint64_t>(n) * 2 <= mask_ + 1) return;
+  uint64_t capacity = mask_ + 1;
+  while (static_cast<uint64_t>(n) * 2 > capacity) capacity *= 2;
+  std::vector<SeqId> old_keys(capacity, 0);
+  std::vector<int32_t> old_vals(capacity, -1);
+  old_keys.swap(keys_);
+  old_vals.swap(vals_);
+  mask_ = capacity - 1;
+  size_ = 0;
+  for (size_t i = 0; i < old_vals.size(); ++i) {
+    if (old_vals[i] >= 0) insert(old_keys[i], old_vals[i]);
+  }
+}
+
+void KVCacheManager::SeqIndex::insert(SeqId id, int32_t slot) {
+  uint64_t i = home(id);
+  while (vals_[i] >= 0) i = (i + 1) & mask_;
+  keys_[i] = id;
+  vals_[i] = slot;
+  ++size_;
+}
+
+void KVCacheManager::SeqIndex::erase(SeqId id) {
+  uint64_t hole = home(id);
+  while (keys_[hole] != id || vals_[hole] < 0) hole = (hole + 1) & mask_;
+  // Backward-shift deletion, as in PrefixCache::table_erase.
+  for (uint64_t j = (hole + 1) & mask_; vals_[j] >= 0; j = (j + 1) & mask_) {
+    const uint64_t h = home(keys_[j]);
+    const bool stays = hole <= j ? (hole < h && h <= j) : (hole < h || h <= j);
+    if (!stays) {
+      keys_[hole] = keys_[j];
+      vals_[hole] = vals_[j];
+      hole = j;
+    }
+  }
+  vals_[hole] = -1;
+  --size_;
+}
+
+// ------------------------------------------------------------------ sequences
 const KVCacheManager::Sequence& KVCacheManager::get(SeqId seq) const {
-  auto it = seqs_.find(seq);
-  PAGEDLLM_CHECK(it != seqs_.end(), "unknown sequence id ", seq,
-                 " (never allocated, or already freed)");
-  return it->second;
+  const int32_t slot = index_.find(seq);
+  PAGEDLLM_CHECK(slot >= 0, "unknown sequence id ", seq, " (never allocated, or already freed)");
+  return slots_[slot];
 }
 
 KVCacheManager::Sequence& KVCacheManager::get(SeqId seq) {
   return const_cast<Sequence&>(std::as_const(*this).get(seq));
+}
+
+int32_t KVCacheManager::new_sequence(SeqId seq) {
+  index_.reserve(index_.size() + 1);  // may throw: nothing changed yet
+  if (free_slots_.empty()) {
+    slots_.emplace_back(block_size_);  // may throw: nothing changed yet
+    try {
+      free_slots_.reserve(slots_.capacity());
+    } catch (...) {
+      slots_.pop_back();
+      throw;
+    }
+    free_slots_.push_back(static_cast<int32_t>(slots_.size()) - 1);
+  }
+  const int32_t slot = free_slots_.back();
+  free_slots_.pop_back();
+  index_.insert(seq, slot);
+  return slot;
 }
 
 // ------------------------------------------------------------------ prefix lookup
@@ -33,7 +108,9 @@ void KVCacheManager::find_cached_prefix(std::span<const int32_t> token_ids, uint
                                         PrefixHit* hit, bool record_stats) {
   hit->blocks.clear();
   hit->num_tokens = 0;
+  hit->cache_epoch = 0;
   if (!prefix_cache_) return;
+  hit->cache_epoch = prefix_cache_->num_evictions();
   // Leave at least one token to compute: the model must produce logits for the last one.
   const int64_t n = static_cast<int64_t>(token_ids.size());
   const int32_t max_blocks = n > 0 ? static_cast<int32_t>((n - 1) / block_size_) : 0;
@@ -59,6 +136,10 @@ int32_t KVCacheManager::check_hit(const PrefixHit& hit) const {
   if (n == 0) return 0;
   PAGEDLLM_CHECK(prefix_cache_ != nullptr, "a prefix hit of ", n,
                  " blocks was given but prefix caching is off");
+  PAGEDLLM_CHECK(hit.cache_epoch == prefix_cache_->num_evictions(),
+                 "stale prefix hit: taken at cache epoch ", hit.cache_epoch, ", now ",
+                 prefix_cache_->num_evictions(),
+                 " (blocks were evicted since; look the prefix up again right before allocate_slots)");
   if (++mark_epoch_ == 0) {  // epoch wrapped: clear the stamps
     std::fill(mark_.begin(), mark_.end(), 0);
     mark_epoch_ = 1;
@@ -78,11 +159,11 @@ int32_t KVCacheManager::check_hit(const PrefixHit& hit) const {
 // ------------------------------------------------------------------ allocation
 int32_t KVCacheManager::num_blocks_needed(SeqId seq, int32_t num_new_tokens, const PrefixHit* hit) const {
   PAGEDLLM_CHECK(num_new_tokens >= 0, "num_new_tokens must be >= 0, got ", num_new_tokens);
-  auto it = seqs_.find(seq);
-  if (it != seqs_.end()) {
+  const int32_t slot = index_.find(seq);
+  if (slot >= 0) {
     PAGEDLLM_CHECK(hit == nullptr || hit->blocks.empty(), "a prefix hit was given for sequence ",
                    seq, ", which already exists (hits apply to new sequences only)");
-    return it->second.table.num_blocks_needed(pool_, num_new_tokens);
+    return slots_[slot].table.num_blocks_needed(pool_, num_new_tokens);
   }
   const int32_t free_hit_blocks = hit != nullptr ? check_hit(*hit) : 0;
   const int64_t hit_blocks = hit != nullptr ? static_cast<int64_t>(hit->blocks.size()) : 0;
@@ -94,24 +175,33 @@ int32_t KVCacheManager::num_blocks_needed(SeqId seq, int32_t num_new_tokens, con
 
 bool KVCacheManager::allocate_slots(SeqId seq, int32_t num_new_tokens, const PrefixHit* hit,
                                     std::vector<CopyOrder>* copies) {
-  auto it = seqs_.find(seq);
-  if (it != seqs_.end()) {
+  const int32_t existing = index_.find(seq);
+  if (existing >= 0) {
     PAGEDLLM_CHECK(hit == nullptr || hit->blocks.empty(), "a prefix hit was given for sequence ",
                    seq, ", which already exists (hits apply to new sequences only)");
-    return it->second.table.append_slots(pool_, num_new_tokens, copies);
+    return slots_[existing].table.append_slots(pool_, num_new_tokens, copies);
   }
   // A new sequence: validate everything, then commit (no step below can fail half-way).
   const int32_t needed = num_blocks_needed(seq, num_new_tokens, hit);
   if (needed > pool_.num_free_blocks()) return false;
-  it = seqs_.emplace(seq, Sequence(block_size_)).first;
-  Sequence& s = it->second;
-  if (hit != nullptr && !hit->blocks.empty()) {
+  const bool has_hit = hit != nullptr && !hit->blocks.empty();
+  const size_t total_blocks =
+      (static_cast<size_t>(has_hit ? hit->num_tokens : 0) + num_new_tokens + block_size_ - 1) / block_size_;
+  const int32_t slot = new_sequence(seq);
+  Sequence& s = slots_[slot];
+  try {
+    s.table.reserve(total_blocks);
+  } catch (...) {
+    index_.erase(seq);
+    free_slots_.push_back(slot);
+    throw;
+  }
+  if (has_hit) {
     s.table.share_full_blocks(pool_, hit->blocks);
     s.num_hashed_blocks = static_cast<int32_t>(hit->blocks.size());
     s.chain = prefix_cache_->link(hit->blocks.back());
   }
-  const bool ok = s.table.append_slots(pool_, num_new_tokens, copies);  // no CoW: hit blocks are full
-  (void)ok;
+  s.table.append_slots(pool_, num_new_tokens, copies);  // cannot fail: blocks counted, no CoW
   return true;
 }
 
@@ -175,24 +265,31 @@ void KVCacheManager::reset_prefix_cache() {
 // ------------------------------------------------------------------ fork / free
 void KVCacheManager::fork(SeqId parent, SeqId child) {
   PAGEDLLM_CHECK(!contains(child), "fork: child sequence id ", child, " is already live");
-  const Sequence& p = get(parent);
-  auto it = seqs_.emplace(child, Sequence(block_size_)).first;
+  (void)get(parent);  // throws on an unknown parent before anything changes
+  const int32_t child_slot = new_sequence(child);  // may grow slots_: look the parent up after
+  const Sequence& p = slots_[index_.find(parent)];
+  Sequence& c = slots_[child_slot];
   try {
-    it->second.table = p.table.fork(pool_);
+    p.table.fork_into(pool_, &c.table);
   } catch (...) {
-    seqs_.erase(it);
+    index_.erase(child);
+    free_slots_.push_back(child_slot);
     throw;
   }
-  it->second.num_hashed_blocks = p.num_hashed_blocks;
-  it->second.chain = p.chain;
+  c.num_hashed_blocks = p.num_hashed_blocks;
+  c.chain = p.chain;
 }
 
 void KVCacheManager::free(SeqId seq) {
-  auto it = seqs_.find(seq);
-  PAGEDLLM_CHECK(it != seqs_.end(), "free: unknown sequence id ", seq,
+  const int32_t slot = index_.find(seq);
+  PAGEDLLM_CHECK(slot >= 0, "free: unknown sequence id ", seq,
                  " (never allocated, or already freed: double free)");
-  it->second.table.free(pool_);
-  seqs_.erase(it);
+  Sequence& s = slots_[slot];
+  s.table.free(pool_);
+  s.num_hashed_blocks = 0;
+  s.chain = ChainLink::root();
+  index_.erase(seq);
+  free_slots_.push_back(slot);
 }
 
 }  // namespace pagedllm

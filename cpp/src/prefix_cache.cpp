@@ -189,6 +189,7 @@ void PrefixCache::evict(BlockId block) {
   cached_[block] = 0;
   ++generation_[block];
   --num_cached_;
+  ++num_evictions_;
 }
 
 }  // namespace pagedllm

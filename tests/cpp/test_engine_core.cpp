@@ -439,3 +439,28 @@ TEST(EngineCore, StopTokenAndEosAndFinishSequence) {
   EXPECT_EQ(core.stats().num_finished_requests, 3);
   expect_idle_no_leak(core);
 }
+
+TEST(EngineCore, RunningDecodesComeBeforeRunningPromptChunks) {
+  EngineCore core(make_config(64, /*budget=*/16));
+  core.add_request("long", iota_tokens(40), params(2));
+  SchedulerOutput& s1 = core.schedule();  // long: first 16-token chunk
+  ASSERT_EQ(s1.num_tokens, 16);
+  core.add_request("short", iota_tokens(8, 500), params(3));
+  SchedulerOutput& s2 = core.schedule();  // long is in flight: short's whole prompt
+  ASSERT_EQ(s2.num_tokens, 8);
+  core.update_from_output(s1, std::vector<int32_t>{});
+  core.update_from_output(s2, std::vector<int32_t>{1});
+  core.release(s1);
+  core.release(s2);
+  // running order is [long, short]; short's decode still goes first and long gets the rest.
+  SchedulerOutput& s3 = core.schedule();
+  ASSERT_EQ(s3.num_seqs, 2);
+  EXPECT_EQ(s3.num_decode_seqs, 1);
+  EXPECT_EQ(s3.seq_lens[0], 9);
+  EXPECT_EQ(s3.num_tokens, 16);
+  EXPECT_EQ(s3.seq_lens[1], 31);
+  core.update_from_output(s3, std::vector<int32_t>{1});
+  core.release(s3);
+  while (core.has_unfinished_requests()) step(core);
+  expect_idle_no_leak(core);
+}

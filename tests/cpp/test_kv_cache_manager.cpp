@@ -153,6 +153,32 @@ TEST(KVCacheManager, BadHitsAreRejectedBeforeAnyChange) {
   EXPECT_THROW(off.cache_full_blocks(9, prompt, 0, 0), InvalidArgument);  // unknown seq
 }
 
+TEST(KVCacheManager, StaleHitIsRejected) {
+  constexpr int bs = 8;
+  KVCacheManager kv(4, bs, true);
+  auto prompt = iota_tokens(2 * bs + 1);
+  ASSERT_TRUE(kv.allocate_slots(1, 2 * bs + 1));
+  kv.cache_full_blocks(1, prompt, 2 * bs + 1, 0);
+  kv.free(1);
+  PrefixHit hit = kv.find_cached_prefix(prompt, 0);
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  // Another request takes every block: both cached blocks are evicted and reused.
+  auto other = iota_tokens(4 * bs, 900);
+  ASSERT_TRUE(kv.allocate_slots(2, 4 * bs));
+  kv.cache_full_blocks(2, other, 4 * bs, 0);
+  kv.free(2);
+  EXPECT_NE(error_of([&] { (void)kv.num_blocks_needed(3, 1, &hit); }).find("stale prefix hit"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { (void)kv.allocate_slots(3, 1, &hit); }).find("stale prefix hit"),
+            std::string::npos);
+  EXPECT_FALSE(kv.contains(3));
+  EXPECT_EQ(kv.num_free_blocks(), 4);
+  PrefixHit fresh = kv.find_cached_prefix(prompt, 0);
+  EXPECT_TRUE(fresh.blocks.empty());
+  EXPECT_TRUE(kv.allocate_slots(3, 1, &fresh));
+  kv.free(3);
+}
+
 TEST(KVCacheManager, ForkAndCopyOnWrite) {
   constexpr int bs = 8;
   KVCacheManager kv(8, bs, true);
@@ -529,3 +555,47 @@ TEST(KVCacheManagerRandom, HundredThousandOpsWithPrefixCaching) { run_random(40,
 TEST(KVCacheManagerRandom, OpsWithoutPrefixCachingLargerBlocks) { run_random(40, 16, false, 2, 30000); }
 
 TEST(KVCacheManagerRandom, OpsWithPrefixCachingBlockSize32) { run_random(48, 32, true, 3, 30000); }
+
+TEST(KVCacheManager, ManyLiveSequencesWithArbitraryIds) {
+  // The sequence index (open addressing, grows, backward-shift deletion) against a std::map.
+  KVCacheManager kv(4096, 8, false);
+  std::mt19937_64 rng(5);
+  std::map<SeqId, int32_t> model;  // id -> tokens
+  for (int step = 0; step < 40000; ++step) {
+    const bool add = model.size() < 50 || (model.size() < 3000 && rng() % 3 != 0);
+    if (add) {
+      SeqId id = static_cast<SeqId>(rng());  // any int64, negative ones included
+      if (rng() % 4 == 0) id = static_cast<SeqId>(rng() % 64);  // small ids, often reused
+      if (model.count(id)) {
+        ASSERT_THROW(kv.fork(id, id), InvalidArgument);
+        continue;
+      }
+      const int32_t n = 1 + static_cast<int32_t>(rng() % 9);
+      if (!model.empty() && rng() % 4 == 0) {
+        const SeqId parent = model.begin()->first;
+        kv.fork(parent, id);
+        model[id] = model[parent];
+      } else if (kv.allocate_slots(id, n)) {
+        model[id] = n;
+      } else {
+        ASSERT_FALSE(kv.contains(id));
+      }
+    } else {
+      auto it = model.begin();
+      std::advance(it, rng() % model.size());
+      kv.free(it->first);
+      ASSERT_FALSE(kv.contains(it->first));
+      model.erase(it);
+    }
+    ASSERT_EQ(kv.num_seqs(), static_cast<int32_t>(model.size()));
+    if (step % 500 == 0) {
+      for (const auto& [id, n] : model) {
+        ASSERT_TRUE(kv.contains(id)) << id;
+        ASSERT_EQ(kv.num_tokens(id), n) << id;
+      }
+    }
+  }
+  for (const auto& [id, n] : model) kv.free(id);
+  EXPECT_EQ(kv.num_seqs(), 0);
+  EXPECT_EQ(kv.num_free_blocks(), 4096);
+}

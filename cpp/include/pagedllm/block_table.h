@@ -17,6 +17,7 @@
 // is destroyed, or its blocks stay held.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -67,11 +68,18 @@ class BlockTable {
   /// every id is checked before any reference is taken.
   void share_full_blocks(BlockPool& pool, std::span<const BlockId> blocks);
 
+  /// Make room for num_blocks block ids without reallocating (may throw bad_alloc; no other change).
+  void reserve(size_t num_blocks) {
+    if (blocks_.capacity() < num_blocks) blocks_.reserve(std::max(num_blocks, 2 * blocks_.capacity()));
+  }
+
   /// A child table sharing every block of this one (ref + 1 each) and the same token count.
   BlockTable fork(BlockPool& pool) const;
+  /// Same, into an empty table *child of the same block size (reusing its capacity).
+  void fork_into(BlockPool& pool, BlockTable* child) const;
 
   /// Release every block, last block first (so a cached chain's tail is evicted first), and
-  /// become empty.
+  /// become empty (the list keeps its capacity for reuse).
   void free(BlockPool& pool);
 
  private:

@@ -14,7 +14,9 @@
 //   ... run the model, then  kv.cache_full_blocks(seq, all_tokens, num_computed, salt);
 //   each decode step: kv.allocate_slots(seq, 1, nullptr, &copies);   finally kv.free(seq).
 // A PrefixHit is valid until the next call that allocates blocks (allocate_slots, fork-then-CoW)
-// or reset_prefix_cache(): use it in the allocate_slots call right after the lookup.
+// or reset_prefix_cache(): use it in the allocate_slots call right after the lookup. If any
+// prefix-cache entry was evicted after the lookup, the hit is rejected (InvalidArgument "stale
+// prefix hit"), so a stale hit can never share blocks whose content has changed.
 //
 // Invariants (checked by the randomized tests): each block's ref count equals the number of block
 // tables holding it; a block is in the free queue iff its ref count is 0; every copy order goes
@@ -24,7 +26,8 @@
 // Errors: bad input throws pagedllm::InvalidArgument (Python ValueError) whose message names the
 // value, and changes nothing: block size not a power of two in [8, 128], num_blocks < 1, unknown
 // sequence (incl. double free), negative token counts, a position out of range, a hit for an
-// existing sequence, a fork onto a live id. Running out of blocks is not an error:
+// existing sequence, a stale or malformed hit (uncached, repeated or out-of-range blocks, wrong
+// num_tokens), a fork onto a live id. Running out of blocks is not an error:
 // allocate_slots returns false.
 //
 // Not thread-safe: one thread (the scheduler's) drives a KVCacheManager.
@@ -33,7 +36,6 @@
 #include <cstdint>
 #include <memory>
 #include <span>
-#include <unordered_map>
 #include <vector>
 
 #include "pagedllm/block_pool.h"
@@ -50,6 +52,9 @@ using SeqId = int64_t;
 struct PrefixHit {
   std::vector<BlockId> blocks;
   int32_t num_tokens = 0;
+  /// Set by find_cached_prefix: the prefix cache's eviction count at lookup time. A non-empty hit
+  /// whose count is not the current one is stale (allocate_slots/num_blocks_needed throw).
+  uint64_t cache_epoch = 0;
 };
 
 /// Usage and prefix-cache counters (vLLM's kv_cache_usage_perc / prefix_cache_queries / hits).
@@ -124,9 +129,9 @@ class KVCacheManager {
   /// eviction). Throws InvalidArgument on an unknown seq (incl. double free).
   void free(SeqId seq);
 
-  bool contains(SeqId seq) const { return seqs_.find(seq) != seqs_.end(); }
+  bool contains(SeqId seq) const { return index_.find(seq) >= 0; }
   /// Number of live sequences.
-  int32_t num_seqs() const { return static_cast<int32_t>(seqs_.size()); }
+  int32_t num_seqs() const { return index_.size(); }
 
   KVCacheStats stats() const;
 
@@ -145,14 +150,41 @@ class KVCacheManager {
     int32_t num_hashed_blocks = 0;   // leading full blocks already given to the prefix cache
     ChainLink chain;                 // link after those blocks
   };
+
+  // SeqId -> index into slots_: open addressing (linear probing, backward-shift deletion), at
+  // most half full. It allocates only when it grows, i.e. when the number of live sequences
+  // reaches a new high.
+  class SeqIndex {
+   public:
+    SeqIndex();
+    int32_t find(SeqId id) const;         // slot index, or -1
+    void reserve(int32_t n);              // room for n entries (may throw bad_alloc)
+    void insert(SeqId id, int32_t slot);  // id absent, room reserved: never throws
+    void erase(SeqId id);                 // id present
+    int32_t size() const { return size_; }
+
+   private:
+    uint64_t home(SeqId id) const;
+    uint64_t mask_;
+    int32_t size_ = 0;
+    std::vector<SeqId> keys_;
+    std::vector<int32_t> vals_;  // -1 = empty
+  };
+
   const Sequence& get(SeqId seq) const;
   Sequence& get(SeqId seq);
   int32_t check_hit(const PrefixHit& hit) const;  // validates; returns hit blocks now free
+  // Index of an empty Sequence for `seq`, registered in index_ (strong exception guarantee).
+  int32_t new_sequence(SeqId seq);
 
   int32_t block_size_;
   BlockPool pool_;
   std::unique_ptr<PrefixCache> prefix_cache_;  // null when prefix caching is off
-  std::unordered_map<SeqId, Sequence> seqs_;
+  // Sequences live in recycled slots: a freed slot keeps its block table's capacity, so once the
+  // manager is warm, creating, growing, forking and freeing sequences allocate no heap memory.
+  std::vector<Sequence> slots_;
+  std::vector<int32_t> free_slots_;  // capacity kept >= slots_.size(): push_back never allocates
+  SeqIndex index_;
   mutable std::vector<uint32_t> mark_;  // scratch for check_hit (epoch stamps per block)
   mutable uint32_t mark_epoch_ = 0;
   int64_t prefix_cache_queries_ = 0;

@@ -20,7 +20,8 @@
 // BlockPool, and the pool tells the cache (BlockPool::CacheHooks) when a free cached block is
 // reused, which drops its entry (lazy eviction). Lookup and insert allocate no heap memory: the
 // entries, their token ids and an open-addressing hash table (linear probing, backward-shift
-// deletion, at most half full) are flat arrays sized at construction.
+// deletion, at most half full) are flat arrays sized at construction: 4 * block_size + 73 to 97
+// bytes per block (the table is 2 to 4 slots per block): 14 to 16 MB for 100,000 blocks of 16.
 #pragma once
 
 #include <cstdint>
@@ -89,6 +90,9 @@ class PrefixCache : public BlockPool::CacheHooks {
   ChainLink link(BlockId block) const;
   /// Number of blocks that carry an entry.
   int32_t num_cached_blocks() const { return num_cached_; }
+  /// Entries dropped so far (evict(), reuse of a free cached block, replaced stale entries):
+  /// lookups made before the last eviction may name blocks that no longer hold their content.
+  uint64_t num_evictions() const { return num_evictions_; }
 
   // BlockPool::CacheHooks
   bool holds_reusable_content(BlockId block) const override { return cached_[block] != 0; }
@@ -105,6 +109,7 @@ class PrefixCache : public BlockPool::CacheHooks {
   int32_t num_blocks_;
   int32_t block_size_;
   int32_t num_cached_ = 0;
+  uint64_t num_evictions_ = 0;
   // Per-block entry, valid while cached_[b].
   std::vector<uint8_t> cached_;
   std::vector<uint64_t> generation_;  // +1 on every insert and evict (64 bits: never wraps)

@@ -5,10 +5,11 @@
 // Algorithm (vLLM v1's scheduler, vllm/v1/core/sched/scheduler.py; Orca's iteration-level
 // scheduling, Yu et al., OSDI 2022; Sarathi-Serve's chunked prefill, Agrawal et al., OSDI 2024):
 // the scheduler speaks in tokens. Each step starts with a budget of max_num_batched_tokens.
-//  1. Running sequences, in running order, each get their pending tokens (1 for a decode, the
-//     rest of the prompt for a chunked prefill) capped by what is left of the budget. When the
-//     KV pool cannot supply the blocks, the running sequence that is scheduled last under the
-//     policy (lowest priority, latest arrival) and not yet scheduled this step is preempted by
+//  1. Running sequences get their pending tokens (1 for a decode, the rest of the prompt for a
+//     chunked prefill or a replay) capped by what is left of the budget: decodes first, then the
+//     others, each in running order. When the KV pool cannot supply the blocks, the running
+//     sequence that is scheduled last under the policy (lowest priority, latest arrival) and not
+//     yet scheduled this step is preempted by
 //     recompute: its blocks are freed, its computed count drops to 0, and it goes back to the
 //     FRONT of the waiting queue keeping its generated tokens, so that its replay recomputes
 //     prompt + outputs and then continues exactly where it stopped.
@@ -143,6 +144,7 @@ class Scheduler {
   PrefixHit hit_;
   std::vector<CopyOrder> copies_;
   std::vector<Sequence*> candidates_;
+  std::vector<Sequence*> running_snapshot_;
   std::vector<Sequence*> finished_scratch_;
   std::vector<Request*> done_scratch_;
 };

@@ -13,6 +13,7 @@ The LLM class (offline API) and AsyncLLM (server) both drive this object from on
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -82,15 +83,19 @@ class LLMEngine:
                              f"{list(ops.SUPPORTED_HEAD_SIZES)}")
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
-        self.tokenizer = _load_tokenizer(args.tokenizer or self.model_path)
+        self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
+        # The tokenizer (mostly Python imports) loads in a thread while the weights (native copies
+        # that release the GIL) load here: start-up is about the longer of the two.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer") as pool:
+            tokenizer = pool.submit(_load_tokenizer, args.tokenizer or self.model_path)
+            self.runner = ModelRunner(
+                self.model_path, cfg, dtype=self.dtype, device=self.device, block_size=args.block_size,
+                max_model_len=self.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
+            )
+            self.tokenizer = tokenizer.result()
         self.eos_token_ids = _eos_token_ids(self.model_path, cfg, self.tokenizer)
         self.generation_defaults = _generation_defaults(self.model_path)
-        self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
-        self.runner = ModelRunner(
-            self.model_path, cfg, dtype=self.dtype, device=self.device, block_size=args.block_size,
-            max_model_len=self.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
-        )
         ec = _C.EngineConfig()
         ec.num_blocks = self.runner.num_blocks
         ec.block_size = args.block_size
@@ -121,9 +126,11 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request. Raises ValueError (nothing queued) for an empty prompt, token ids
-        outside the vocabulary, a prompt of max_model_len tokens or more, or bad params."""
+        outside the vocabulary, a prompt of max_model_len tokens or more, or bad params.
+        cache_salt: extra prefix-cache key (requests with different salts share no blocks)."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
@@ -139,7 +146,8 @@ class LLMEngine:
         if priority != 0 and self.args.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} given, but scheduling_policy is 'fcfs': use scheduling_policy='priority'")
         params.verify_for_vocab(self.model_config.vocab_size)
-        rp = params.to_request_params(self.eos_token_ids, priority=priority, arrival_time=arrival_time)
+        rp = params.to_request_params(self.eos_token_ids, priority=priority, arrival_time=arrival_time,
+                                     cache_salt=cache_salt)
         room = self.max_model_len - n  # generation stops at max_model_len ("length")
         if rp.max_tokens < 0 or rp.max_tokens > room:
             rp.max_tokens = room
@@ -246,6 +254,16 @@ def _batched_tokens(args: EngineArgs, max_model_len: int) -> int:
 
 
 def _load_tokenizer(path):
+    """The checkpoint's Hugging Face tokenizer. A folder with tokenizer.json loads it as a fast
+    tokenizer directly (AutoTokenizer first imports the model's whole config/modeling stack: many
+    seconds of start-up); other folders and hub ids go through AutoTokenizer."""
+    from pathlib import Path
+
+    folder = Path(str(path))
+    if (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,270 @@
+// cuda/attention_fp32.cu — paged attention for float32 caches on CUDA cores (decode with
+// split-K partials, and varlen causal prefill), plus the flash-decoding split-K reduction used by
+// every dtype.
+//
+// float32 has no tensor-core path with float32 accuracy, and float32 KV caches are a
+// correctness/debugging configuration, so this kernel favours simplicity: one CTA per (query
+// row, query head [, partition]); each warp walks keys w, w+4, ... with an online softmax
+// (Milakov & Gimelshein 2018), lanes split the head dimension, and the warps are merged at the
+// end.
+#include <cstdlib>
+
+#include "attention_launch.h"
+#include "cuda_check.h"
+
+namespace pagedllm::cuda::detail {
+namespace {
+
+constexpr int kFp32Warps = 4;
+
+template <int D>
+__global__ void __launch_bounds__(128) attention_fp32_kernel(const AttnParams p) {
+  constexpr int KD = (D + 31) / 32;  // head dims per lane
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x, head = blockIdx.y, split = blockIdx.z;
+  const int kv_head = head / p.group;
+
+  int seq, pos;
+  if (p.query_start_loc == nullptr) {  // decode: row = sequence
+    seq = row;
+    pos = p.seq_lens[seq] - 1;
+  } else {  // prefill: find b with query_start_loc[b] <= row < query_start_loc[b+1]
+    int lo = 0, hi = p.num_seqs;  // answer in [lo, hi)
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (p.query_start_loc[mid] <= row) lo = mid; else hi = mid;
+    }
+    seq = lo;
+    const int qlen = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+    pos = p.seq_lens[seq] - qlen + (row - p.query_start_loc[seq]);
+  }
+  int start = p.sliding_window > 0 ? max(0, pos - p.sliding_window + 1) : 0;
+  int end = pos + 1;
+  if (p.num_splits > 1) {
+    start = max(start, split * p.partition_tokens);
+    end = min(end, (split + 1) * p.partition_tokens);
+  }
+
+  __shared__ float sq[D];
+  __shared__ float sO[kFp32Warps][D];
+  __shared__ float sM[kFp32Warps], sL[kFp32Warps];
+  const int64_t qrow = static_cast<int64_t>(row) * p.num_heads + head;
+  const float* q = static_cast<const float*>(p.query) + qrow * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) sq[d] = q[d];
+  __syncthreads();
+
+  const int32_t* bt = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
+  const float* kc = static_cast<const float*>(p.key_cache);
+  const float* vc = static_cast<const float*>(p.value_cache);
+  float m = neg_inf(), l = 0.f, acc[KD];
+#pragma unroll
+  for (int i = 0; i < KD; ++i) acc[i] = 0.f;
+
+  for (int key = start + warp; key < end; key += kFp32Warps) {
+    const int64_t off = kv_row_offset(bt, key, kv_head, p, D);
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < KD; ++i) {
+      const int d = lane + 32 * i;
+      if (d < D) dot += sq[d] * kc[off + d];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    const float s = score_log2(dot, p.scale, p.scale_log2, p.soft_cap);
+    const float m_new = fmaxf(m, s);
+    const float corr = exp2f(m - m_new);
+    const float e = exp2f(s - m_new);
+    l = l * corr + e;
+#pragma unroll
+    for (int i = 0; i < KD; ++i) {
+      const int d = lane + 32 * i;
+      acc[i] = acc[i] * corr + (d < D ? e * vc[off + d] : 0.f);
+    }
+    m = m_new;
+  }
+
+#pragma unroll
+  for (int i = 0; i < KD; ++i) {
+    const int d = lane + 32 * i;
+    if (d < D) sO[warp][d] = acc[i];
+  }
+  if (lane == 0) {
+    sM[warp] = m;
+    sL[warp] = l;
+  }
+  __syncthreads();
+
+  float mmax = neg_inf();
+#pragma unroll
+  for (int w = 0; w < kFp32Warps; ++w) mmax = fmaxf(mmax, sM[w]);
+  float f[kFp32Warps], lsum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kFp32Warps; ++w) {
+    f[w] = mmax == neg_inf() ? 0.f : exp2f(sM[w] - mmax);
+    lsum += f[w] * sL[w];
+  }
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kFp32Warps; ++w) o += f[w] * sO[w][d];
+    o = lsum > 0.f ? o / lsum : 0.f;
+    if (p.num_splits == 1) {
+      static_cast<float*>(p.out)[qrow * D + d] = o;
+    } else {
+      p.partial_out[(qrow * p.num_splits + split) * D + d] = o;
+      if (d == 0) {
+        p.partial_max[qrow * p.num_splits + split] = mmax;
+        p.partial_sum[qrow * p.num_splits + split] = lsum;
+      }
+    }
+  }
+}
+
+template <int D>
+void launch_fp32_typed(const AttnParams& p, cudaStream_t stream) {
+  const bool decode = p.query_start_loc == nullptr;
+  dim3 grid(p.num_rows, p.num_heads, decode ? p.num_splits : 1);
+  attention_fp32_kernel<D><<<grid, 32 * kFp32Warps, 0, stream>>>(p);
+  PAGEDLLM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+__device__ __forceinline__ void store(T* p, float v) {
+  if constexpr (std::is_same_v<T, float>) *p = v;
+  else *p = TypeTraits<T>::from_float(v);
+}
+
+constexpr int kReduceThreads = 256;
+
+/// One CTA per (sequence, query head) row. Thread (split group sg, column group cg) sums
+/// float4 columns 4cg..4cg+3 over splits sg, sg + NSG, ...; the NSG group sums are then added in
+/// shared memory. Many independent loads per thread, unlike a per-column loop over all splits.
+template <typename T>
+__global__ void __launch_bounds__(kReduceThreads) splitk_reduce_kernel(const AttnParams p, int D) {
+  // Launched as a programmatic dependent of the decode kernel (when enabled): wait here until it
+  // has completed and its partials are visible. Without the launch attribute this is a no-op.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  extern __shared__ float smem[];  // [kReduceThreads * 4] group sums, then [num_splits] weights
+  float* s_acc = smem;
+  float* s_w = smem + kReduceThreads * 4;
+  __shared__ float s_total;
+  const int64_t row = blockIdx.x;  // b * Hq + h
+  const int S = p.num_splits;
+  const float* pm = p.partial_max + row * S;
+  const float* ps = p.partial_sum + row * S;
+  if (threadIdx.x < 32) {
+    float mmax = neg_inf();
+    for (int s = threadIdx.x; s < S; s += 32) mmax = fmaxf(mmax, pm[s]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mmax = fmaxf(mmax, __shfl_xor_sync(0xffffffffu, mmax, o));
+    float total = 0.f;
+    for (int s = threadIdx.x; s < S; s += 32) {
+      const float w = mmax == neg_inf() ? 0.f : ps[s] * exp2f(pm[s] - mmax);
+      s_w[s] = w;
+      total += w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    if (threadIdx.x == 0) s_total = total;
+  }
+  __syncthreads();
+  const int cols = D / 4;                    // float4 columns
+  const int groups = kReduceThreads / cols;  // split groups
+  const int cg = threadIdx.x % cols, sg = threadIdx.x / cols;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_out + row * S * D);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (sg < groups) {
+#pragma unroll 4
+    for (int s = sg; s < S; s += groups) {
+      const float w = s_w[s];
+      const float4 v = po[static_cast<int64_t>(s) * cols + cg];
+      if (w != 0.f) {  // empty partitions hold zeros; skip them exactly
+        acc.x += w * v.x;
+        acc.y += w * v.y;
+        acc.z += w * v.z;
+        acc.w += w * v.w;
+      }
+    }
+    reinterpret_cast<float4*>(s_acc)[sg * cols + cg] = acc;
+  }
+  __syncthreads();
+  const float inv = s_total > 0.f ? 1.f / s_total : 0.f;
+  T* out = static_cast<T*>(p.out) + row * D;
+  for (int d = threadIdx.x; d < D; d += kReduceThreads) {
+    float o = 0.f;
+    for (int g = 0; g < groups; ++g) o += s_acc[g * D + d];
+    store(out + d, o * inv);
+  }
+}
+
+template <int D>
+int fp32_units() {
+  static std::atomic<int> cached{0};
+  if (cached.load() > 0) return cached.load();
+  int per_sm = 0, sms = 0, dev = 0;
+  PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
+  PAGEDLLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_fp32_kernel<D>, 32 * kFp32Warps, 0));
+  PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cached.store(std::max(1, per_sm) * sms);
+  return cached.load();
+}
+
+}  // namespace
+
+int attention_fp32_units(int head_size) {
+  switch (head_size) {
+    case 64: return fp32_units<64>();
+    case 80: return fp32_units<80>();
+    case 96: return fp32_units<96>();
+    case 128: return fp32_units<128>();
+    case 256: return fp32_units<256>();
+    default: throw std::runtime_error("CUDA fp32 attention: unsupported head size " + std::to_string(head_size));
+  }
+}
+
+void launch_attention_fp32(int head_size, const AttnParams& p, cudaStream_t stream) {
+  switch (head_size) {
+    case 64: return launch_fp32_typed<64>(p, stream);
+    case 80: return launch_fp32_typed<80>(p, stream);
+    case 96: return launch_fp32_typed<96>(p, stream);
+    case 128: return launch_fp32_typed<128>(p, stream);
+    case 256: return launch_fp32_typed<256>(p, stream);
+    default: throw std::runtime_error("CUDA fp32 attention: unsupported head size " + std::to_string(head_size));
+  }
+}
+
+void launch_splitk_reduce(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {
+  void (*kernel)(AttnParams, int) = nullptr;
+  switch (dtype) {
+    case DType::kFloat32: kernel = splitk_reduce_kernel<float>; break;
+    case DType::kBFloat16: kernel = splitk_reduce_kernel<__nv_bfloat16>; break;
+    case DType::kFloat16: kernel = splitk_reduce_kernel<__half>; break;
+    default: throw std::runtime_error(std::string("CUDA split-K reduce: unsupported dtype ") + dtype_name(dtype));
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.num_rows) * p.num_heads));
+  config.blockDim = dim3(kReduceThreads);
+  config.dynamicSmemBytes = (kReduceThreads * 4 + static_cast<size_t>(p.num_splits)) * sizeof(float);
+  config.stream = stream;
+  // Programmatic dependent launch (sm_90): the reduction's launch overlaps the decode kernel's
+  // tail; griddepcontrol.wait in the kernel keeps the data dependency. PAGEDLLM_NO_PDL=1 turns
+  // it off (read once).
+  static const bool pdl = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      return false;
+    return major >= 9 && std::getenv("PAGEDLLM_NO_PDL") == nullptr;
+  }();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  PAGEDLLM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, head_size));
+  PAGEDLLM_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace pagedllm::cuda::detail

@@ -1,0 +1,46 @@
+// cuda/attention_launch.h — internal: the kernel launchers behind pagedllm::cuda::paged_attention
+// and paged_prefill_attention (cuda/paged_attention.cu picks one by dtype and head size).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "attention_common.cuh"
+#include "pagedllm/tensor_view.h"
+
+namespace pagedllm::cuda::detail {
+
+/// Decode on tensor cores (bf16 / fp16): grid (num_splits, Hkv * ceil(G/16), B), one CTA per
+/// (partition, KV head, 16 query heads of its group). Writes `out` when num_splits == 1, else the
+/// partials (then splitk_reduce combines them).
+void launch_decode_mma(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
+
+/// Decode with persistent per-warp work items (paged_decode_v2.cu): bf16 / fp16, head size <= 128.
+/// Grid sized to decode_v2_units() warps; items = B * Hkv * ceil(G/16) * num_splits.
+bool decode_v2_supports(DType dtype, int head_size);
+void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
+
+/// Concurrent work units of each decode kernel on the current device (occupancy x SMs): warps
+/// for v2, CTAs for the CTA-per-item kernel and the float32 kernel.
+int decode_v2_units(DType dtype, int head_size);
+int decode_v1_units(DType dtype, int head_size);
+int attention_fp32_units(int head_size);
+
+/// Varlen causal prefill / mixed batch on tensor cores (bf16 / fp16).
+void launch_prefill_mma(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
+
+/// float32 caches on CUDA cores, decode (query_start_loc == nullptr, split-K supported) or
+/// prefill.
+void launch_attention_fp32(int head_size, const AttnParams& p, cudaStream_t stream);
+
+/// Flash-decoding reduction: out[b, h] = sum_s w_s * partial_out[b, h, s] / sum_s w_s with
+/// w_s = partial_sum * 2^(partial_max - max_s partial_max). An all-empty row is written as 0.
+void launch_splitk_reduce(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
+
+/// Raise a kernel's dynamic shared-memory limit to `bytes`, once per device (`done_devices` is
+/// the kernel's own bit set of devices already raised).
+void set_max_dynamic_smem(const void* kernel, size_t bytes, std::atomic<uint64_t>& done_devices);
+
+}  // namespace pagedllm::cuda::detail
