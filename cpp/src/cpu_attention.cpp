@@ -1,10 +1,9 @@
 // CPU paged attention: decode (with flash-decoding split-K) and varlen causal prefill.
 //
-// Both kernels run one routine, attend_blocks(): a tile of R query rows — all G = Hq / Hkv query
-// heads of one KV head (GQA), times a few query tokens for prefill — walks the (block, kv head)
-// tiles of its context once, so each contiguous K/V tile is read from memory once per tile of
-// rows and reused from L1 by every row. Scores use the online softmax of FlashAttention
-// (Dao et al. 2022, section 3.1; running max m, running sum l, rescaled accumulator), in fp32.
+// Both kernels cut the batch into work items of query rows — all G = Hq / Hkv query heads of one
+// KV head (GQA), times a few query tokens for prefill — and run cpu_attention_tiles.h on each:
+// the rows walk the (block, kv head) tiles of their context once, so each contiguous K/V tile is
+// read from memory once per item and reused from L1 by every row (online softmax, fp32).
 // Split-K (flash-decoding) partitions a sequence's context; the partial (m, l, acc) triples are
 // combined by a log-sum-exp reduction. Work items are spread over OpenMP threads.
 #include <omp.h>
@@ -15,152 +14,18 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_attention_tiles.h"
 #include "cpu_kernels.h"
-#include "cpu_qk_pv.h"
-#include "cpu_vec.h"
 
 namespace pagedllm::cpu {
 
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using namespace tiles;
+
 /// Launches with less work than this (multiply-adds of QK^T per query head group) run on the
 /// calling thread only.
 constexpr int64_t kMinParallelElements = 1 << 16;
-
-/// Geometry shared by every work item of one launch.
-template <typename T>
-struct Context {
-  const T* key_cache;
-  const T* value_cache;
-  const int32_t* block_tables;
-  int64_t max_blocks;  // M, row length of block_tables
-  int64_t num_kv_heads;
-  int block_size;
-  int32_t sliding_window;
-  float soft_cap;
-};
-
-/// Per-thread scratch, sized for up to `rows` query rows.
-struct Workspace {
-  std::vector<float> q, acc, m, l, s, vf;
-  std::vector<bf16> qb;
-  std::vector<int32_t> pos;
-  Workspace(int rows, int head_size, int block_size)
-      : q(size_t(rows) * head_size), acc(size_t(rows) * head_size), m(rows), l(rows),
-        s(size_t(rows) * block_size), vf(size_t(block_size) * head_size),
-        qb(size_t(rows) * head_size), pos(rows) {}
-};
-
-/// Online-softmax attention of R query rows (w.q: [R][D] fp32, already multiplied by `scale`;
-/// for bf16 also w.qb: the unscaled bf16 rows; w.pos[r]: the row's position) over the context
-/// tokens [lo, hi) of one sequence (`table`: its block-table row) and KV head `kvh`, updating
-/// w.m, w.l, w.acc ([R][D]). Row r sees token j iff j <= pos[r] and (no window or
-/// j > pos[r] - window).
-template <typename T, int D>
-void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64_t lo, int64_t hi,
-                   int R, float scale, Workspace& w) {
-  const int bs = c.block_size;
-  const float* q = w.q.data();
-  const bf16* qb = w.qb.data();
-  const int32_t* pos = w.pos.data();
-  float* m = w.m.data();
-  float* l = w.l.data();
-  float* acc = w.acc.data();
-  float* s = w.s.data();
-  const float cap = c.soft_cap;
-  const int32_t window = c.sliding_window;
-  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
-    const int64_t base = blk * bs;  // position of row 0 of this block
-    const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
-    const int t1 = static_cast<int>(std::min<int64_t>(hi, base + bs) - base);
-    const int64_t tile = (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * bs * D;
-    const T* kt = c.key_cache + tile;
-    if ((blk + 1) * bs < hi) {
-      // Blocks are scattered, so the hardware prefetcher cannot run ahead across tiles: fetch
-      // the next (block, kv head) K and V tiles while this one is computed.
-      const int64_t next = (static_cast<int64_t>(table[blk + 1]) * c.num_kv_heads + kvh) * bs * D;
-      const char* nk = reinterpret_cast<const char*>(c.key_cache + next);
-      const char* nv = reinterpret_cast<const char*>(c.value_cache + next);
-      for (size_t off = 0; off < size_t(bs) * D * sizeof(T); off += 64) {
-        __builtin_prefetch(nk + off);
-        __builtin_prefetch(nv + off);
-      }
-    }
-    const float* vp;
-    if constexpr (std::is_same_v<T, float>) {
-      vp = c.value_cache + tile;
-    } else {
-      to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
-      vp = w.vf.data();
-    }
-    // Scores S = Q K^T for this block, 16 tokens at a time (bs is a multiple of 16); a chunk's
-    // K rows stay in L1 for all R rows. Rows outside [t0, t1) are computed but never used.
-    for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16)
-      for (int r = 0; r < R; ++r)
-        qk_chunk16<T, D>(q + r * D, qb + r * D, scale, kt + c16 * D, s + r * bs + c16);
-    for (int r = 0; r < R; ++r) {
-      float* sr = s + r * bs;
-      if (cap > 0.0f) {
-        const float inv = 1.0f / cap;
-#pragma omp simd
-        for (int t = t0; t < t1; ++t) sr[t] = cap * tanh_vec(sr[t] * inv);
-      }
-      // Causal and sliding-window mask, only where the block crosses a boundary of this row.
-      const int64_t p = pos[r];
-      const bool crosses_causal = base + t1 - 1 > p;
-      const bool crosses_window = window > 0 && base + t0 <= p - window;
-      if (crosses_causal || crosses_window) {
-        const int64_t wlo = window > 0 ? p - window : std::numeric_limits<int64_t>::min();
-#pragma omp simd
-        for (int t = t0; t < t1; ++t) {
-          const int64_t j = base + t;
-          sr[t] = (j <= p && j > wlo) ? sr[t] : kNegInf;
-        }
-      }
-      float mx = kNegInf;
-#pragma omp simd reduction(max : mx)
-      for (int t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
-      if (mx == kNegInf) continue;  // nothing visible to this row in this block
-      const float m_new = std::max(m[r], mx);
-      const float corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int t = t0; t < t1; ++t) {
-        const float e = exp_neg(sr[t] - m_new);
-        const float pr = sr[t] == kNegInf ? 0.0f : e;
-        sr[t] = pr;
-        sum += pr;
-      }
-      m[r] = m_new;
-      l[r] = l[r] * corr + sum;
-      pv_row<D>(acc + r * D, corr, sr, vp, t0, t1);
-    }
-  }
-}
-
-/// Load query row `src` (D elements) into dst as fp32 times `scale`.
-/// (and, for bf16, its unscaled bits into qb).
-template <typename T, int D>
-inline void load_query(const T* src, float scale, float* dst, bf16* qb) {
-#pragma omp simd
-  for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
-  if constexpr (std::is_same_v<T, bf16>) std::copy_n(src, D, qb);
-}
-
-/// out row = acc / l (a zero row when the row saw no token, l == 0).
-template <typename T, int D>
-inline void store_row(const float* acc, float l, T* dst) {
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-#pragma omp simd
-  for (int d = 0; d < D; ++d) dst[d] = from_float<T>(acc[d] * inv);
-}
-
-inline void reset_rows(Workspace& w, int R, int D) {
-  std::fill_n(w.m.begin(), R, kNegInf);
-  std::fill_n(w.l.begin(), R, 0.0f);
-  std::fill_n(w.acc.begin(), size_t(R) * D, 0.0f);
-}
 
 template <typename T>
 Context<T> make_context(const TensorView& key_cache, const TensorView& value_cache,
@@ -317,7 +182,12 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
       const int64_t lo = c.sliding_window > 0
                              ? std::max<int64_t>(0, first_pos + tile.q0 - c.sliding_window + 1)
                              : 0;
-      attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
+#if defined(__AVX512F__)
+      if (rows >= 16)
+        attend_blocks_rows16<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
+      else
+#endif
+        attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
       for (int64_t i = tile.q0; i < tile.q1; ++i)
         for (int g = 0; g < G; ++g) {
           const int r = static_cast<int>(i - tile.q0) * G + g;

@@ -14,6 +14,10 @@
 #include "cpu_vec.h"
 
 #if defined(__AVX512F__)
+// GCC 12 warns "__Y may be used uninitialized" inside its own unpack intrinsics (their unused
+// pass-through operand is _mm512_undefined_ps()): a known false positive.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #endif
 
@@ -38,6 +42,36 @@ inline __m512 reduce16(const __m512 v[16]) {
                                  _mm512_shuffle_f32x4(d[2], d[3], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(e, f, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(e, f, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/// 16-lane exp_neg (cpu_vec.h): exp(x) for x <= 0, ~2e-7 relative, x < -87 gives ~0.
+inline __m512 exp512_neg(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_setzero_ps());
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/// 16-lane tanh = sign(x) (1 - e) / (1 + e), e = exp(-2|x|).
+inline __m512 tanh512(__m512 x) {
+  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  const __m512i xi = _mm512_castps_si512(x);
+  const __m512 ax = _mm512_castsi512_ps(_mm512_andnot_si512(sign_bit, xi));
+  const __m512 e = exp512_neg(_mm512_mul_ps(ax, _mm512_set1_ps(-2.0f)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(sign_bit, xi)));
 }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -89,10 +123,10 @@ inline void qk_chunk16(const float* __restrict q, const bf16* __restrict qb, flo
 #endif
 }
 
-/// acc[0..D) = acc * corr + sum_{t in [t0, t1)} p[t] * v[t*D ..] (v: fp32 rows).
+/// acc[0..D) = acc * corr + sum_{t in [t0, t1)} p[t * p_stride] * v[t*D ..] (v: fp32 rows).
 template <int D>
 inline void pv_row(float* __restrict acc, float corr, const float* __restrict p,
-                   const float* __restrict v, int t0, int t1) {
+                   const float* __restrict v, int t0, int t1, int p_stride = 1) {
 #if defined(__AVX512F__)
   constexpr int NV = D / 16;
   // Up to 8 accumulators in registers per pass (D = 256 takes two passes).
@@ -102,7 +136,7 @@ inline void pv_row(float* __restrict acc, float corr, const float* __restrict p,
     const __m512 cr = _mm512_set1_ps(corr);
     for (int c = 0; c < W; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * (c0 + c)), cr);
     for (int t = t0; t < t1; ++t) {
-      const __m512 pt = _mm512_set1_ps(p[t]);
+      const __m512 pt = _mm512_set1_ps(p[t * p_stride]);
       const float* vt = v + t * D + 16 * c0;
       for (int c = 0; c < W; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 16 * c), a[c]);
     }
@@ -113,7 +147,7 @@ inline void pv_row(float* __restrict acc, float corr, const float* __restrict p,
 #pragma omp simd
   for (int d = 0; d < D; ++d) a[d] = acc[d] * corr;
   for (int t = t0; t < t1; ++t) {
-    const float pt = p[t];
+    const float pt = p[t * p_stride];
 #pragma omp simd
     for (int d = 0; d < D; ++d) a[d] += pt * v[t * D + d];
   }
@@ -123,3 +157,7 @@ inline void pv_row(float* __restrict acc, float corr, const float* __restrict p,
 }
 
 }  // namespace pagedllm::cpu
+
+#if defined(__AVX512F__)
+#pragma GCC diagnostic pop
+#endif

@@ -3,6 +3,7 @@
     pagedllm generate "What is the capital of France?" [more prompts...] [options]
     pagedllm chat [--system "You are terse."] [options]       (interactive; /reset, /exit)
     pagedllm bench throughput [--num-prompts 64 --input-len 128 --output-len 128 ...]
+    pagedllm serve [MODEL] [--host 127.0.0.1 --port 8000 --api-key KEY ...]  (OpenAI-compatible server)
     pagedllm --cmake-dir        the installed CMake package folder (for find_package(pagedllm))
     pagedllm --version
 
@@ -243,6 +244,10 @@ def main(argv: Optional[list[str]] = None, stdin: Optional[TextIO] = None, out: 
     out = out or sys.stdout
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])  # the benchmark parses its own options
+    if argv[:1] == ["serve"]:  # the server parses its own options (every engine argument)
+        from pagedllm.entrypoints.openai.api_server import main as serve_main
+
+        return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmake_dir:

@@ -121,9 +121,11 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request. Raises ValueError (nothing queued) for an empty prompt, token ids
-        outside the vocabulary, a prompt of max_model_len tokens or more, or bad params."""
+        outside the vocabulary, a prompt of max_model_len tokens or more, or bad params.
+        cache_salt: extra prefix-cache key (requests with different salts share no blocks)."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
@@ -139,7 +141,8 @@ class LLMEngine:
         if priority != 0 and self.args.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} given, but scheduling_policy is 'fcfs': use scheduling_policy='priority'")
         params.verify_for_vocab(self.model_config.vocab_size)
-        rp = params.to_request_params(self.eos_token_ids, priority=priority, arrival_time=arrival_time)
+        rp = params.to_request_params(self.eos_token_ids, priority=priority, arrival_time=arrival_time,
+                                     cache_salt=cache_salt)
         room = self.max_model_len - n  # generation stops at max_model_len ("length")
         if rp.max_tokens < 0 or rp.max_tokens > room:
             rp.max_tokens = room

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 from pagedllm.engine.llm_engine import EngineArgs, LLMEngine
+from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
 from pagedllm.metrics import Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -188,19 +189,8 @@ class LLM:
         raise ValueError(f"a prompt must be a str, a TextPrompt or a TokensPrompt dict, got {type(prompt).__name__}")
 
     def _chat_ids(self, conversation, chat_template, add_generation_prompt, continue_final_message, kwargs) -> list[int]:
-        tok = self.llm_engine.tokenizer
-        text = tok.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message, **kwargs)
-        ids = list(tok.encode(text, add_special_tokens=False))  # the template writes BOS itself (or not)
-        bos = tok.bos_token_id
-        if bos is not None:
-            adds_bos = tok.encode("a")[:1] == [bos]  # does this tokenizer start sequences with BOS?
-            if adds_bos and (not ids or ids[0] != bos):
-                ids.insert(0, bos)
-            while len(ids) > 1 and ids[0] == bos and ids[1] == bos:
-                ids.pop(0)
-        return ids
+        return chat_prompt_token_ids(self.llm_engine.tokenizer, conversation, chat_template,
+                                     add_generation_prompt, continue_final_message, kwargs)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine

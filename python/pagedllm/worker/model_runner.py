@@ -66,6 +66,8 @@ class ModelRunner:
         self.model = LlamaForCausalLM(model_config, dtype, device, max_positions=max_model_len)
         self.model.load_weights(load_safetensors(model_path))
         self.model.eval()
+        if self.model.pack_weights():
+            logger.info("projections pre-packed for oneDNN (bfloat16 on CPU)")
         logger.info("loaded %s (%s, %s) in %.1f s", model_path, model_config.architecture, dtype,
                     time.perf_counter() - start)
         elem = torch.empty((), dtype=dtype).element_size()

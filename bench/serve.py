@@ -1,0 +1,273 @@
+"""Serving benchmark: a load generator for any OpenAI-compatible server (pagedllm, vLLM, ...).
+
+Sends streamed /v1/completions requests with synthetic prompts (random token ids, so every
+server sees the same prompts; lengths uniform in [len*(1-range), len*(1+range)]) and
+ignore_eos + max_tokens, at a fixed concurrency or with Poisson arrivals at a rate, and reports
+TTFT, TPOT, ITL (p50/p90/p99, mean; milliseconds), request and token throughput, and errors.
+
+    python bench/serve.py --base-url http://127.0.0.1:8000 --concurrency 1 8 32 --num-prompts 64
+    python bench/serve.py --start-server "--dtype bfloat16" --concurrency 1 8 32   # starts pagedllm
+    python bench/serve.py --base-url ... --request-rate 4 --num-prompts 64
+
+Definitions (as vLLM's benchmark_serving): TTFT = time from sending the request to the first
+streamed token; TPOT = (e2e - TTFT) / (output tokens - 1) per request; ITL = time between
+consecutive streamed chunks; output tok/s = all output tokens / wall time of the run.
+JSON goes to stdout and to bench/results/<YYYY-MM-DD>-<hostname>-serve[-label].json with the git
+commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def make_prompts(n: int, input_len: int, output_len: int, range_ratio: float, seed: int, vocab_lo: int,
+                 vocab_hi: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return rng.randint(lo, hi)
+
+    return [([rng.randrange(vocab_lo, vocab_hi) for _ in range(length(input_len))], length(output_len))
+            for _ in range(n)]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
+                      headers: dict) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    res = Result(prompt_tokens=len(prompt))
+    start = time.perf_counter()
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    res.error = str(msg["error"])[:200]
+                    return res
+                if msg.get("usage"):
+                    res.output_tokens = msg["usage"]["completion_tokens"]
+                if any(c.get("text") for c in msg.get("choices", [])):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
+        res.e2e = time.perf_counter() - start
+        if res.output_tokens == 0:
+            res.output_tokens = chunks
+        res.ok = last is not None
+        if not res.ok:
+            res.error = "no token streamed"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:200]
+    return res
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(results: list[Result], wall: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ms = 1000.0
+
+    def stats(values: list[float]) -> dict:
+        return {"mean": statistics.fmean(values) * ms if values else float("nan"),
+                "p50": pct(values, 50) * ms, "p90": pct(values, 90) * ms, "p99": pct(values, 99) * ms}
+
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    errors = [r.error for r in results if not r.ok]
+    return {
+        "completed": len(ok), "errors": len(errors), "error_examples": errors[:3], "duration_s": wall,
+        "request_throughput_rps": len(ok) / wall, "output_throughput_tok_s": out_tokens / wall,
+        "total_token_throughput_tok_s": (in_tokens + out_tokens) / wall,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "ttft_ms": stats([r.ttft for r in ok]), "tpot_ms": stats(tpot),
+        "itl_ms": stats([x for r in ok for x in r.itl]), "e2e_ms": stats([r.e2e for r in ok]),
+    }
+
+
+async def run_load(base_url: str, model: str, prompts, concurrency: int | None, rate: float | None, seed: int,
+                   api_key: str | None) -> dict:
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max(concurrency or 0, 256), max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        results: list[Result] = []
+        start = time.perf_counter()
+        if concurrency is not None:
+            queue = list(prompts)
+
+            async def worker():
+                while queue:
+                    prompt, max_tokens = queue.pop(0)
+                    results.append(await one_request(client, url, model, prompt, max_tokens, headers))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            rng = random.Random(seed + 1)
+            tasks = []
+            for prompt, max_tokens in prompts:
+                tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens, headers)))
+                await asyncio.sleep(rng.expovariate(rate))
+            results = list(await asyncio.gather(*tasks))
+        wall = time.perf_counter() - start
+    return summarize(results, wall)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def start_pagedllm(extra: str, port: int, model: str | None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pagedllm", "serve", *([model] if model else []), "--port", str(port), *extra.split()]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pagedllm serve exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError("pagedllm serve did not become healthy in 600 s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="fixed concurrency level(s)")
+    ap.add_argument("--request-rate", type=float, nargs="+", default=None, help="Poisson arrival rate(s), req/s")
+    ap.add_argument("--num-prompts", type=int, nargs="+", default=[64],
+                    help="requests per run: one number, or one per load level")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
+    ap.add_argument("--vocab-range", type=int, nargs=2, default=[1000, 20000], help="token ids of random prompts")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before each run")
+    ap.add_argument("--label", default="pagedllm", help="name of the server under test, in the JSON")
+    ap.add_argument("--start-server", default=None, metavar="ARGS",
+                    help="start `pagedllm serve [--server-model] ARGS` on a free port and benchmark it")
+    ap.add_argument("--server-model", default=None)
+    ap.add_argument("--out", default=None, help="output JSON path (default bench/results/<date>-<host>-serve.json)")
+    args = ap.parse_args(argv)
+    if args.concurrency is None and args.request_rate is None:
+        args.concurrency = [1, 8, 32]
+
+    proc = None
+    if args.start_server is not None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        t0 = time.perf_counter()
+        proc = start_pagedllm(args.start_server, port, args.server_model)
+        print(f"pagedllm serve up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        args.base_url = f"http://127.0.0.1:{port}"
+    if args.base_url is None:
+        ap.error("give --base-url or --start-server")
+    try:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
+                                        timeout=30).json()["data"][0]["id"]
+        runs = []
+        loads = [("concurrency", c) for c in args.concurrency or []] + [("request_rate", r) for r in args.request_rate or []]
+        counts = args.num_prompts if len(args.num_prompts) == len(loads) else [args.num_prompts[0]] * len(loads)
+        for (kind, value), count in zip(loads, counts):
+            # the same seed: every level (and every server) sees the same prompts, a prefix of them
+            prompts = make_prompts(count, args.input_len, args.output_len, args.range_ratio, args.seed,
+                                   *args.vocab_range)
+            if args.warmup:
+                warm = make_prompts(args.warmup, args.input_len, 8, 0.0, args.seed + 99, *args.vocab_range)
+                asyncio.run(run_load(args.base_url, model, warm, args.warmup, None, args.seed, args.api_key))
+            summary = asyncio.run(run_load(args.base_url, model, prompts, value if kind == "concurrency" else None,
+                                           value if kind == "request_rate" else None, args.seed, args.api_key))
+            runs.append({kind: value, "num_prompts": count, **summary})
+            print(f"{args.label} {kind}={value}: {summary['output_throughput_tok_s']:.1f} out tok/s, "
+                  f"TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, TPOT p50 {summary['tpot_ms']['p50']:.1f} ms, "
+                  f"errors {summary['errors']}", file=sys.stderr)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    report = {
+        "benchmark": "serve", "label": args.label, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "host": socket.gethostname(), "git_commit": git_commit(), "base_url": args.base_url, "model": model,
+        "server_args": args.start_server, "input_len": args.input_len,
+        "output_len": args.output_len, "range_ratio": args.range_ratio, "seed": args.seed, "runs": runs,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
+        f"{datetime.date.today().isoformat()}-{socket.gethostname()}-serve"
+        f"{'' if args.label == 'pagedllm' else '-' + args.label}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
+GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize,
+GET /version. With an API key, every /v1/ route needs ``Authorization: Bearer <key>`` (compared
+in constant time, ``secrets.compare_digest``); /health, /metrics, /version stay open, as vLLM's.
+
+    pagedllm serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY] [--served-model-name NAME]
+                   [--max-queued-requests N] [every LLM engine argument as --flag]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_handlers
+from pagedllm.entrypoints.openai.metrics import make_registry
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
+    ModelList, TokenizeRequest, TokenizeResponse,
+)
+from pagedllm.entrypoints.openai.serving import ServingContext, check_model
+from pagedllm.entrypoints.openai.serving_chat import ChatHandler, conversation
+from pagedllm.entrypoints.openai.serving_completion import CompletionHandler
+
+logger = logging.getLogger("pagedllm")
+
+_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+           503: {"model": ErrorResponse}}
+
+
+def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, api_key: Optional[str] = None,
+              max_queued_requests: Optional[int] = None, shutdown_engine: bool = False) -> FastAPI:
+    """The FastAPI app serving `engine`. served_model_names: names accepted in "model" (the first
+    is reported); default the engine's model name. shutdown_engine: shut the engine down when
+    the app stops."""
+    names = list(served_model_names or [engine.model_name])
+    if max_queued_requests is not None and max_queued_requests < 0:
+        raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+    engine.set_model_name(names[0])  # the metrics' model_name label, as vLLM's
+    ctx = ServingContext(engine, names, max_queued_requests)
+    completions = CompletionHandler(ctx)
+    chat = ChatHandler(ctx)
+    registry = make_registry(engine.get_metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if shutdown_engine:
+            engine.shutdown()
+
+    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_handlers(app)
+
+    if api_key:
+        expected = api_key.encode()
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+                header = request.headers.get("authorization", "")
+                given = header[7:].encode() if header.lower().startswith("bearer ") else b""
+                if not secrets.compare_digest(given, expected):
+                    return error_response("Unauthorized: a missing or wrong API key (Authorization: Bearer ...)",
+                                          401, None)
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response("the engine is not running", 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        import pagedllm
+
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return ModelList(data=[ModelCard(id=n, root=str(engine.engine.model_path), max_model_len=ctx.max_model_len)
+                               for n in names])
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return await completions(request, raw_request)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return await chat(request, raw_request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(request: TokenizeRequest):
+        check_model(ctx, request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError("give exactly one of prompt or messages", 400, "prompt")
+        if request.prompt is not None:
+            ids = ctx.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens is not False)
+        else:
+            req = ChatCompletionRequest(messages=request.messages, add_generation_prompt=request.add_generation_prompt,
+                                        continue_final_message=request.continue_final_message)
+            ids = chat.prompt_ids(req, conversation(request.messages))
+        return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=list(ids))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(request: DetokenizeRequest):
+        check_model(ctx, request.model)
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens))
+
+    return app
+
+
+# ---------------------------------------------------------------------------- CLI
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai.cli_args import add_engine_args
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model: a Hugging Face folder, a .gguf file, or a hub id in the local cache "
+                             "(default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback; "
+                        "0.0.0.0 exposes the server to the network)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) accepted in requests; the first is reported (default: MODEL)")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="answer 503 (Retry-After) when this many requests already wait")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="CPU threads for torch and the kernels (0: leave as is)")
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(parser)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.entrypoints.openai.cli_args import engine_args_from
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads > 0:
+        import torch
+
+        from pagedllm import ops
+
+        torch.set_num_threads(args.threads)
+        if hasattr(ops, "set_num_threads"):
+            ops.set_num_threads(args.threads)
+    engine_args = engine_args_from(args)
+    if args.model_tag is not None:
+        engine_args.model = args.model_tag
+    engine = AsyncLLM.from_engine_args(engine_args)
+    app = build_app(engine, args.served_model_name, args.api_key, args.max_queued_requests, shutdown_engine=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    logger.info("serving %s on http://%s:%d", app.state.ctx.model_name, args.host, args.port)
+    try:
+        asyncio.run(server.serve())
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedllm serve", description="OpenAI-compatible server")
+    add_server_args(parser)
+    return run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,272 @@
+"""Pydantic models of the OpenAI-compatible API (requests and responses), with the fields of
+OpenAI's API reference and the extra sampling fields vLLM's server accepts.
+
+Requests are validated in *strict* mode: a wrong JSON type is a 400 naming the field (never a
+coercion: ``"stream": "false"`` is rejected, it does not turn streaming on; sgl-project/sglang
+#3805, ggml-org/llama.cpp PR #6452). Unknown fields are ignored, as OpenAI and vLLM do.
+Value ranges (temperature >= 0, 0 < top_p <= 1, n >= 1, ...) are checked by SamplingParams, whose
+ValueError messages start with the field's name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Request(BaseModel):
+    # strict: no type coercion; allow_inf_nan=False: Infinity / NaN (Python's json accepts them)
+    # are rejected as the field's error instead of reaching the sampler.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: Optional[str] = None
+    frequency_penalty: Optional[float] = 0.0
+    presence_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    max_tokens: Optional[int] = Field(default=None, description="omitted: max_model_len - prompt tokens")
+    n: Optional[int] = 1
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    user: Optional[str] = None
+    # vLLM's extra sampling parameters
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = 0
+    ignore_eos: Optional[bool] = False
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: Optional[bool] = False
+    skip_special_tokens: Optional[bool] = True
+    spaces_between_special_tokens: Optional[bool] = True
+    prompt_logprobs: Optional[int] = None
+    priority: Optional[int] = 0
+    cache_salt: Optional[str] = None
+    request_id: Optional[str] = None
+    use_beam_search: Optional[bool] = False
+    return_token_ids: Optional[bool] = Field(default=False, description="add token_ids (and prompt_token_ids) "
+                                             "to each choice, as vLLM's return_token_ids")
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. prompt: a string, a list of strings, token ids, or a list of token-id
+    lists (one choice group per prompt; choice index = prompt index * n + sequence index)."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    best_of: Optional[int] = None
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    add_special_tokens: Optional[bool] = True
+
+
+class ContentPart(_Request):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ResponseFormat(_Request):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. messages go through the model's chat template."""
+
+    messages: list[ChatMessage]
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    echo: Optional[bool] = False
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    add_special_tokens: Optional[bool] = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: either prompt (text) or messages (rendered by the chat template)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------- responses
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(_Response):
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class CompletionLogprobs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, dict[str, Any]]]]] = None
+    token_ids: Optional[list[int]] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(_Response):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    token_ids: Optional[list[int]] = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_token_ids: Optional[list[int]] = None
+
+
+class DeltaMessage(_Response):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    token_ids: Optional[list[int]] = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedllm"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

@@ -1,0 +1,286 @@
+"""What the completion and chat handlers share: the served model's context, request checks
+(model name, queue depth, context length), SamplingParams from a request, running a group of
+engine requests with client-disconnect detection, and logprob formatting.
+
+Length rule (vLLM's server, and the issue): a prompt of max_model_len tokens or more, or
+prompt + max_tokens > max_model_len, is a 400 naming the limit and the counts, answered before
+any SSE event; an omitted max_tokens means max_model_len - prompt tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedllm.engine.async_llm import AsyncLLM, RequestOutputCollector
+from pagedllm.entrypoints.openai.errors import OpenAIError, from_value_error
+from pagedllm.entrypoints.openai.protocol import _SamplingFields
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+#: Most top logprobs a request may ask for per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+#: How often a running request checks whether its client went away (seconds).
+DISCONNECT_POLL_S = 0.1
+
+
+@dataclasses.dataclass
+class ServingContext:
+    engine: AsyncLLM
+    served_model_names: list[str]
+    max_queued_requests: Optional[int] = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+def check_model(ctx: ServingContext, model: Optional[str]) -> None:
+    if model is not None and model not in ctx.served_model_names:
+        raise OpenAIError(f"The model `{model}` does not exist. Served models: {', '.join(ctx.served_model_names)}.",
+                          404, "model")
+
+
+def check_queue(ctx: ServingContext) -> None:
+    """503 + Retry-After when max_queued_requests requests already wait for the engine."""
+    limit = ctx.max_queued_requests
+    if limit is not None and ctx.engine.num_waiting >= limit:
+        raise OpenAIError(f"the server is busy: {ctx.engine.num_waiting} requests are waiting "
+                          f"(--max-queued-requests={limit}); retry later", 503, None, {"Retry-After": "1"})
+
+
+def check_length(ctx: ServingContext, prompt_len: int, max_tokens: Optional[int], where: str,
+                 max_tokens_field: str = "max_tokens") -> int:
+    """The effective max_tokens for a prompt of prompt_len tokens (400 when it does not fit)."""
+    limit = ctx.max_model_len
+    if prompt_len == 0:
+        raise OpenAIError(f"{where}: the prompt is empty (0 tokens); give at least one token", 400, where)
+    if prompt_len >= limit:
+        raise OpenAIError(
+            f"This model's maximum context length is {limit} tokens. However, your {where} has {prompt_len} "
+            f"tokens, which leaves no room for a completion ({where} tokens must be fewer than {limit}).", 400, where)
+    if max_tokens is None:
+        return limit - prompt_len
+    if prompt_len + max_tokens > limit:
+        raise OpenAIError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {where} or {max_tokens_field}.", 400, max_tokens_field)
+    return max_tokens
+
+
+def check_unsupported(req: _SamplingFields) -> None:
+    if req.use_beam_search:
+        raise OpenAIError("use_beam_search: beam search is not supported", 400, "use_beam_search")
+    for name in ("logprobs", "prompt_logprobs", "top_logprobs"):
+        value = getattr(req, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_LOGPROBS:
+            raise OpenAIError(f"{name}={value} is outside [0, {MAX_LOGPROBS}]", 400, name)
+
+
+def check_n(ctx: ServingContext, n: int) -> None:
+    """n sequences of one prompt run side by side: at most max_num_seqs."""
+    limit = ctx.engine.engine.args.max_num_seqs
+    if isinstance(n, int) and n > limit:
+        raise OpenAIError(f"n={n} is more than max_num_seqs={limit} (sequences that run at once)", 400, "n")
+
+
+def sampling_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int, logprobs: Optional[int],
+                    prompt_logprobs: Optional[int]) -> SamplingParams:
+    """SamplingParams for a request: the model's generation_config defaults for omitted
+    temperature / top_p / top_k / min_p / repetition_penalty, output_kind DELTA (the handlers
+    accumulate). ValueError of SamplingParams -> 400 naming the field."""
+    defaults = ctx.engine.engine.generation_defaults
+
+    def pick(name: str, fallback):
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+
+    bias = None
+    if req.logit_bias:
+        try:
+            bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise OpenAIError(f"logit_bias: keys must be token ids, got {list(req.logit_bias)[:4]}", 400,
+                              "logit_bias") from None
+    try:
+        return SamplingParams(
+            n=1 if req.n is None else req.n,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=bool(req.ignore_eos),
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens or 0,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens is not False,
+            spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            logit_bias=bias,
+            output_kind=RequestOutputKind.DELTA,
+        )
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+
+
+@dataclasses.dataclass
+class PromptInput:
+    text: Optional[str]
+    token_ids: list[int]
+    max_tokens: int = 0
+
+
+class GroupStreamingResponse(StreamingResponse):
+    """A StreamingResponse that aborts its request group however the response ends (also when
+    the body iterator never started because the client was already gone)."""
+
+    def __init__(self, content, group: "RequestGroup"):
+        super().__init__(content, media_type="text/event-stream")
+        self.group = group
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.group.abort()
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt), added all-or-nothing, merged
+    into one stream of (prompt index, RequestOutput), aborted when the client disconnects or the
+    consumer stops early."""
+
+    def __init__(self, ctx: ServingContext, raw_request: Request, base_id: str):
+        self.ctx = ctx
+        self.raw_request = raw_request
+        self.base_id = base_id
+        self.request_ids: list[str] = []
+        self.collectors: list[RequestOutputCollector] = []
+        self.finished: set[int] = set()
+        self.disconnected = False
+
+    async def add(self, prompts: list[PromptInput], params: list[SamplingParams], priority: int,
+                  cache_salt: Optional[str]) -> None:
+        engine = self.ctx.engine
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                rid = self.base_id if len(prompts) == 1 else f"{self.base_id}-{i}"
+                collector = await engine.add_request(rid, p.text, p.token_ids, sp, priority or 0, cache_salt or "")
+                self.request_ids.append(rid)
+                self.collectors.append(collector)
+        except ValueError as exc:
+            await self.abort()
+            raise from_value_error(exc) from None
+        except BaseException:
+            await self.abort()
+            raise
+
+    async def abort(self) -> None:
+        pending = [rid for i, rid in enumerate(self.request_ids) if i not in self.finished]
+        if pending:
+            await self.ctx.engine.abort(pending)
+
+    async def _watch_disconnect(self) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await self.raw_request.is_disconnected():
+                self.disconnected = True
+                await self.abort()
+                return
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, RequestOutput) until every request finished (aborted ones too)."""
+        watcher = asyncio.create_task(self._watch_disconnect())
+        getters: dict[asyncio.Task, int] = {}
+        try:
+            for i, c in enumerate(self.collectors):
+                getters[asyncio.create_task(c.get())] = i
+            while getters:
+                done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: getters[t]):
+                    i = getters.pop(task)
+                    out = task.result()
+                    if out.finished:
+                        self.finished.add(i)
+                    else:
+                        getters[asyncio.create_task(self.collectors[i].get())] = i
+                    yield i, out
+        finally:
+            watcher.cancel()
+            for task in getters:
+                task.cancel()
+            await self.abort()
+
+
+# ---------------------------------------------------------------------------- logprobs helpers
+def token_pieces(tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -> list[str]:
+    """Text of each token such that "".join(pieces) == decode(token_ids) (each piece is the text
+    that token adds to the decoded prefix; an incomplete UTF-8 character shows in the piece that
+    completes it)."""
+    pieces, prev = [], ""
+    for i in range(len(token_ids)):
+        text = tokenizer.decode(token_ids[: i + 1], skip_special_tokens=skip_special_tokens)
+        if text.endswith("\ufffd") and i + 1 < len(token_ids):
+            pieces.append("")
+            continue
+        pieces.append(text[len(prev):] if text.startswith(prev) else text)
+        prev = text
+    return pieces
+
+
+_BYTE_DECODER: Optional[dict[str, int]] = None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map of byte-level BPE (Radford et al. 2019, the
+    released encoder.py): printable Latin-1 bytes map to themselves, the rest to 256 + i."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
+    """UTF-8 bytes of one token: exact for byte-level BPE (GPT-2 byte map), else its text's."""
+    global _BYTE_DECODER
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and "ByteLevel" in str(backend.decoder):
+        if _BYTE_DECODER is None:
+            _BYTE_DECODER = {v: k for k, v in _bytes_to_unicode().items()}
+        raw = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(raw, str) and all(ch in _BYTE_DECODER for ch in raw):
+            return [_BYTE_DECODER[ch] for ch in raw]
+    return list(text.encode("utf-8"))
+
+
+def sse(model) -> str:
+    """One Server-Sent Event carrying a pydantic model as JSON."""
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,198 @@
+"""POST /v1/chat/completions: messages through the chat template (the same token ids as
+``LLM.chat``), n, logprobs / top_logprobs, max_tokens and max_completion_tokens, streaming
+(SSE: a role chunk, content deltas, a finish chunk, an optional usage chunk, ``data: [DONE]``).
+
+Not implemented, answered with a 400 naming the field: tools, tool_choice (other than "none"),
+a response_format other than text, non-text content parts.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
+    ChatStreamChoice, ChatTokenLogprob, DeltaMessage, PromptTokensDetails, TopLogprob, UsageInfo, random_id,
+)
+from pagedllm.entrypoints.openai.serving import (
+    SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
+    check_n, check_queue, check_unsupported, sampling_params, sse, token_bytes,
+)
+
+
+def conversation(req_messages) -> list[dict]:
+    """Messages as plain dicts for the chat template; content parts must be text (joined by
+    newlines). Errors: OpenAIError 400 naming messages[i]."""
+    if not req_messages:
+        raise OpenAIError("messages: at least one message is required", 400, "messages")
+    out = []
+    for i, m in enumerate(req_messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for k, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise OpenAIError(f"messages[{i}].content[{k}].type: only 'text' content parts are supported, "
+                                      f"got {part.type!r}", 400, "messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        msg = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def check_chat_unsupported(req: ChatCompletionRequest) -> None:
+    if req.tools:
+        raise OpenAIError("tools: tool calling is not supported by this server", 400, "tools")
+    if req.tool_choice is not None and req.tool_choice != "none":
+        raise OpenAIError("tool_choice: tool calling is not supported by this server (only 'none')", 400,
+                          "tool_choice")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise OpenAIError(f"response_format: type {req.response_format.type!r} is not supported (only 'text')", 400,
+                          "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError("top_logprobs: requires logprobs=true", 400, "top_logprobs")
+    if req.top_logprobs is not None and req.top_logprobs < 0:
+        raise OpenAIError(f"top_logprobs must be non-negative, got {req.top_logprobs}", 400, "top_logprobs")
+
+
+class ChatHandler:
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+
+    def prompt_ids(self, req, messages: list[dict]) -> list[int]:
+        try:
+            ids = chat_prompt_token_ids(
+                self.ctx.tokenizer, messages, req.chat_template, req.add_generation_prompt is not False,
+                bool(req.continue_final_message), req.chat_template_kwargs)
+        except ValueError as exc:
+            raise OpenAIError(f"messages: {exc}", 400, "messages") from None
+        return ids
+
+    async def __call__(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        ctx = self.ctx
+        check_model(ctx, req.model)
+        check_unsupported(req)
+        check_chat_unsupported(req)
+        check_n(ctx, 1 if req.n is None else req.n)
+        messages = conversation(req.messages)
+        ids = self.prompt_ids(req, messages)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = check_length(ctx, len(ids), requested, "messages", field)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(ctx, req, max_tokens, logprobs, req.prompt_logprobs)
+        check_queue(ctx)
+        base_id = req.request_id or random_id("chatcmpl")
+        group = RequestGroup(ctx, raw_request, base_id)
+        await group.add([PromptInput(None, ids)], [params], req.priority, req.cache_salt)
+        echo = ""
+        if req.echo and messages and messages[-1]["role"] == "assistant":
+            echo = messages[-1]["content"]
+        renderer = _ChatRenderer(ctx, req, base_id, ids, echo)
+        if req.stream:
+            return GroupStreamingResponse(renderer.stream(group), group)
+        return await renderer.full(group)
+
+
+class _ChatRenderer:
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, response_id: str, prompt_ids: list[int],
+                 echo: str):
+        self.ctx, self.req, self.id = ctx, req, response_id
+        self.prompt_ids = prompt_ids
+        self.prompt_tokens = len(prompt_ids)
+        self.echo = echo
+        self.n = 1 if req.n is None else req.n
+        self.top = req.top_logprobs or 0
+
+    def _logprobs(self, token_ids: list[int], logprobs) -> Optional[ChatLogprobs]:
+        if not self.req.logprobs:
+            return None
+        tok = self.ctx.tokenizer
+        content = []
+        for tid, entry in zip(token_ids, logprobs or []):
+            lp = entry.get(tid)
+            text = lp.decoded_token if lp is not None and lp.decoded_token is not None else tok.decode([tid])
+            tops = [TopLogprob(token=(e.decoded_token if e.decoded_token is not None else str(t)), logprob=e.logprob,
+                               bytes=token_bytes(tok, t, e.decoded_token or ""))
+                    for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+                    if e.rank is not None and e.rank <= self.top][: self.top]
+            content.append(ChatTokenLogprob(token=text, logprob=lp.logprob if lp is not None else float("-inf"),
+                                            bytes=token_bytes(tok, tid, text), top_logprobs=tops))
+        return ChatLogprobs(content=content)
+
+    def _usage(self, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=self.prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
+
+    async def full(self, group: RequestGroup) -> Response:
+        texts = {j: [self.echo] for j in range(self.n)}
+        tokens: dict[int, list[int]] = {j: [] for j in range(self.n)}
+        lps: dict[int, list] = {j: [] for j in range(self.n)}
+        finish: dict[int, tuple] = {}
+        async for _, out in group.outputs():
+            for c in out.outputs:
+                texts[c.index].append(c.text)
+                tokens[c.index] += c.token_ids
+                if c.logprobs:
+                    lps[c.index] += c.logprobs
+                if c.finish_reason is not None:
+                    finish[c.index] = (c.finish_reason, c.stop_reason)
+        if group.disconnected:
+            return Response(status_code=499)
+        choices = [
+            ChatChoice(index=j, message=ChatResponseMessage(content="".join(texts[j])),
+                       logprobs=self._logprobs(tokens[j], lps[j]),
+                       token_ids=tokens[j] if self.req.return_token_ids else None,
+                       finish_reason=finish.get(j, (None, None))[0], stop_reason=finish.get(j, (None, None))[1])
+            for j in range(self.n)
+        ]
+        resp = ChatCompletionResponse(id=self.id, model=self.ctx.model_name, choices=choices,
+                                      usage=self._usage(sum(len(t) for t in tokens.values())),
+                                      prompt_token_ids=self.prompt_ids if self.req.return_token_ids else None)
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    def _chunk(self, choices: list[ChatStreamChoice]) -> str:
+        return sse(ChatCompletionChunk(id=self.id, model=self.ctx.model_name, choices=choices))
+
+    async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
+        opts = self.req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        completion_tokens = 0
+        try:
+            yield self._chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+                               for j in range(self.n)])
+            if self.echo:
+                yield self._chunk([ChatStreamChoice(index=j, delta=DeltaMessage(content=self.echo))
+                                   for j in range(self.n)])
+            async for _, out in group.outputs():
+                choices = []
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    lp = self._logprobs(c.token_ids, c.logprobs) if c.token_ids else None
+                    if c.text or lp is not None or c.finish_reason is not None or (
+                            c.token_ids and self.req.return_token_ids):
+                        choices.append(ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(content=c.text if c.text else None), logprobs=lp,
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                            token_ids=list(c.token_ids) if self.req.return_token_ids else None))
+                if choices:
+                    yield self._chunk(choices)
+            if group.disconnected:
+                return
+            if include_usage:
+                yield sse(ChatCompletionChunk(id=self.id, model=self.ctx.model_name, choices=[],
+                                              usage=self._usage(completion_tokens)))
+        except OpenAIError as exc:
+            yield f"data: {error_body(exc.message, exc.status, exc.param).model_dump_json()}\n\n"
+        except Exception as exc:  # after the 200 was sent, an error travels as an event
+            yield f"data: {error_body(f'internal error: {exc}', 500).model_dump_json()}\n\n"
+        yield SSE_DONE
