@@ -13,6 +13,7 @@ The LLM class (offline API) and AsyncLLM (server) both drive this object from on
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -82,15 +83,19 @@ class LLMEngine:
                              f"{list(ops.SUPPORTED_HEAD_SIZES)}")
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
-        self.tokenizer = _load_tokenizer(args.tokenizer or self.model_path)
+        self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
+        # The tokenizer (mostly Python imports) loads in a thread while the weights (native copies
+        # that release the GIL) load here: start-up is about the longer of the two.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer") as pool:
+            tokenizer = pool.submit(_load_tokenizer, args.tokenizer or self.model_path)
+            self.runner = ModelRunner(
+                self.model_path, cfg, dtype=self.dtype, device=self.device, block_size=args.block_size,
+                max_model_len=self.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
+            )
+            self.tokenizer = tokenizer.result()
         self.eos_token_ids = _eos_token_ids(self.model_path, cfg, self.tokenizer)
         self.generation_defaults = _generation_defaults(self.model_path)
-        self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
-        self.runner = ModelRunner(
-            self.model_path, cfg, dtype=self.dtype, device=self.device, block_size=args.block_size,
-            max_model_len=self.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
-        )
         ec = _C.EngineConfig()
         ec.num_blocks = self.runner.num_blocks
         ec.block_size = args.block_size
@@ -249,6 +254,16 @@ def _batched_tokens(args: EngineArgs, max_model_len: int) -> int:
 
 
 def _load_tokenizer(path):
+    """The checkpoint's Hugging Face tokenizer. A folder with tokenizer.json loads it as a fast
+    tokenizer directly (AutoTokenizer first imports the model's whole config/modeling stack: many
+    seconds of start-up); other folders and hub ids go through AutoTokenizer."""
+    from pathlib import Path
+
+    folder = Path(str(path))
+    if (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
