@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pagedllm import _C, ops
-from pagedllm.metrics import HistogramData, Metric, metrics_from_stats
+from pagedllm.metrics import Counter, HistogramData, Metric, metrics_from_stats
 from pagedllm.model_executor.config import ModelConfig, resolve_dtype
 from pagedllm.model_executor.loader import resolve_model
 from pagedllm.output_processor import OutputProcessor
@@ -58,6 +58,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     device: str = "auto"
     num_gpu_blocks_override: Optional[int] = None
+    load_format: str = "auto"
 
 
 class LLMEngine:
@@ -82,7 +83,8 @@ class LLMEngine:
                              f"{list(ops.SUPPORTED_HEAD_SIZES)}")
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
-        self.tokenizer = _load_tokenizer(args.tokenizer or self.model_path)
+        self.tokenizer = _load_tokenizer(args.tokenizer or self.model_path, cfg.vocab_size,
+                                         allow_synthetic=args.load_format == "dummy")
         self.eos_token_ids = _eos_token_ids(self.model_path, cfg, self.tokenizer)
         self.generation_defaults = _generation_defaults(self.model_path)
         self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
@@ -90,6 +92,8 @@ class LLMEngine:
             self.model_path, cfg, dtype=self.dtype, device=self.device, block_size=args.block_size,
             max_model_len=self.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
+            load_format=args.load_format, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=args.seed,
         )
         ec = _C.EngineConfig()
         ec.num_blocks = self.runner.num_blocks
@@ -201,7 +205,11 @@ class LLMEngine:
 
     # ---- observability / lifecycle --------------------------------------------------------
     def get_metrics(self) -> list[Metric]:
-        return metrics_from_stats(self.core.stats(), self.model_name, self.histograms)
+        metrics = metrics_from_stats(self.core.stats(), self.model_name, self.histograms)
+        replays = self.runner.num_graph_replays if self.runner is not None else 0
+        labels = {"model_name": self.model_name} if self.model_name else {}
+        metrics.append(Counter("pagedllm:cuda_graph_replays", labels, int(replays)))
+        return metrics
 
     def shutdown(self) -> None:
         """Free the KV pool, the weights and the native engine."""
@@ -248,10 +256,21 @@ def _batched_tokens(args: EngineArgs, max_model_len: int) -> int:
     return value
 
 
-def _load_tokenizer(path):
+def _load_tokenizer(path, vocab_size: int = 0, allow_synthetic: bool = False):
+    """The folder's tokenizer; with load_format="dummy" a folder without tokenizer files gets a
+    synthetic word-level one over the vocabulary (token i is "<i>")."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as exc:
+        if not allow_synthetic:
+            raise
+        from pagedllm.model_executor.dummy import synthetic_tokenizer
+
+        logger.warning("no tokenizer in %s (%s): using a synthetic one of %d tokens", path,
+                       type(exc).__name__, vocab_size)
+        return synthetic_tokenizer(vocab_size)
 
 
 def _eos_token_ids(path, cfg: ModelConfig, tokenizer) -> list[int]:
