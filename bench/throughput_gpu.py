@@ -137,9 +137,10 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
-    for i, p in enumerate(prompts[: args.max_num_seqs]):
-        engine.add_request(f"prof{i}", None, p, SamplingParams(max_tokens=12, ignore_eos=True))
-    for _ in range(6):  # prefill steps and the first decode steps
+    prof_batch = min(256, args.max_num_seqs)
+    for i, p in enumerate(prompts[:prof_batch]):
+        engine.add_request(f"prof{i}", None, p, SamplingParams(max_tokens=24, ignore_eos=True))
+    for _ in range(12):  # the prefill steps and the first decode steps
         engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t4 = time.perf_counter()
@@ -147,12 +148,24 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
             engine.step()
         torch.cuda.synchronize()
         step_s = (time.perf_counter() - t4) / 4
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(3):
+        engine.step()
+    host.disable()
+    host_text = io.StringIO()
+    pstats.Stats(host, stream=host_text).sort_stats("tottime").print_stats(25)
     while engine.has_unfinished_requests():
         engine.step()
     profile_path.write_text(
-        f"4 engine steps (decode, batch {args.max_num_seqs}), {step_s * 1e3:.2f} ms per step under the profiler\n\n"
+        f"4 engine steps (decode, batch {prof_batch}), {step_s * 1e3:.2f} ms per step under the profiler\n\n"
         + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n"
-        + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+        + "\n\nHost (cProfile, 3 decode steps, by own time):\n" + host_text.getvalue())
     result = {
         "output_tokens": n_out, "seconds": seconds, "output_tok_s": n_out / seconds,
         "total_tok_s": (n_out + len(prompts) * args.input_len) / seconds, "startup_s": startup,
@@ -203,7 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--hf-batch", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=1024, help="vLLM v1's default on H100-class GPUs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--skip-hf", action="store_true")

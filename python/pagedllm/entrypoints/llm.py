@@ -18,7 +18,7 @@ from pagedllm.engine.llm_engine import EngineArgs, LLMEngine
 from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
 from pagedllm.metrics import Metric
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -119,6 +119,15 @@ class LLM:
                 raise ValueError(f"a prompt has {len(ids)} tokens, but max_model_len is {engine.max_model_len}: "
                                  "prompts must be shorter than max_model_len")
         ids_in_order = []
+        # Only finished outputs are returned (vLLM's LLM does the same): FINAL_ONLY spares the
+        # per-step cumulative RequestOutput of every running request.
+        final_only: dict[int, SamplingParams] = {}
+        for i, p in enumerate(params):
+            if p.output_kind != RequestOutputKind.FINAL_ONLY:
+                if id(p) not in final_only:
+                    final_only[id(p)] = p.clone()
+                    final_only[id(p)].output_kind = RequestOutputKind.FINAL_ONLY
+                params[i] = final_only[id(p)]
         try:
             for i, ((text, ids), p) in enumerate(zip(parsed, params)):
                 request_id = engine.new_request_id()
