@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bundled_llm import greedy, random_llm  # noqa: E402
+from bundled_llm import random_llm  # noqa: E402
 from server_utils import DEFAULT_ARGS, shared_server, tiny_model_dir  # noqa: E402
 
 MODEL = "tiny"
@@ -60,11 +60,20 @@ def sse_raw(server, path: str, body: dict) -> list[dict]:
     return [json.loads(ln[6:].decode("utf-8", errors="strict")) for ln in lines[:-1]]
 
 
-PROMPTS = ["Hello, world", "Repeat exactly: A 世ab 😀 café ďábel", "数字"]
+# logit_bias that makes the random model emit a random mix of the byte tokens of "世" (7906 =
+# bytes E4 B8, 240 = byte 96) and "😀" (10813, 242, 218) and a space: valid characters split
+# across tokens next to invalid byte runs (which must come out as the same U+FFFD as decode()).
+SPLIT_BIAS = {"7906": 100, "240": 100, "10813": 100, "242": 100, "218": 100, "220": 100}
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_completions_stream_equals_non_stream(server, tok, prompt):
+def _check_split_tokens(tok):
+    assert "\ufffd" in tok.decode([7906]) and tok.decode([7906, 240]) == "世"
+    assert tok.decode([10813, 242, 218]) == "😀"
+
+
+@pytest.mark.parametrize("prompt", ["Hello, world", "Repeat exactly: A 世ab 😀 café ďábel"])
+def test_completions_stream_equals_non_stream_greedy(server, tok, prompt):
+    """Case (d): the random model, greedy, ignore_eos, a long output, streamed and not."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True}
     full = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
@@ -75,22 +84,33 @@ def test_completions_stream_equals_non_stream(server, tok, prompt):
     assert "".join(deltas) == full["text"]
     assert full["text"] == tok.decode(full["token_ids"], skip_special_tokens=True)
     assert sum(d.count("\ufffd") for d in deltas) == full["text"].count("\ufffd")
-    assert split_characters(tok, ids) > 0, "no character was split across tokens: the hold-back never ran"
 
 
-def test_sampled_chat_streams_with_splits(server, tok):
-    """Sampled chat (several seeds) until one output holds a split character; every stream of
-    them equals its non-streamed text."""
-    splits = 0
-    for seed in range(4):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Write in Chinese: 猫"}], "max_tokens": 200,
-                "temperature": 1.0, "seed": seed, "ignore_eos": True, "return_token_ids": True}
-        full = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
-        events = sse_raw(server, "/v1/chat/completions", {**body, "stream": True})
-        deltas = [c["delta"].get("content") or "" for e in events for c in e["choices"]]
-        assert "".join(deltas) == full["message"]["content"]
-        splits += split_characters(tok, full["token_ids"])
-    assert splits > 0
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_split_characters_stream_equals_non_stream(server, tok, path):
+    _check_split_tokens(tok)
+    chat = "chat" in path
+    body = {"model": MODEL, "max_tokens": 200, "temperature": 1.0, "seed": 11, "ignore_eos": True,
+            "return_token_ids": True, "logit_bias": SPLIT_BIAS}
+    body.update({"messages": [{"role": "user", "content": "Write in Chinese: 猫"}]} if chat else {"prompt": "数字"})
+    full = httpx.post(server.url + path, json=body, timeout=120).json()["choices"][0]
+    text = full["message"]["content"] if chat else full["text"]
+    events = sse_raw(server, path, {**body, "stream": True})
+    deltas = [(c["delta"].get("content") or "") if chat else c["text"] for e in events for c in e["choices"]]
+    assert "".join(deltas) == text
+    # the token ids of steps whose text was held back still reach the client
+    assert [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])] == full["token_ids"]
+    assert text == tok.decode(full["token_ids"], skip_special_tokens=True)
+    assert sum(d.count("\ufffd") for d in deltas) == text.count("\ufffd")
+    assert split_characters(tok, full["token_ids"]) > 0, "no character was split across tokens"
+    assert "世" in text or "😀" in text
+
+
+def _biased(max_tokens=200):
+    from pagedllm import SamplingParams
+
+    return SamplingParams(temperature=1.0, seed=11, max_tokens=max_tokens, ignore_eos=True,
+                          logit_bias={int(k): float(v) for k, v in SPLIT_BIAS.items()})
 
 
 def _engine_delta_stream(llm, ids, params):
@@ -114,9 +134,10 @@ def _engine_delta_stream(llm, ids, params):
 def test_offline_engine_delta_stream():
     llm = random_llm()
     tok = llm.get_tokenizer()
+    _check_split_tokens(tok)
     ids = tok.encode("Hello, world")
-    full = llm.generate({"prompt_token_ids": ids}, greedy(256, ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    deltas, token_ids = _engine_delta_stream(llm, ids, greedy(256, ignore_eos=True))
+    full = llm.generate({"prompt_token_ids": ids}, _biased(), use_tqdm=False)[0].outputs[0]
+    deltas, token_ids = _engine_delta_stream(llm, ids, _biased())
     assert token_ids == full.token_ids
     assert "".join(deltas) == full.text
     assert sum(d.count("\ufffd") for d in deltas) == full.text.count("\ufffd")
@@ -135,7 +156,7 @@ def test_async_llm_streams(kind):
         prompt = {"prompt_token_ids": tok.encode("Hello, world")}
 
         async def run(output_kind):
-            p = greedy(300, ignore_eos=True)
+            p = _biased()
             p.output_kind = output_kind
             return [o async for o in eng.generate(prompt, p, f"utf8-{output_kind.name}")]
 
