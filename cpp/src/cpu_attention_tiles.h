@@ -106,13 +106,58 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
         qk_chunk16<T, D>(q + r * D, qb + r * D, scale, kt + c16 * D, s + r * bs + c16);
     for (int r = 0; r < R; ++r) {
       float* sr = s + r * bs;
+      const int64_t p = pos[r];
+      float m_new, corr, sum;
+#if defined(__AVX512F__)
+      // Vectorized over 16-token chunks: lanes outside [t0, t1), after the row's position or
+      // before its window are masked to probability 0.
+      {
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 ninf = _mm512_set1_ps(kNegInf);
+        __mmask16 valid[4];  // bs <= 64
+        __m512 mxv = ninf;
+        const int nc = (t1 + 15) / 16;
+        for (int ci = (t0 / 16); ci < nc; ++ci) {
+          const __m512i t = _mm512_add_epi32(lane, _mm512_set1_epi32(ci * 16));
+          __mmask16 v = _mm512_cmp_epi32_mask(t, _mm512_set1_epi32(t0), _MM_CMPINT_NLT) &
+                        _mm512_cmp_epi32_mask(t, _mm512_set1_epi32(t1), _MM_CMPINT_LT);
+          // j = base + t <= p  <=>  t <= p - base (and j > p - window <=> t > p - window - base)
+          v &= _mm512_cmp_epi32_mask(
+              t, _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(p - base, 1 << 20))),
+              _MM_CMPINT_LE);
+          if (window > 0)
+            v &= _mm512_cmp_epi32_mask(
+                t, _mm512_set1_epi32(static_cast<int32_t>(std::max<int64_t>(-1, p - window - base))),
+                _MM_CMPINT_NLE);
+          valid[ci] = v;
+          __m512 x = _mm512_loadu_ps(sr + ci * 16);
+          if (cap > 0.0f)
+            x = _mm512_mul_ps(_mm512_set1_ps(cap), tanh512(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / cap))));
+          x = _mm512_mask_mov_ps(ninf, v, x);
+          _mm512_storeu_ps(sr + ci * 16, x);
+          mxv = _mm512_max_ps(mxv, x);
+        }
+        const float mx = _mm512_reduce_max_ps(mxv);
+        if (mx == kNegInf) continue;  // nothing visible to this row in this block
+        m_new = std::max(m[r], mx);
+        corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
+        __m512 sv = _mm512_setzero_ps();
+        const __m512 mn = _mm512_set1_ps(m_new);
+        for (int ci = (t0 / 16); ci < nc; ++ci) {
+          const __m512 e = _mm512_maskz_mov_ps(
+              valid[ci], exp512_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + ci * 16), mn)));
+          _mm512_storeu_ps(sr + ci * 16, e);
+          sv = _mm512_add_ps(sv, e);
+        }
+        sum = _mm512_reduce_add_ps(sv);
+      }
+#else
       if (cap > 0.0f) {
         const float inv = 1.0f / cap;
 #pragma omp simd
         for (int t = t0; t < t1; ++t) sr[t] = cap * tanh_vec(sr[t] * inv);
       }
       // Causal and sliding-window mask, only where the block crosses a boundary of this row.
-      const int64_t p = pos[r];
       const bool crosses_causal = base + t1 - 1 > p;
       const bool crosses_window = window > 0 && base + t0 <= p - window;
       if (crosses_causal || crosses_window) {
@@ -127,9 +172,9 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
 #pragma omp simd reduction(max : mx)
       for (int t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
       if (mx == kNegInf) continue;  // nothing visible to this row in this block
-      const float m_new = std::max(m[r], mx);
-      const float corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
-      float sum = 0.0f;
+      m_new = std::max(m[r], mx);
+      corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
+      sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int t = t0; t < t1; ++t) {
         const float e = exp_neg(sr[t] - m_new);
@@ -137,6 +182,7 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
         sr[t] = pr;
         sum += pr;
       }
+#endif
       m[r] = m_new;
       l[r] = l[r] * corr + sum;
       pv_row<D>(acc + r * D, corr, sr, vp, t0, t1);

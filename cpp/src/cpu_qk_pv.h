@@ -18,6 +18,7 @@
 // pass-through operand is _mm512_undefined_ps()): a known false positive.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 #endif
 

@@ -36,8 +36,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
+        if h.is_cuda:  # one fused kernel instead of five (fewer nodes in a decode CUDA graph)
+            h = F.rms_norm(h, (h.shape[-1],), eps=self.eps)
+        else:
+            variance = h.pow(2).mean(-1, keepdim=True)
+            h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
 
 
