@@ -91,14 +91,15 @@ def num_sets(bytes_per_call: int) -> int:
     return max(1, min(32, math.ceil(4 * l2 / bytes_per_call)))
 
 
-def bench_decode(batch: int, ctx: int, split_k=None) -> dict:
+def bench_decode(batch: int, ctx: int, split_k=None, sequential=False) -> dict:
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     nsets = num_sets(kv_bytes)
     blocks_per_seq = math.ceil(ctx / BS)
     num_blocks = nsets * batch * blocks_per_seq
     kc = torch.randn(num_blocks, HKV, BS, D, device=DEV, dtype=DTYPE)
     vc = torch.randn_like(kc)
-    perm = torch.randperm(num_blocks, device=DEV).to(torch.int32).view(nsets, batch, blocks_per_seq)
+    ids = torch.arange(num_blocks, device=DEV) if sequential else torch.randperm(num_blocks, device=DEV)
+    perm = ids.to(torch.int32).view(nsets, batch, blocks_per_seq)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
     qs = [torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE) for _ in range(nsets)]
     outs = [torch.empty_like(q) for q in qs]
@@ -141,6 +142,7 @@ def bench_decode(batch: int, ctx: int, split_k=None) -> dict:
     torch.cuda.empty_cache()
     return {
         "batch": batch, "context": ctx, "split_k": "auto" if split_k is None else split_k,
+        "block_ids": "sequential" if sequential else "shuffled",
         "kv_bytes": kv_bytes, "buffer_sets": nsets,
         "ours_us": round(t_ours, 2), "ours_TBps": round(kv_bytes / t_ours / 1e6, 3),
         "sdpa_us": round(t_sdpa, 2), "sdpa_TBps": round(kv_bytes / t_sdpa / 1e6, 3),
@@ -211,6 +213,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the goal cases")
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. a variant)")
+    ap.add_argument("--no-prefill", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -228,11 +231,15 @@ def main() -> None:
         for batch, ctx in grid:
             doc["decode"].append(bench_decode(batch, ctx))
             print(json.dumps(doc["decode"][-1]), file=sys.stderr, flush=True)
-        for split_k in (0, 16, 32, 64):
-            doc["decode"].append(bench_decode(1, 4096, split_k=split_k))
+        extra = [] if args.quick else \
+            [dict(batch=1, ctx=4096, split_k=k) for k in (0, 16, 32, 64, 128)] + \
+            [dict(batch=64, ctx=4096, sequential=True), dict(batch=1, ctx=4096, sequential=True)]
+        for kw in extra:
+            doc["decode"].append(bench_decode(**kw))
             print(json.dumps(doc["decode"][-1]), file=sys.stderr, flush=True)
-    doc["prefill"].append(bench_prefill(4096))
-    print(json.dumps(doc["prefill"][-1]), file=sys.stderr, flush=True)
+    if not args.no_prefill:
+        doc["prefill"].append(bench_prefill(4096))
+        print(json.dumps(doc["prefill"][-1]), file=sys.stderr, flush=True)
     text = json.dumps(doc, indent=1)
     print(text)
     os.makedirs(args.out, exist_ok=True)

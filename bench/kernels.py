@@ -72,24 +72,29 @@ def make_decode_inputs(batch, context, hq, hkv, d, dtype, device, gen):
 
 
 def wall_pair(fn_a, fn_b, iters, warmup=3):
-    """Wall-clock (median, min) seconds per call of fn_a and fn_b, calls interleaved so that
-    load from other processes on a shared machine hits both alike."""
+    """(wall median, wall min, process CPU-time median) seconds per call of fn_a and of fn_b,
+    calls interleaved so that load from other processes on a shared machine hits both alike.
+    The CPU time (all threads of this process) is what a call costs regardless of how long the
+    OS kept it waiting for a core."""
     for _ in range(warmup):
         fn_a()
         fn_b()
-    ta, tb = [], []
+    ta, tb, ca, cb = [], [], [], []
     for _ in range(iters):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn_a()
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         fn_b()
         tb.append(time.perf_counter() - t1)
+        cb.append(time.process_time() - c1)
         ta.append(t1 - t0)
-    return (statistics.median(ta), min(ta)), (statistics.median(tb), min(tb))
+        ca.append(c1 - c0)
+    return ((statistics.median(ta), min(ta), statistics.median(ca)),
+            (statistics.median(tb), min(tb), statistics.median(cb)))
 
 
 def cuda_pair(fn_a, fn_b):
-    return (cuda_median(fn_a), None), (cuda_median(fn_b), None)
+    return (cuda_median(fn_a), None, None), (cuda_median(fn_b), None, None)
 
 
 def cuda_median(fn, reps=20, trials=15):
@@ -127,10 +132,12 @@ def cuda_median(fn, reps=20, trials=15):
 
 
 def timing_fields(prefix, t):
-    median, fastest = t
+    median, fastest, cpu = t
     row = {f"{prefix}_us": median * 1e6}
     if fastest is not None:
         row[f"{prefix}_min_us"] = fastest * 1e6
+    if cpu is not None:
+        row[f"{prefix}_cpu_time_us"] = cpu * 1e6
     return row
 
 
@@ -227,7 +234,8 @@ def run_cpu(args, gen):
         prefill.append(row)
         print(json.dumps(row), file=sys.stderr)
     return {"threads": args.threads, "load_average": os.getloadavg(),
-            "timer": "wall-clock median (and min) per call, pagedllm and SDPA calls interleaved",
+            "timer": "wall-clock median (and min) per call, pagedllm and SDPA calls interleaved; "
+                     "cpu_time: median process CPU time per call (all threads)",
             "decode": rows,
             "prefill": prefill}
 
@@ -253,7 +261,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda", "all"], default="cpu")
     p.add_argument("--threads", type=int, default=2, help="CPU threads for pagedllm and torch")
-    p.add_argument("--iters", type=int, default=50, help="timed CPU iterations per case")
+    p.add_argument("--iters", type=int, default=100, help="timed CPU iterations per case")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--machine", default=socket.gethostname(), help="name used in the file name")
     args = p.parse_args()

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -61,8 +62,8 @@ struct XorShift {
 // allocate+release pairs on a pool of n blocks; churn keeps half the pool held at random.
 Timing pool_pairs(int32_t n, bool churn, bool with_hooks, int64_t ops, int reps) {
   BlockPool pool(n);
-  PrefixCache cache(with_hooks ? n : 1, 16);
-  if (with_hooks) pool.set_cache_hooks(&cache);
+  std::unique_ptr<PrefixCache> cache;  // attached: the prefix cache's reuse path is live
+  if (with_hooks) cache = std::make_unique<PrefixCache>(n, 16, &pool);
   std::vector<BlockId> held;
   XorShift rng;
   if (churn) {
@@ -90,7 +91,6 @@ Timing pool_pairs(int32_t n, bool churn, bool with_hooks, int64_t ops, int reps)
   });
   for (BlockId b : held) pool.release(b);
   if (pool.num_free_blocks() != n) std::fprintf(stderr, "pool not whole after the benchmark\n");
-  pool.set_cache_hooks(nullptr);
   return t;
 }
 
@@ -193,6 +193,12 @@ int main(int argc, char** argv) {
   std::ostringstream js;
   js << "{\n  \"name\": \"kv_cache\",\n  \"commit\": \"" << commit << "\",\n  \"machine\": \"" << machine
      << "\",\n  \"quick\": " << (quick ? "true" : "false") << ",\n";
+  {
+    std::ifstream la("/proc/loadavg");
+    double l1 = -1;
+    if (la) la >> l1;
+    js << "  \"load_average_1min_at_start\": " << fmt(l1) << ",\n";
+  }
   js << "  \"note\": \"best and median of " << reps
      << " repetitions; best is the least disturbed by other processes on a shared machine\",\n";
   js << "  \"pool_alloc_free_pairs_per_s\": {\n";

@@ -21,6 +21,9 @@ PAGEDLLM_BINDING(block_pool, m) {
            "ref_count + 1 (a free block leaves the free queue).")
       .def("release", &BlockPool::release, py::arg("block"),
            "ref_count - 1; at 0 the block joins the free queue. ValueError on a double free.")
+      .def("set_reusable", &BlockPool::set_reusable, py::arg("block"), py::arg("reusable"),
+           "Mark a block as holding prefix-cached content (freed: LRU tail instead of head).")
+      .def("is_reusable", &BlockPool::is_reusable, py::arg("block"))
       .def("ref_count", &BlockPool::ref_count, py::arg("block"))
       .def("is_free", &BlockPool::is_free, py::arg("block"))
       .def("free_queue", &BlockPool::free_queue, "Free block ids, head (next allocated) first.");

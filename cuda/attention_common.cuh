@@ -90,11 +90,22 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-/// 16-byte asynchronous copy global -> shared; when !valid nothing is read and zeros are written.
+/// 16-byte asynchronous copy global -> shared (L2 only, .cg); when !valid nothing is read and
+/// zeros are written. kPrefetch: L2 prefetch size hint in bytes (0, 128 or 256) for the line
+/// around the address — the K/V tiles are contiguous runs of block_size * head_size elements.
+template <int kPrefetch = 128>
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(src_size));
+  if constexpr (kPrefetch == 256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+                 "l"(gmem), "r"(src_size));
+  } else if constexpr (kPrefetch == 128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+                 "l"(gmem), "r"(src_size));
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                 "r"(src_size));
+  }
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -7,6 +7,8 @@
 // row, query head [, partition]); each warp walks keys w, w+4, ... with an online softmax
 // (Milakov & Gimelshein 2018), lanes split the head dimension, and the warps are merged at the
 // end.
+#include <cstdlib>
+
 #include "attention_launch.h"
 #include "cuda_check.h"
 
@@ -132,9 +134,21 @@ __device__ __forceinline__ void store(T* p, float v) {
   else *p = TypeTraits<T>::from_float(v);
 }
 
+constexpr int kReduceThreads = 256;
+
+/// One CTA per (sequence, query head) row. Thread (split group sg, column group cg) sums
+/// float4 columns 4cg..4cg+3 over splits sg, sg + NSG, ...; the NSG group sums are then added in
+/// shared memory. Many independent loads per thread, unlike a per-column loop over all splits.
 template <typename T>
-__global__ void __launch_bounds__(128) splitk_reduce_kernel(const AttnParams p, int D) {
-  extern __shared__ float s_w[];  // [num_splits] weights
+__global__ void __launch_bounds__(kReduceThreads) splitk_reduce_kernel(const AttnParams p, int D) {
+  // Launched as a programmatic dependent of the decode kernel (when enabled): wait here until it
+  // has completed and its partials are visible. Without the launch attribute this is a no-op.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  extern __shared__ float smem[];  // [kReduceThreads * 4] group sums, then [num_splits] weights
+  float* s_acc = smem;
+  float* s_w = smem + kReduceThreads * 4;
   __shared__ float s_total;
   const int64_t row = blockIdx.x;  // b * Hq + h
   const int S = p.num_splits;
@@ -156,13 +170,31 @@ __global__ void __launch_bounds__(128) splitk_reduce_kernel(const AttnParams p, 
     if (threadIdx.x == 0) s_total = total;
   }
   __syncthreads();
+  const int cols = D / 4;                    // float4 columns
+  const int groups = kReduceThreads / cols;  // split groups
+  const int cg = threadIdx.x % cols, sg = threadIdx.x / cols;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_out + row * S * D);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (sg < groups) {
+#pragma unroll 4
+    for (int s = sg; s < S; s += groups) {
+      const float w = s_w[s];
+      const float4 v = po[static_cast<int64_t>(s) * cols + cg];
+      if (w != 0.f) {  // empty partitions hold zeros; skip them exactly
+        acc.x += w * v.x;
+        acc.y += w * v.y;
+        acc.z += w * v.z;
+        acc.w += w * v.w;
+      }
+    }
+    reinterpret_cast<float4*>(s_acc)[sg * cols + cg] = acc;
+  }
+  __syncthreads();
   const float inv = s_total > 0.f ? 1.f / s_total : 0.f;
-  const float* po = p.partial_out + row * S * D;
   T* out = static_cast<T*>(p.out) + row * D;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+  for (int d = threadIdx.x; d < D; d += kReduceThreads) {
     float o = 0.f;
-    for (int s = 0; s < S; ++s)
-      if (s_w[s] != 0.f) o += s_w[s] * po[s * D + d];
+    for (int g = 0; g < groups; ++g) o += s_acc[g * D + d];
     store(out + d, o * inv);
   }
 }
@@ -204,14 +236,34 @@ void launch_attention_fp32(int head_size, const AttnParams& p, cudaStream_t stre
 }
 
 void launch_splitk_reduce(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.num_rows) * p.num_heads));
-  const size_t smem = static_cast<size_t>(p.num_splits) * sizeof(float);
+  void (*kernel)(AttnParams, int) = nullptr;
   switch (dtype) {
-    case DType::kFloat32: splitk_reduce_kernel<float><<<grid, 128, smem, stream>>>(p, head_size); break;
-    case DType::kBFloat16: splitk_reduce_kernel<__nv_bfloat16><<<grid, 128, smem, stream>>>(p, head_size); break;
-    case DType::kFloat16: splitk_reduce_kernel<__half><<<grid, 128, smem, stream>>>(p, head_size); break;
+    case DType::kFloat32: kernel = splitk_reduce_kernel<float>; break;
+    case DType::kBFloat16: kernel = splitk_reduce_kernel<__nv_bfloat16>; break;
+    case DType::kFloat16: kernel = splitk_reduce_kernel<__half>; break;
     default: throw std::runtime_error(std::string("CUDA split-K reduce: unsupported dtype ") + dtype_name(dtype));
   }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.num_rows) * p.num_heads));
+  config.blockDim = dim3(kReduceThreads);
+  config.dynamicSmemBytes = (kReduceThreads * 4 + static_cast<size_t>(p.num_splits)) * sizeof(float);
+  config.stream = stream;
+  // Programmatic dependent launch (sm_90): the reduction's launch overlaps the decode kernel's
+  // tail; griddepcontrol.wait in the kernel keeps the data dependency. PAGEDLLM_NO_PDL=1 turns
+  // it off (read once).
+  static const bool pdl = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      return false;
+    return major >= 9 && std::getenv("PAGEDLLM_NO_PDL") == nullptr;
+  }();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  PAGEDLLM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, head_size));
   PAGEDLLM_CUDA_CHECK_LAUNCH();
 }
 

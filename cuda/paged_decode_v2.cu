@@ -12,18 +12,20 @@
 // straight from global memory into the A fragments. Each item ends with an online-softmax state
 // (FlashAttention-2, Dao 2023) written as the output row (one partition) or as flash-decoding
 // partials (Dao et al. 2023) that launch_splitk_reduce combines.
+#include <string>
+
 #include "attention_launch.h"
 #include "cuda_check.h"
 
 namespace pagedllm::cuda::detail {
 namespace {
 
-template <typename T, int D>
+template <typename T, int D, int W, int NS>
 struct DecodeV2Cfg {
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = NS;
   static constexpr int kRow = D + 8;  // 16-byte pad: conflict-free ldmatrix
   static constexpr int kChunks = D / 8;
   static constexpr int kStageElems = 2 * kTile * kRow;
@@ -62,15 +64,20 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   return it;
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(128) paged_decode_v2_kernel(const AttnParams p, int num_items,
-                                                              int head_chunks) {
-  using C = DecodeV2Cfg<T, D>;
+template <typename T, int D, int W_, int NS, int PF>
+__global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnParams p, int num_items,
+                                                                  int head_chunks) {
+  using C = DecodeV2Cfg<T, D, W_, NS>;
   using TT = TypeTraits<T>;
   constexpr int KSTEPS = D / 16;
   constexpr int S = C::kStages;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Let a programmatic dependent (the split-K reduction) be scheduled now; it waits for this
+  // grid's completion itself (griddepcontrol.wait). No-op without a dependent launch.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   T* ring = reinterpret_cast<T*>(smem_raw) + warp * C::kWarpElems;
@@ -96,14 +103,28 @@ __global__ void __launch_bounds__(128) paged_decode_v2_kernel(const AttnParams p
       T* sK = ring + slot_issue * C::kStageElems;
       T* sV = sK + C::kTile * C::kRow;
       const int t0 = iitem.start + ik * C::kTile;
+      const int row0 = t0 & (p.block_size - 1);
+      if (row0 + C::kTile <= p.block_size && t0 + C::kTile <= iitem.end) {
+        // The whole tile lies in one block (the common case): one block-table lookup, and the
+        // tile is one contiguous run of kTile rows.
+        const T* kb = kc + kv_row_offset(iitem.bt, t0, iitem.kv_head, p, D);
+        const T* vb = vc + (kb - kc);
 #pragma unroll
-      for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
-        const int r = c / C::kChunks, col = c % C::kChunks;
-        const int pos = t0 + r;
-        const bool valid = pos < iitem.end;
-        const int64_t off = valid ? kv_row_offset(iitem.bt, pos, iitem.kv_head, p, D) + col * 8 : 0;
-        cp_async_16(sK + r * C::kRow + col * 8, kc + off, valid);
-        cp_async_16(sV + r * C::kRow + col * 8, vc + off, valid);
+        for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
+          const int r = c / C::kChunks, col = c % C::kChunks;
+          cp_async_16<PF>(sK + r * C::kRow + col * 8, kb + r * D + col * 8, true);
+          cp_async_16<PF>(sV + r * C::kRow + col * 8, vb + r * D + col * 8, true);
+        }
+      } else {
+#pragma unroll
+        for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
+          const int r = c / C::kChunks, col = c % C::kChunks;
+          const int pos = t0 + r;
+          const bool valid = pos < iitem.end;
+          const int64_t off = valid ? kv_row_offset(iitem.bt, pos, iitem.kv_head, p, D) + col * 8 : 0;
+          cp_async_16<PF>(sK + r * C::kRow + col * 8, kc + off, valid);
+          cp_async_16<PF>(sV + r * C::kRow + col * 8, vc + off, valid);
+        }
       }
       slot_issue = slot_issue + 1 == S ? 0 : slot_issue + 1;
       ++ik;
@@ -237,59 +258,63 @@ __global__ void __launch_bounds__(128) paged_decode_v2_kernel(const AttnParams p
   cp_async_wait<0>();
 }
 
-template <typename T, int D>
-int v2_units() {
-  // Concurrent warps of the grid: occupancy x SMs x warps per CTA (cached per instantiation).
-  static std::atomic<int> cached{0};
-  if (cached.load() > 0) return cached.load();
-  using C = DecodeV2Cfg<T, D>;
-  auto kernel = paged_decode_v2_kernel<T, D>;
-  static std::atomic<uint64_t> smem_raised{0};
-  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, smem_raised);
-  int per_sm = 0, sms = 0, dev = 0;
-  PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
-  PAGEDLLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::kThreads, C::kSmemBytes));
-  PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int units = std::max(1, per_sm) * sms * C::kWarps;
-  cached.store(units);
-  return units;
-}
+/// One kernel configuration: W warps per CTA, an NS-deep ring per warp, L2 prefetch hint PF.
+/// 4 x 3 with the 128-byte hint won on the H200 (run 3: 270 us at 64 x 4096 against 274-286 us
+/// for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row copies; see
+/// bench/cuda_kernels_notes.md).
+template <typename T, int D, int W = 4, int NS = 3, int PF = 128>
+struct V2 {
+  using C = DecodeV2Cfg<T, D, W, NS>;
+  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF>; }
 
-template <typename T, int D>
-void launch_v2_typed(const AttnParams& p, cudaStream_t stream) {
-  using C = DecodeV2Cfg<T, D>;
-  auto kernel = paged_decode_v2_kernel<T, D>;
-  const int units = v2_units<T, D>();  // also raises the smem limit
-  const int head_chunks = (p.group + 15) / 16;
-  const int64_t items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * head_chunks * p.num_splits;
-  if (items > (int64_t{1} << 31) - 1)
-    throw std::runtime_error("CUDA decode: too many work items (" + std::to_string(items) + ")");
-  const int64_t warps = std::min<int64_t>(units, items);
-  const unsigned ctas = static_cast<unsigned>((warps + C::kWarps - 1) / C::kWarps);
-  kernel<<<ctas, C::kThreads, C::kSmemBytes, stream>>>(p, static_cast<int>(items), head_chunks);
-  PAGEDLLM_CUDA_CHECK_LAUNCH();
+  // Concurrent warps of the grid: occupancy x SMs x warps per CTA (cached per instantiation).
+  static int units() {
+    static std::atomic<int> cached{0};
+    if (cached.load() > 0) return cached.load();
+    static std::atomic<uint64_t> smem_raised{0};
+    set_max_dynamic_smem(reinterpret_cast<const void*>(kernel()), C::kSmemBytes, smem_raised);
+    int per_sm = 0, sms = 0, dev = 0;
+    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
+    PAGEDLLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel(), C::kThreads, C::kSmemBytes));
+    PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    cached.store(std::max(1, per_sm) * sms * C::kWarps);
+    return cached.load();
+  }
+
+  static void launch(const AttnParams& p, cudaStream_t stream) {
+    const int units_ = units();  // also raises the smem limit
+    const int head_chunks = (p.group + 15) / 16;
+    const int64_t items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * head_chunks * p.num_splits;
+    if (items > (int64_t{1} << 31) - 1)
+      throw std::runtime_error("CUDA decode: too many work items (" + std::to_string(items) + ")");
+    const int64_t warps = std::min<int64_t>(units_, items);
+    const unsigned ctas = static_cast<unsigned>((warps + C::kWarps - 1) / C::kWarps);
+    auto k = kernel();
+    k<<<ctas, C::kThreads, C::kSmemBytes, stream>>>(p, static_cast<int>(items), head_chunks);
+    PAGEDLLM_CUDA_CHECK_LAUNCH();
+  }
+};
+
+/// Calls f(V2<...>{}) with the configuration of (T, head_size).
+template <typename T, typename F>
+auto with_config(int head_size, F&& f) {
+  switch (head_size) {
+    case 64: return f(V2<T, 64>{});
+    case 80: return f(V2<T, 80>{});
+    case 96: return f(V2<T, 96>{});
+    case 128: return f(V2<T, 128>{});
+    default: throw std::runtime_error("CUDA decode v2: unsupported head size " + std::to_string(head_size));
+  }
 }
 
 template <typename T>
 void launch_v2_dtype(int head_size, const AttnParams& p, cudaStream_t stream) {
-  switch (head_size) {
-    case 64: return launch_v2_typed<T, 64>(p, stream);
-    case 80: return launch_v2_typed<T, 80>(p, stream);
-    case 96: return launch_v2_typed<T, 96>(p, stream);
-    case 128: return launch_v2_typed<T, 128>(p, stream);
-    default: throw std::runtime_error("CUDA decode v2: unsupported head size " + std::to_string(head_size));
-  }
+  with_config<T>(head_size, [&](auto cfg) { decltype(cfg)::launch(p, stream); });
 }
 
 template <typename T>
 int units_dtype(int head_size) {
-  switch (head_size) {
-    case 64: return v2_units<T, 64>();
-    case 80: return v2_units<T, 80>();
-    case 96: return v2_units<T, 96>();
-    case 128: return v2_units<T, 128>();
-    default: throw std::runtime_error("CUDA decode v2: unsupported head size " + std::to_string(head_size));
-  }
+  return with_config<T>(head_size, [&](auto cfg) { return decltype(cfg)::units(); });
 }
 
 }  // namespace

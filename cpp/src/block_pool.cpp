@@ -6,7 +6,7 @@ namespace pagedllm {
 BlockPool::BlockPool(int32_t num_blocks)
     : num_blocks_(num_blocks), num_free_(0), sentinel_(num_blocks) {
   PAGEDLLM_CHECK(num_blocks >= 1, "num_blocks must be >= 1, got ", num_blocks);
-  nodes_.assign(static_cast<size_t>(num_blocks) + 1, Node{0, 0, 0});
+  nodes_.assign(static_cast<size_t>(num_blocks) + 1, Node{0, 0, 0, 0});
   nodes_[sentinel_].prev = nodes_[sentinel_].next = sentinel_;
   for (BlockId b = 0; b < num_blocks; ++b) push_back(b);
 }
@@ -40,8 +40,12 @@ BlockId BlockPool::allocate() {
   const BlockId block = nodes_[sentinel_].next;
   if (block == sentinel_) return kNoBlock;
   unlink(block);
-  nodes_[block].ref_count = 1;
-  if (hooks_ != nullptr) hooks_->on_reuse(block);
+  Node& node = nodes_[block];
+  node.ref_count = 1;
+  if (node.reusable) {
+    node.reusable = 0;
+    if (hooks_ != nullptr) hooks_->on_reuse(block);
+  }
   return block;
 }
 
@@ -55,7 +59,7 @@ void BlockPool::release(BlockId block) {
   check_id(block);
   PAGEDLLM_CHECK(nodes_[block].ref_count > 0, "block ", block, " is already free (double free)");
   if (--nodes_[block].ref_count > 0) return;
-  if (hooks_ != nullptr && hooks_->holds_reusable_content(block)) {
+  if (nodes_[block].reusable) {
     push_back(block);
   } else {
     push_front(block);

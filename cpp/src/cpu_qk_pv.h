@@ -14,6 +14,11 @@
 #include "cpu_vec.h"
 
 #if defined(__AVX512F__)
+// GCC 12 warns "__Y may be used uninitialized" inside its own unpack intrinsics (their unused
+// pass-through operand is _mm512_undefined_ps()): a known false positive.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 #endif
 
@@ -153,3 +158,7 @@ inline void pv_row(float* __restrict acc, float corr, const float* __restrict p,
 }
 
 }  // namespace pagedllm::cpu
+
+#if defined(__AVX512F__)
+#pragma GCC diagnostic pop
+#endif

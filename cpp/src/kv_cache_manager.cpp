@@ -9,13 +9,12 @@ namespace pagedllm {
 KVCacheManager::KVCacheManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching)
     : block_size_((check_block_size(block_size), block_size)), pool_(num_blocks) {
   if (enable_prefix_caching) {
-    prefix_cache_ = std::make_unique<PrefixCache>(num_blocks, block_size);
-    pool_.set_cache_hooks(prefix_cache_.get());
+    prefix_cache_ = std::make_unique<PrefixCache>(num_blocks, block_size, &pool_);
   }
   mark_.assign(num_blocks, 0);
 }
 
-KVCacheManager::~KVCacheManager() { pool_.set_cache_hooks(nullptr); }
+KVCacheManager::~KVCacheManager() = default;  // prefix_cache_ (declared after pool_) detaches first
 
 // ------------------------------------------------------------------ sequence index
 KVCacheManager::SeqIndex::SeqIndex() : mask_(15), keys_(16, 0), vals_(16, -1) {}

@@ -51,10 +51,12 @@ uint64_t PrefixCache::hash_block(uint64_t parent_hash, std::span<const int32_t> 
   return mum(kP1 ^ static_cast<uint64_t>(len), mum(seed ^ kP2, kP3));
 }
 
-PrefixCache::PrefixCache(int32_t num_blocks, int32_t block_size)
-    : num_blocks_(num_blocks), block_size_(block_size) {
+PrefixCache::PrefixCache(int32_t num_blocks, int32_t block_size, BlockPool* pool)
+    : num_blocks_(num_blocks), block_size_(block_size), pool_(pool) {
   PAGEDLLM_CHECK(num_blocks >= 1, "num_blocks must be >= 1, got ", num_blocks);
   check_block_size(block_size);
+  PAGEDLLM_CHECK(pool == nullptr || pool->num_blocks() == num_blocks, "prefix cache for ",
+                 num_blocks, " blocks attached to a pool of ", pool ? pool->num_blocks() : 0);
   cached_.assign(num_blocks, 0);
   generation_.assign(num_blocks, 0);
   hash_.assign(num_blocks, 0);
@@ -65,6 +67,15 @@ PrefixCache::PrefixCache(int32_t num_blocks, int32_t block_size)
   table_mask_ = capacity - 1;
   table_hash_.assign(capacity, 0);
   table_block_.assign(capacity, kNoBlock);
+  if (pool_ != nullptr) pool_->set_cache_hooks(this);
+}
+
+PrefixCache::~PrefixCache() {
+  if (pool_ == nullptr) return;
+  pool_->set_cache_hooks(nullptr);
+  for (BlockId b = 0; b < num_blocks_; ++b) {
+    if (cached_[b]) pool_->set_reusable(b, false);
+  }
 }
 
 // ------------------------------------------------------------------ open-addressing table
@@ -179,6 +190,7 @@ ChainLink PrefixCache::insert(BlockId block, const ChainLink& parent, uint64_t h
               static_cast<size_t>(block_size_) * sizeof(int32_t));
   table_insert(hash, block);
   ++num_cached_;
+  if (pool_ != nullptr) pool_->set_reusable(block, true);
   return {hash, block, generation_[block]};
 }
 
@@ -190,6 +202,7 @@ void PrefixCache::evict(BlockId block) {
   ++generation_[block];
   --num_cached_;
   ++num_evictions_;
+  if (pool_ != nullptr) pool_->set_reusable(block, false);
 }
 
 }  // namespace pagedllm

@@ -14,17 +14,43 @@ const char* finish_reason_name(FinishReason reason) {
   return "";
 }
 
+void Sequence::bind(Request* req) {
+  request = req;
+  const RequestParams& p = req->params;
+  prompt_tokens = req->prompt_len();
+  max_tokens = p.max_tokens;
+  min_tokens = p.min_tokens;
+  ignore_eos = p.ignore_eos;
+  prompt_done = req->forked;
+  wants_prompt_logprobs = p.prompt_logprobs;
+  const size_t total = p.eos_token_ids.size() + p.stop_token_ids.size();
+  stop_ids_spill = total > static_cast<size_t>(kInlineStopIds);
+  num_eos = num_stop = 0;
+  if (!stop_ids_spill) {
+    for (int32_t id : p.eos_token_ids) stop_ids[num_eos++] = id;
+    for (int32_t id : p.stop_token_ids) stop_ids[num_eos + num_stop++] = id;
+  }
+}
+
 FinishReason check_stop(const Sequence& seq, int32_t max_model_len, StopReason* stop_reason) {
-  const RequestParams& p = seq.request->params;
   const int32_t num_outputs = seq.num_output_tokens();
-  if (seq.num_tokens() >= max_model_len || (p.max_tokens >= 0 && num_outputs >= p.max_tokens))
+  if (seq.num_tokens() >= max_model_len || (seq.max_tokens >= 0 && num_outputs >= seq.max_tokens))
     return FinishReason::kLength;
-  if (num_outputs < p.min_tokens || num_outputs == 0) return FinishReason::kNone;
+  if (num_outputs < seq.min_tokens || num_outputs == 0) return FinishReason::kNone;
   const int32_t last = seq.token_ids.back();
-  if (!p.ignore_eos &&
-      std::find(p.eos_token_ids.begin(), p.eos_token_ids.end(), last) != p.eos_token_ids.end())
-    return FinishReason::kStop;
-  if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), last) != p.stop_token_ids.end()) {
+  bool is_eos, is_stop;
+  if (!seq.stop_ids_spill) {
+    const int32_t* eos = seq.stop_ids;
+    is_eos = std::find(eos, eos + seq.num_eos, last) != eos + seq.num_eos;
+    const int32_t* stop = eos + seq.num_eos;
+    is_stop = std::find(stop, stop + seq.num_stop, last) != stop + seq.num_stop;
+  } else {
+    const RequestParams& p = seq.request->params;
+    is_eos = std::find(p.eos_token_ids.begin(), p.eos_token_ids.end(), last) != p.eos_token_ids.end();
+    is_stop = std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), last) != p.stop_token_ids.end();
+  }
+  if (!seq.ignore_eos && is_eos) return FinishReason::kStop;
+  if (is_stop) {
     if (stop_reason) *stop_reason = last;
     return FinishReason::kStop;
   }

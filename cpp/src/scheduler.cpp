@@ -38,7 +38,7 @@ Sequence* Scheduler::new_sequence(Request* req, int32_t index) {
   }
   Sequence* s = slab_[slot].get();
   s->seq_id = next_seq_id_++;
-  s->request = req;
+  s->bind(req);
   s->index = index;
   s->token_ids.clear();
   s->num_computed_tokens = 0;
@@ -175,7 +175,7 @@ void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out) {
   Request* req = seq->request;
   const int32_t start = seq->num_computed_tokens;
   const int32_t end = start + num_new;
-  const bool completes_prompt = !req->forked && end >= req->prompt_len();
+  const bool completes_prompt = !seq->prompt_done && end >= seq->prompt_len();
   const int32_t fork_begin = static_cast<int32_t>(out.forks.size());
   counters_.num_scheduled_tokens += num_new;
   counters_.num_recomputed_tokens += std::max(0, std::min(end, seq->max_computed_tokens) - start);
@@ -186,6 +186,7 @@ void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out) {
   if (completes_prompt) {
     // The n - 1 children take n - 1 of the n slots the parent held: num_running_slots_ is unchanged.
     req->forked = true;
+    seq->prompt_done = true;  // children bind() to the forked request
     counters_.num_prompt_tokens += req->prompt_len();
     for (int32_t k = 1; k < req->params.n; ++k) {
       Sequence* child = new_sequence(req, k);
@@ -216,9 +217,11 @@ void Scheduler::schedule(SchedulerOutput& out) {
   // 1. Running sequences: decodes first, then unfinished prompt chunks (and replays), each pass
   //    in running order. A snapshot is walked because preemption removes from running_.
   running_snapshot_ = running_;
+  const size_t num_snapshot = running_snapshot_.size();
   for (const bool decode_pass : {true, false}) {
-    for (Sequence* seq : running_snapshot_) {
+    for (size_t i = 0; i < num_snapshot; ++i) {
       if (budget <= 0) break;
+      Sequence* seq = running_snapshot_[i];
       if (seq->status != SequenceStatus::kRunning || seq->in_flight) continue;
       int32_t num_new = seq->num_tokens() - seq->num_computed_tokens;
       if (num_new <= 0 || (num_new == 1) != decode_pass || (!chunked && num_new > budget)) continue;
@@ -299,7 +302,6 @@ void Scheduler::fill_buffers(SchedulerOutput& out) {
 
 void Scheduler::fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& out) {
   Sequence* seq = s.ref.seq;
-  const Request* req = seq->request;
   const int32_t row = out.num_seqs++;
   const int32_t t0 = out.num_tokens;
   const int32_t start = s.start;
@@ -326,7 +328,7 @@ void Scheduler::fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& o
   }
   out.num_tokens = t0 + s.num_new;
 
-  if (end == seq->num_tokens() && req->params.max_tokens != 0) {
+  if (end == seq->num_tokens() && seq->max_tokens != 0) {
     const int64_t logits_row = t0 + s.num_new - 1;
     out.logits_indices[out.num_sampled] = logits_row;
     out.sample_seq_ids[out.num_sampled++] = seq->seq_id;
@@ -339,7 +341,7 @@ void Scheduler::fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& o
     }
   }
 
-  if (req->params.prompt_logprobs) {
+  if (seq->wants_prompt_logprobs) {
     Request* r = seq->request;
     const int32_t p0 = std::max(start, r->prompt_logprobs_next_pos);
     const int32_t p1 = std::min(end, r->prompt_len() - 1);
@@ -378,7 +380,7 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     const int32_t end = s.start + s.num_new;
     if (caching && end / bs > s.start / bs)
       kv_.cache_full_blocks(seq->seq_id, seq->token_ids, end, req->extra_key);
-    if (s.completes_prompt && req->params.max_tokens == 0) {
+    if (s.completes_prompt && seq->max_tokens == 0) {
       finish(seq, FinishReason::kLength, std::monostate{});
       finished_scratch_.push_back(seq);
       for (int32_t f = s.fork_begin; f < s.fork_end; ++f) {

@@ -13,16 +13,10 @@ using namespace pagedllm;
 
 namespace {
 
-// Marks some blocks as holding cached content, records reuse notifications.
+// Records reuse notifications (the pool calls it only for blocks marked reusable).
 class FakeHooks : public BlockPool::CacheHooks {
  public:
-  explicit FakeHooks(int n) : cached(n, false) {}
-  bool holds_reusable_content(BlockId b) const override { return cached[b]; }
-  void on_reuse(BlockId b) override {
-    reused.push_back(b);
-    cached[b] = false;
-  }
-  std::vector<bool> cached;
+  void on_reuse(BlockId b) override { reused.push_back(b); }
   std::vector<BlockId> reused;
 };
 
@@ -80,27 +74,32 @@ TEST(BlockPool, IncrefOfFreeBlockRemovesItFromTheMiddle) {
 
 TEST(BlockPool, CachedBlocksJoinTheTailUncachedTheHead) {
   BlockPool pool(6);
-  FakeHooks hooks(6);
+  FakeHooks hooks;
   pool.set_cache_hooks(&hooks);
   std::vector<BlockId> held;
   for (int i = 0; i < 6; ++i) held.push_back(pool.allocate());
-  EXPECT_EQ(hooks.reused, (std::vector<BlockId>{0, 1, 2, 3, 4, 5}));  // every allocate notifies
-  hooks.reused.clear();
-  hooks.cached[1] = hooks.cached[2] = hooks.cached[3] = true;
+  EXPECT_TRUE(hooks.reused.empty());  // unmarked blocks: no notification
+  for (BlockId b : {1, 2, 3}) pool.set_reusable(b, true);
   // A sequence [1, 2, 3] freed tail-first: 3, 2, 1 -> LRU tail order 3, 2, 1 (3 evicted first).
   pool.release(3);
   pool.release(2);
   pool.release(1);
-  pool.release(0);  // uncached: head
-  pool.release(5);  // uncached: head
+  pool.release(0);  // unmarked: head
+  pool.release(5);  // unmarked: head
   EXPECT_EQ(pool.free_queue(), (std::vector<BlockId>{5, 0, 3, 2, 1}));
-  // Uncached blocks are reused before any cached one is evicted.
+  // Unmarked blocks are reused before any cached one is evicted.
   EXPECT_EQ(pool.allocate(), 5);
   EXPECT_EQ(pool.allocate(), 0);
-  EXPECT_TRUE(hooks.cached[3]);
+  EXPECT_TRUE(hooks.reused.empty());
+  EXPECT_TRUE(pool.is_reusable(3));
   EXPECT_EQ(pool.allocate(), 3);  // lazy eviction happens here
-  EXPECT_FALSE(hooks.cached[3]);
-  EXPECT_EQ(hooks.reused, (std::vector<BlockId>{5, 0, 3}));
+  EXPECT_FALSE(pool.is_reusable(3));
+  EXPECT_EQ(hooks.reused, (std::vector<BlockId>{3}));
+  // A hit on a free marked block keeps its mark (no eviction) and pulls it out of the middle.
+  pool.incref(1);
+  EXPECT_TRUE(pool.is_reusable(1));
+  EXPECT_EQ(pool.free_queue(), (std::vector<BlockId>{2}));
+  EXPECT_THROW(pool.set_reusable(6, true), InvalidArgument);
   pool.set_cache_hooks(nullptr);
 }
 
@@ -108,7 +107,7 @@ TEST(BlockPool, CachedBlocksJoinTheTailUncachedTheHead) {
 TEST(BlockPool, RandomOpsMatchAListModel) {
   constexpr int kN = 97;
   BlockPool pool(kN);
-  FakeHooks hooks(kN);
+  FakeHooks hooks;
   pool.set_cache_hooks(&hooks);
   std::list<BlockId> model;
   for (int b = 0; b < kN; ++b) model.push_back(b);
@@ -124,7 +123,7 @@ TEST(BlockPool, RandomOpsMatchAListModel) {
         ASSERT_EQ(got, model.front());
         model.pop_front();
         ref[got] = 1;
-        ASSERT_FALSE(hooks.cached[got]);
+        ASSERT_FALSE(pool.is_reusable(got));
       }
     } else if (op == 1) {
       const BlockId b = rng() % kN;
@@ -137,10 +136,11 @@ TEST(BlockPool, RandomOpsMatchAListModel) {
         ASSERT_THROW(pool.release(b), InvalidArgument);
         continue;
       }
-      hooks.cached[b] = (rng() % 2) == 0;
+      const bool cached = (rng() % 2) == 0;
+      pool.set_reusable(b, cached);
       pool.release(b);
       if (--ref[b] == 0) {
-        if (hooks.cached[b]) model.push_back(b); else model.push_front(b);
+        if (cached) model.push_back(b); else model.push_front(b);
       }
     }
     ASSERT_EQ(pool.num_free_blocks(), static_cast<int>(model.size()));

@@ -133,15 +133,11 @@ TEST(BlockTable, CopyOnWriteNeedsAFreeBlock) {
 
 TEST(BlockTable, FreesTailFirstAndSharesFullBlocks) {
   BlockPool pool(6);
-  // Mark everything as cached so freed blocks join the tail in release order.
-  struct AllCached : BlockPool::CacheHooks {
-    bool holds_reusable_content(BlockId) const override { return true; }
-    void on_reuse(BlockId) override {}
-  } hooks;
-  pool.set_cache_hooks(&hooks);
   BlockTable t(8);
   std::vector<CopyOrder> copies;
   ASSERT_TRUE(t.append_slots(pool, 24, &copies));  // blocks 0, 1, 2
+  // Mark them as cached so freed blocks join the tail in release order.
+  for (BlockId b : t.block_ids()) pool.set_reusable(b, true);
   t.free(pool);
   EXPECT_EQ(pool.free_queue(), (std::vector<BlockId>{3, 4, 5, 2, 1, 0}));
   BlockTable s(8);
@@ -156,5 +152,4 @@ TEST(BlockTable, FreesTailFirstAndSharesFullBlocks) {
   EXPECT_EQ(pool.ref_count(2), 0);  // checked before any reference was taken
   s.free(pool);
   EXPECT_EQ(pool.num_free_blocks(), 6);
-  pool.set_cache_hooks(nullptr);
 }

@@ -338,7 +338,9 @@ class Sim {
     for (BlockId b = 0; b < pool.num_blocks(); ++b) {
       ASSERT_EQ(pool.ref_count(b), holders[b]) << "block " << b;
       free_count += holders[b] == 0;
-      if (kv.prefix_cache() && kv.prefix_cache()->is_cached(b)) ++cached;
+      const bool is_cached = kv.prefix_cache() && kv.prefix_cache()->is_cached(b);
+      cached += is_cached;
+      ASSERT_EQ(pool.is_reusable(b), is_cached) << "block " << b << ": pool mark != cache entry";
     }
     const auto fq = pool.free_queue();
     ASSERT_EQ(static_cast<int>(fq.size()), free_count);

@@ -22,7 +22,7 @@ struct Fixture {
     r->prompt_token_ids = {1, 2, 3};
     auto s = std::make_unique<Sequence>();
     s->seq_id = id;
-    s->request = r.get();
+    s->bind(r.get());
     s->token_ids = r->prompt_token_ids;
     reqs.push_back(std::move(r));
     seqs.push_back(std::move(s));
@@ -40,6 +40,7 @@ TEST(StopRules, MinTokensEosStopTokenMaxTokensMaxModelLen) {
   p.stop_token_ids = {9};
   p.min_tokens = 2;
   p.max_tokens = 5;
+  s->bind(s->request);
   StopReason reason;
   s->token_ids.push_back(2);  // EOS as 1st output: below min_tokens
   EXPECT_EQ(check_stop(*s, 100, &reason), FinishReason::kNone);
@@ -47,6 +48,7 @@ TEST(StopRules, MinTokensEosStopTokenMaxTokensMaxModelLen) {
   EXPECT_EQ(check_stop(*s, 100, &reason), FinishReason::kStop);
   EXPECT_TRUE(std::holds_alternative<std::monostate>(reason));
   p.ignore_eos = true;
+  s->bind(s->request);
   EXPECT_EQ(check_stop(*s, 100, &reason), FinishReason::kNone);
   s->token_ids.back() = 9;  // stop token: stop_reason is the id
   EXPECT_EQ(check_stop(*s, 100, &reason), FinishReason::kStop);
@@ -59,7 +61,28 @@ TEST(StopRules, MinTokensEosStopTokenMaxTokensMaxModelLen) {
   s->token_ids.resize(5);  // 2 outputs, total 5 tokens = max_model_len
   EXPECT_EQ(check_stop(*s, 5, &reason), FinishReason::kLength);
   p.max_tokens = -1;  // no max: only max_model_len limits
+  s->bind(s->request);
   s->token_ids.back() = 4;
+  EXPECT_EQ(check_stop(*s, 100, &reason), FinishReason::kNone);
+}
+
+TEST(StopRules, ManyStopIdsSpillToTheRequestLists) {
+  Fixture f;
+  Sequence* s = f.make(0, 0, 0);
+  RequestParams& p = s->request->params;
+  p.eos_token_ids = {2, 3, 4};
+  p.stop_token_ids = {10, 11, 12, 13, 14};  // 8 ids > the 6 kept inline
+  s->bind(s->request);
+  EXPECT_TRUE(s->stop_ids_spill);
+  StopReason reason;
+  s->token_ids.push_back(14);
+  EXPECT_EQ(check_stop(*s, 100, &reason), FinishReason::kStop);
+  EXPECT_EQ(std::get<int32_t>(reason), 14);
+  s->token_ids.back() = 4;
+  reason = std::monostate{};
+  EXPECT_EQ(check_stop(*s, 100, &reason), FinishReason::kStop);
+  EXPECT_TRUE(std::holds_alternative<std::monostate>(reason));
+  s->token_ids.back() = 9;
   EXPECT_EQ(check_stop(*s, 100, &reason), FinishReason::kNone);
 }
 

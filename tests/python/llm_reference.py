@@ -10,7 +10,9 @@ QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
     "Explain what a hash table is in one sentence.",
-    "List three primary colors.",
+    "Here is a story. A farmer planted a single apple seed in spring. For years nothing grew, and the "
+    "neighbours laughed at him, but he watered the spot every morning. In the tenth year a tree appeared "
+    "and gave more apples than the whole village could eat. What is the moral of this story?",
     "What is 17 times 3?",
     "Give me a synonym for happy.",
     "Translate 'good morning' into Spanish.",

@@ -223,3 +223,31 @@ def test_helpers():
     assert partial_stop_suffix("hello wo", ["world", "x"]) == 2
     assert partial_stop_suffix("hello world", ["world"]) == 0  # a full match is not partial
     assert partial_stop_suffix("aaa", ["aab"]) == 2
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    text_index=st.integers(0, len(TEXTS) - 1),
+    start=st.integers(0, 60),
+    length=st.integers(1, 6),
+    include=st.booleans(),
+    tokenizer=st.sampled_from(sorted(TOKENIZERS)),
+)
+def test_stop_string_property(text_index, start, length, include, tokenizer):
+    """For any substring used as the stop string: text == full text cut at its first occurrence,
+    and every streamed piece was a prefix of the final text (nothing later retracted)."""
+    tok = TOKENIZERS[tokenizer]()
+    text = TEXTS[text_index] + " and " + TEXTS[(text_index + 1) % len(TEXTS)]
+    ids = tok.encode(text, add_special_tokens=False)
+    full = tok.decode(ids)
+    start = min(start, len(full) - 1)
+    stop = full[start : start + length]
+    d, deltas, matched = stream(tok, ids, SamplingParams(stop=[stop], include_stop_str_in_output=include))
+    i = full.find(stop)
+    assert matched == stop and d.stop_reason == stop
+    assert d.output_text == (full[: i + len(stop)] if include else full[:i])
+    assert "".join(deltas) == d.output_text

@@ -135,8 +135,10 @@ def test_block_pool_and_block_table_bindings():
     pool = _C.BlockPool(4)
     assert [pool.allocate() for _ in range(4)] == [0, 1, 2, 3]
     assert pool.allocate() == _C.NO_BLOCK == -1
+    pool.set_reusable(1, True)  # holds cached content: freed to the LRU tail, not the head
     for b in (3, 2, 1, 0):
         pool.release(b)
+    assert pool.free_queue() == [0, 2, 3, 1] and pool.is_reusable(1)
     with pytest.raises(ValueError, match="block 2 is already free"):
         pool.release(2)
     table = _C.BlockTable(8)

@@ -12,6 +12,16 @@ from tiny_models import TINY_CONFIGS, PagedHarness, build_tiny_model
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_kernel_thread():
+    from pagedllm import ops
+
+    before = ops.get_num_threads()
+    ops.set_num_threads(1)
+    yield
+    ops.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     cache = {}
@@ -132,3 +142,19 @@ def test_missing_tensor_is_named(tiny, tmp_path):
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(ValueError, match="layers.1.gate_up_proj"):
         load_pagedllm(tmp_path)
+
+
+def test_packed_bf16_projections_give_identical_logits(tiny):
+    from pagedllm.model_executor.models.llama import PackedLinear, can_pack_linear
+
+    _, folder = tiny("qwen2")  # has q/k/v biases
+    model = load_pagedllm(folder, torch.bfloat16)
+    seq = torch.randint(3, 1024, (30,), generator=torch.Generator().manual_seed(9)).tolist()
+    plain = PagedHarness(model, 1, 32).step([(0, seq)])
+    packed = model.pack_weights()
+    assert packed == can_pack_linear(torch.bfloat16, torch.device("cpu"))
+    assert isinstance(model.layers[0].qkv_proj, PackedLinear) == packed
+    assert isinstance(model.packed_lm_head, PackedLinear) == packed
+    again = PagedHarness(model, 1, 32).step([(0, seq)])
+    assert torch.equal(plain, again)
+    assert not load_pagedllm(folder, torch.float32).pack_weights()  # fp32 stays on F.linear

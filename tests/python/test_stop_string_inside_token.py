@@ -46,3 +46,69 @@ def test_stop_inside_token_and_across_tokens(include):
         assert len(out.token_ids) < len(ids)  # it really stopped early
         if include:
             assert out.text.endswith(stop)
+
+
+# ---------------------------------------------------------------------------- every HTTP path
+# The same property on the server (random tiny model): a stop string inside a multi-character
+# token and one spanning two tokens stop /v1/completions and /v1/chat/completions, streamed and
+# not; a stream never shows a partial stop string (the joined deltas equal the cut text).
+def _sse_deltas(server, path, body, chat):
+    import json
+
+    import httpx
+
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        raw = b"".join(resp.iter_raw())
+    events = [json.loads(ln[6:].decode("utf-8")) for ln in raw.split(b"\n")
+              if ln.startswith(b"data: ") and ln != b"data: [DONE]"]
+    choices = [c for e in events for c in e["choices"]]
+    deltas = [(c["delta"].get("content") or "") if chat else c["text"] for c in choices]
+    finish = [(c["finish_reason"], c.get("stop_reason")) for c in choices if c["finish_reason"]]
+    return deltas, finish
+
+
+@pytest.fixture(scope="module")
+def server():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from server_utils import DEFAULT_ARGS, shared_server
+
+    return shared_server("default", DEFAULT_ARGS)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("include", [False, True])
+def test_http_stop_inside_token_and_across_tokens(server, path, include):
+    import httpx
+    from transformers import AutoTokenizer
+
+    from server_utils import tiny_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    chat = "chat" in path
+    base = {"model": "tiny", "max_tokens": 48, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    base.update({"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT})
+
+    def text_of(choice):
+        return choice["message"]["content"] if chat else choice["text"]
+
+    first = httpx.post(server.url + path, json=base, timeout=120).json()["choices"][0]
+    full, ids = text_of(first), first["token_ids"]
+    found = _stop_strings(tok, ids, full)
+    assert found is not None, f"no generated token of >= 3 characters in {full!r}"
+    inside, span, start, end = found
+    assert start + 2 < end
+    for stop in (inside, span):
+        i = full.find(stop)
+        want = full[: i + len(stop)] if include else full[:i]
+        body = {**base, "stop": [stop], "include_stop_str_in_output": include}
+        got = httpx.post(server.url + path, json=body, timeout=120).json()["choices"][0]
+        assert text_of(got) == want, (stop, text_of(got), want)
+        assert got["finish_reason"] == "stop" and got["stop_reason"] == stop
+        assert len(got["token_ids"]) < len(ids)  # it really stopped early
+        deltas, finish = _sse_deltas(server, path, body, chat)
+        assert "".join(deltas) == want  # no partial stop string was sent and then retracted
+        assert finish == [("stop", stop)]

@@ -40,11 +40,12 @@ TINY_CONFIGS = {
 }
 
 
-def build_tiny_model(name: str, folder: Path, seed: int = 0, dtype=torch.float32):
-    """Random HF model `name` of TINY_CONFIGS saved (safetensors) to `folder`; returns the HF model."""
+def build_tiny_model(name: str, folder: Path, seed: int = 0, dtype=torch.float32, **overrides):
+    """Random HF model `name` of TINY_CONFIGS (fields replaced by `overrides`) saved (safetensors)
+    to `folder`; returns the HF model."""
     import transformers
 
-    spec = dict(TINY_CONFIGS[name])
+    spec = {**TINY_CONFIGS[name], **overrides}
     cls = getattr(transformers, spec.pop("cls"))
     config = cls(initializer_range=0.08, bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec)
     torch.manual_seed(seed)

@@ -6,19 +6,22 @@
 // index with these ids.
 //
 // Free queue (after vLLM v1's FreeKVCacheBlockQueue, vllm/v1/core/kv_cache_utils.py): a doubly
-// linked list kept in two flat index arrays (prev/next) with one sentinel, so that
+// linked list kept in flat index arrays with one sentinel, so that
 //   - allocate() pops the head (the least recently freed block) in O(1),
 //   - a free block can be taken out of the MIDDLE in O(1) (incref() of a free block: a prefix-cache
 //     hit on a block nobody holds),
-//   - release() appends a block that holds reusable (prefix-cached) content at the tail, so list
-//     order is LRU eviction order; a block without reusable content goes to the head, so it is
-//     reused before any cached block is evicted.
+//   - release() appends a block marked reusable (it holds prefix-cached content) at the tail, so
+//     list order is LRU eviction order; an unmarked block goes to the head, so it is reused
+//     before any cached block is evicted.
 // Callers free a sequence's blocks tail-first (BlockTable::free), so the last blocks of a cached
 // chain are evicted before its first ones. Eviction is lazy: a freed block keeps its cached
-// content until allocate() hands it out again, which is when the CacheHooks are told.
+// content until allocate() hands it out again; then its reusable mark is cleared and the
+// CacheHooks are told, so the cache drops the entry.
 //
-// No operation allocates heap memory after construction. Invalid input (an id out of range, a
-// release of a free block) throws pagedllm::InvalidArgument naming the value and changes nothing.
+// Each block is one 16-byte node (ref count, links, reusable mark): an operation on a block
+// touches one cache line. No operation allocates heap memory after construction. Invalid input
+// (an id out of range, a release of a free block) throws pagedllm::InvalidArgument naming the
+// value and changes nothing.
 #pragma once
 
 #include <cstdint>
@@ -36,13 +39,12 @@ inline constexpr BlockId kNoBlock = -1;
 
 class BlockPool {
  public:
-  /// What a cache that keeps content in free blocks (the PrefixCache) needs from the pool.
+  /// What a cache that keeps content in free blocks (the PrefixCache) is told.
   class CacheHooks {
    public:
     virtual ~CacheHooks() = default;
-    /// True when the block holds content worth keeping while free (it then joins the LRU tail).
-    virtual bool holds_reusable_content(BlockId block) const = 0;
-    /// The free block is being handed out again: forget its content (lazy eviction).
+    /// A free block marked reusable is being handed out again: forget its content (lazy
+    /// eviction). Called only for marked blocks.
     virtual void on_reuse(BlockId block) = 0;
   };
 
@@ -67,10 +69,21 @@ class BlockPool {
   /// ref_count + 1. A free block is first taken out of the free queue (O(1), from anywhere in it).
   void incref(BlockId block);
 
-  /// ref_count - 1. At 0 the block joins the free queue: at the tail when the hooks say it holds
-  /// reusable content, else at the head. Throws InvalidArgument if the block is already free
-  /// (double free). O(1).
+  /// ref_count - 1. At 0 the block joins the free queue: at the tail when it is marked reusable,
+  /// else at the head. Throws InvalidArgument if the block is already free (double free). O(1).
   void release(BlockId block);
+
+  /// Mark (or unmark) the block as holding reusable content (set by the PrefixCache on insert,
+  /// cleared on evict). Only changes where release() queues it and whether allocate() calls the
+  /// hooks; a block already in the free queue stays where it is.
+  void set_reusable(BlockId block, bool reusable) {
+    check_id(block);
+    nodes_[block].reusable = reusable ? 1 : 0;
+  }
+  bool is_reusable(BlockId block) const {
+    check_id(block);
+    return nodes_[block].reusable != 0;
+  }
 
   /// Reference count of `block` (0 = free). Throws InvalidArgument on an id out of range.
   int32_t ref_count(BlockId block) const {
@@ -98,6 +111,7 @@ class BlockPool {
     int32_t ref_count;
     int32_t prev;  // free-queue links; meaningful only while ref_count == 0
     int32_t next;
+    int32_t reusable;  // 1 = holds prefix-cached content
   };
 
   int32_t num_blocks_;

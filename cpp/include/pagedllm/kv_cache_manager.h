@@ -14,9 +14,9 @@
 //   ... run the model, then  kv.cache_full_blocks(seq, all_tokens, num_computed, salt);
 //   each decode step: kv.allocate_slots(seq, 1, nullptr, &copies);   finally kv.free(seq).
 // A PrefixHit is valid until the next call that allocates blocks (allocate_slots, fork-then-CoW)
-// or reset_prefix_cache(): use it in the allocate_slots call right after the lookup. A hit taken
-// before any prefix-cache entry was evicted is rejected (InvalidArgument "stale prefix hit"),
-// so a stale hit can never share blocks whose content has changed.
+// or reset_prefix_cache(): use it in the allocate_slots call right after the lookup. If any
+// prefix-cache entry was evicted after the lookup, the hit is rejected (InvalidArgument "stale
+// prefix hit"), so a stale hit can never share blocks whose content has changed.
 //
 // Invariants (checked by the randomized tests): each block's ref count equals the number of block
 // tables holding it; a block is in the free queue iff its ref count is 0; every copy order goes
@@ -26,7 +26,8 @@
 // Errors: bad input throws pagedllm::InvalidArgument (Python ValueError) whose message names the
 // value, and changes nothing: block size not a power of two in [8, 128], num_blocks < 1, unknown
 // sequence (incl. double free), negative token counts, a position out of range, a hit for an
-// existing sequence, a fork onto a live id. Running out of blocks is not an error:
+// existing sequence, a stale or malformed hit (uncached, repeated or out-of-range blocks, wrong
+// num_tokens), a fork onto a live id. Running out of blocks is not an error:
 // allocate_slots returns false.
 //
 // Not thread-safe: one thread (the scheduler's) drives a KVCacheManager.

@@ -17,10 +17,12 @@
 // entry per hash value), never a wrong hit.
 //
 // The PrefixCache keeps no reference counts: the KVCacheManager shares hit blocks through the
-// BlockPool, and the pool tells the cache (BlockPool::CacheHooks) when a free cached block is
-// reused, which drops its entry (lazy eviction). Lookup and insert allocate no heap memory: the
+// BlockPool. When attached to the pool, the cache marks its blocks reusable in the pool (so freed
+// cached blocks join the LRU tail), and the pool tells it (BlockPool::CacheHooks) when a free
+// cached block is reused, which drops its entry (lazy eviction). Lookup and insert allocate no heap memory: the
 // entries, their token ids and an open-addressing hash table (linear probing, backward-shift
-// deletion, at most half full) are flat arrays sized at construction.
+// deletion, at most half full) are flat arrays sized at construction: 4 * block_size + 73 to 97
+// bytes per block (the table is 2 to 4 slots per block): 14 to 16 MB for 100,000 blocks of 16.
 #pragma once
 
 #include <cstdint>
@@ -50,8 +52,13 @@ struct ChainLink {
 class PrefixCache : public BlockPool::CacheHooks {
  public:
   /// A cache for the blocks [0, num_blocks) of one pool, each of block_size tokens (checked:
-  /// num_blocks >= 1, block_size a power of two in [8, 128]).
-  PrefixCache(int32_t num_blocks, int32_t block_size);
+  /// num_blocks >= 1, block_size a power of two in [8, 128]). With a pool (same num_blocks,
+  /// checked), the cache attaches itself: it installs its hooks and keeps the pool's reusable
+  /// marks; it must then outlive its attachment (the destructor detaches).
+  PrefixCache(int32_t num_blocks, int32_t block_size, BlockPool* pool = nullptr);
+  ~PrefixCache() override;
+  PrefixCache(const PrefixCache&) = delete;
+  PrefixCache& operator=(const PrefixCache&) = delete;
 
   int32_t block_size() const { return block_size_; }
 
@@ -94,7 +101,6 @@ class PrefixCache : public BlockPool::CacheHooks {
   uint64_t num_evictions() const { return num_evictions_; }
 
   // BlockPool::CacheHooks
-  bool holds_reusable_content(BlockId block) const override { return cached_[block] != 0; }
   void on_reuse(BlockId block) override { evict(block); }
 
  private:
@@ -107,6 +113,7 @@ class PrefixCache : public BlockPool::CacheHooks {
 
   int32_t num_blocks_;
   int32_t block_size_;
+  BlockPool* pool_;  // attached pool, or null
   int32_t num_cached_ = 0;
   uint64_t num_evictions_ = 0;
   // Per-block entry, valid while cached_[b].

@@ -63,6 +63,19 @@ struct Sequence {
   SeqId seq_id = -1;
   Request* request = nullptr;
   int32_t index = 0;  ///< CompletionOutput.index within the request
+  // Copies of what every step needs from the request (bind()), so that scheduling and the stop
+  // rules of hundreds of sequences touch no Request object (a cache miss each).
+  int32_t prompt_tokens = 0;
+  int32_t max_tokens = -1;
+  int32_t min_tokens = 0;
+  bool ignore_eos = false;
+  bool prompt_done = false;  ///< the request's prompt was computed once (Request::forked)
+  bool wants_prompt_logprobs = false;
+  bool stop_ids_spill = false;  ///< more eos + stop ids than fit inline: use the request's lists
+  uint8_t num_eos = 0;          ///< stop_ids[0, num_eos): eos ids; then num_stop stop_token_ids
+  uint8_t num_stop = 0;
+  static constexpr int kInlineStopIds = 6;
+  int32_t stop_ids[kInlineStopIds] = {};
   /// prompt followed by the generated tokens (prompt is copied so the token ids are contiguous,
   /// as KVCacheManager::find_cached_prefix / cache_full_blocks want them).
   std::vector<int32_t> token_ids;
@@ -82,8 +95,10 @@ struct Sequence {
   uint32_t generation = 0;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
-  int32_t prompt_len() const;
+  int32_t prompt_len() const { return prompt_tokens; }
   int32_t num_output_tokens() const { return num_tokens() - prompt_len(); }
+  /// Attach to `req` and copy its hot fields (call again after changing req->params).
+  void bind(Request* req);
 };
 
 /// One submitted request.
@@ -108,8 +123,6 @@ struct Request {
   }
   bool finished() const { return num_finished_seqs == params.n; }
 };
-
-inline int32_t Sequence::prompt_len() const { return request->prompt_len(); }
 
 /// vLLM v1's stop rules (vllm/v1/core/sched/utils.py check_stop), applied after `seq`
 /// appended one sampled token (its last token), in this order:

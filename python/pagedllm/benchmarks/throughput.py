@@ -184,6 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.node(), "cpu_count": os.cpu_count(), "threads": args.threads,
         "commit": git_commit(root),
+        "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
         "workload": {"model": args.model or "HuggingFaceTB/SmolLM2-135M-Instruct (bundled GGUF)",
                      "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                      "dtype": args.dtype, "temperature": args.temperature, "ignore_eos": True},
@@ -196,6 +197,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["vllm_cpu"] = bench_vllm(args, prompts, folder)
     else:
         result["vllm_cpu"] = {"skipped": "no --vllm-python / $PAGEDLLM_VLLM_PYTHON given"}
+    result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     ours = result.get("pagedllm", {}).get("output_tok_s")
     for key, name in (("hf_transformers", "ratio_vs_hf"), ("vllm_cpu", "ratio_vs_vllm_cpu")):
         theirs = result.get(key, {}).get("output_tok_s")

@@ -13,6 +13,7 @@ The LLM class (offline API) and AsyncLLM (server) both drive this object from on
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from pagedllm import _C, ops
-from pagedllm.metrics import HistogramData, Metric, metrics_from_stats
+from pagedllm.metrics import Counter, HistogramData, Metric, metrics_from_stats
 from pagedllm.model_executor.config import ModelConfig, resolve_dtype
 from pagedllm.model_executor.loader import resolve_model
 from pagedllm.output_processor import OutputProcessor
@@ -58,6 +59,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     device: str = "auto"
     num_gpu_blocks_override: Optional[int] = None
+    load_format: str = "auto"
 
 
 class LLMEngine:
@@ -82,15 +84,22 @@ class LLMEngine:
                              f"{list(ops.SUPPORTED_HEAD_SIZES)}")
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
-        self.tokenizer = _load_tokenizer(args.tokenizer or self.model_path)
+        self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
+        # The tokenizer (mostly Python imports) loads in a thread while the weights (native copies
+        # that release the GIL) load here: start-up is about the longer of the two.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer") as pool:
+            tokenizer = pool.submit(_load_tokenizer, args.tokenizer or self.model_path, cfg.vocab_size,
+                                    args.load_format == "dummy")
+            self.runner = ModelRunner(
+                self.model_path, cfg, dtype=self.dtype, device=self.device, block_size=args.block_size,
+                max_model_len=self.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
+                load_format=args.load_format, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=args.seed,
+            )
+            self.tokenizer = tokenizer.result()
         self.eos_token_ids = _eos_token_ids(self.model_path, cfg, self.tokenizer)
         self.generation_defaults = _generation_defaults(self.model_path)
-        self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
-        self.runner = ModelRunner(
-            self.model_path, cfg, dtype=self.dtype, device=self.device, block_size=args.block_size,
-            max_model_len=self.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
-        )
         ec = _C.EngineConfig()
         ec.num_blocks = self.runner.num_blocks
         ec.block_size = args.block_size
@@ -201,7 +210,11 @@ class LLMEngine:
 
     # ---- observability / lifecycle --------------------------------------------------------
     def get_metrics(self) -> list[Metric]:
-        return metrics_from_stats(self.core.stats(), self.model_name, self.histograms)
+        metrics = metrics_from_stats(self.core.stats(), self.model_name, self.histograms)
+        replays = self.runner.num_graph_replays if self.runner is not None else 0
+        labels = {"model_name": self.model_name} if self.model_name else {}
+        metrics.append(Counter("pagedllm:cuda_graph_replays", labels, int(replays)))
+        return metrics
 
     def shutdown(self) -> None:
         """Free the KV pool, the weights and the native engine."""
@@ -248,10 +261,31 @@ def _batched_tokens(args: EngineArgs, max_model_len: int) -> int:
     return value
 
 
-def _load_tokenizer(path):
+def _load_tokenizer(path, vocab_size: int = 0, allow_synthetic: bool = False):
+    """The checkpoint's Hugging Face tokenizer. A folder with tokenizer.json loads it as a fast
+    tokenizer directly (AutoTokenizer first imports the model's whole config/modeling stack: many
+    seconds of start-up); other folders and hub ids go through AutoTokenizer. With
+    load_format="dummy" (allow_synthetic) a folder without tokenizer files gets a synthetic
+    word-level one over the vocabulary (token i is "<i>")."""
+    from pathlib import Path
+
+    folder = Path(str(path))
+    if (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as exc:
+        if not allow_synthetic:
+            raise
+        from pagedllm.model_executor.dummy import synthetic_tokenizer
+
+        logger.warning("no tokenizer in %s (%s): using a synthetic one of %d tokens", path,
+                       type(exc).__name__, vocab_size)
+        return synthetic_tokenizer(vocab_size)
 
 
 def _eos_token_ids(path, cfg: ModelConfig, tokenizer) -> list[int]:

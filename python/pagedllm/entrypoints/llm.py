@@ -18,7 +18,7 @@ from pagedllm.engine.llm_engine import EngineArgs, LLMEngine
 from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
 from pagedllm.metrics import Metric
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -27,7 +27,7 @@ _IGNORED_ARGS = {
     "trust_remote_code", "tokenizer_mode", "skip_tokenizer_init", "revision", "tokenizer_revision",
     "quantization", "swap_space", "cpu_offload_gb", "disable_custom_all_reduce", "disable_log_stats",
     "max_seq_len_to_capture", "disable_async_output_proc", "compilation_config", "hf_overrides",
-    "mm_processor_kwargs", "allowed_local_media_path", "download_dir", "load_format",
+    "mm_processor_kwargs", "allowed_local_media_path", "download_dir",
     "pipeline_parallel_size", "distributed_executor_backend", "enable_lora", "max_logprobs", "kv_cache_dtype",
 }
 
@@ -39,7 +39,10 @@ class LLM:
       a .gguf file, or a hub id present in the local HF cache. dtype: "auto" | "float32" |
       "bfloat16" | "float16" (CUDA). kv_cache_memory_bytes: KV pool size (default 4 GiB on CPU;
       on CUDA gpu_memory_utilization of the device). max_num_batched_tokens: token budget per step
-      (default 8192). seed: seeds the sampling of requests without their own seed.
+      (default 8192). seed: seeds the sampling of requests without their own seed (and the dummy
+      weights). load_format: "auto" (safetensors) or "dummy" (random weights with the config's
+      shapes, drawn on the device; a folder with config.json alone gets a synthetic tokenizer).
+      enforce_eager: no CUDA graphs for decode steps. device: "auto" (CUDA when present), "cuda", "cpu".
     Errors: ValueError naming the bad argument.
     """
 
@@ -62,6 +65,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         device: str = "auto",
         num_gpu_blocks_override: Optional[int] = None,
+        load_format: str = "auto",
         **kwargs: Any,
     ):
         unknown = sorted(set(kwargs) - _IGNORED_ARGS)
@@ -77,7 +81,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=scheduling_policy, seed=seed, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, device=device,
-            num_gpu_blocks_override=num_gpu_blocks_override,
+            num_gpu_blocks_override=num_gpu_blocks_override, load_format=load_format,
         ))
         self.startup_seconds = time.perf_counter() - start
         logger.info("LLM ready in %.1f s", self.startup_seconds)
@@ -115,6 +119,15 @@ class LLM:
                 raise ValueError(f"a prompt has {len(ids)} tokens, but max_model_len is {engine.max_model_len}: "
                                  "prompts must be shorter than max_model_len")
         ids_in_order = []
+        # Only finished outputs are returned (vLLM's LLM does the same): FINAL_ONLY spares the
+        # per-step cumulative RequestOutput of every running request.
+        final_only: dict[int, SamplingParams] = {}
+        for i, p in enumerate(params):
+            if p.output_kind != RequestOutputKind.FINAL_ONLY:
+                if id(p) not in final_only:
+                    final_only[id(p)] = p.clone()
+                    final_only[id(p)].output_kind = RequestOutputKind.FINAL_ONLY
+                params[i] = final_only[id(p)]
         try:
             for i, ((text, ids), p) in enumerate(zip(parsed, params)):
                 request_id = engine.new_request_id()

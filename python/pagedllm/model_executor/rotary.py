@@ -64,8 +64,12 @@ class RotaryEmbedding:
         x1 = x[..., :half]
         x2 = x[..., half : self.rotary_dim]
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
-        torch.add(x2 * cos, x1 * sin, out=out[..., half : self.rotary_dim])
+        if x.is_cuda:  # two kernels per half instead of three (fewer nodes in a decode CUDA graph)
+            torch.addcmul(x1 * cos, x2, sin, value=-1, out=out[..., :half])
+            torch.addcmul(x2 * cos, x1, sin, out=out[..., half : self.rotary_dim])
+        else:
+            torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
+            torch.add(x2 * cos, x1 * sin, out=out[..., half : self.rotary_dim])
         if self.rotary_dim < self.head_dim:
             out[..., self.rotary_dim :] = x[..., self.rotary_dim :]
         return out

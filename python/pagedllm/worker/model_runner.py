@@ -6,9 +6,18 @@ execute_model(SchedulerOutput) -> ModelRunnerOutput:
   3. the model runs over all T tokens; logits are computed only for the sampled rows
      (logits_indices, R of them) and for prompt-logprob rows when a request asked for them.
 
-KV pool size: kv_cache_memory_bytes (default 4 GiB on CPU; on CUDA gpu_memory_utilization of the
-device's memory minus what is already allocated) / bytes per block, where a block holds
-block_size tokens of K and V for every layer: 2 * L * block_size * Hkv * D * dtype bytes.
+KV pool size: kv_cache_memory_bytes (default 4 GiB on CPU), else on CUDA (as vLLM's
+determine_num_available_blocks): a profiling forward pass of max_num_batched_tokens tokens with
+logits for max_num_seqs rows measures the activation peak; the pool gets
+    total * gpu_memory_utilization - (memory used by other processes) - weights - activation peak
+    - sampler workspace (3 x the logits of max_num_seqs rows)
+    - CUDA graphs (256 MiB + 3 x the float32 logits of max_num_seqs rows),
+divided by the bytes of a block (block_size tokens of K and V for every layer:
+2 * L * block_size * Hkv * D * dtype bytes).
+
+CUDA graphs (pagedllm.worker.cuda_graph): on CUDA without enforce_eager, decode-only steps of up
+to max_num_seqs sequences replay a graph captured at start-up for the next larger batch size of a
+ladder (1, 2, 4, 8, then multiples of 16); ``num_graph_replays`` counts them.
 """
 
 from __future__ import annotations
@@ -24,8 +33,10 @@ import torch
 from pagedllm import ops
 from pagedllm.model_executor.attention import AttentionMetadata
 from pagedllm.model_executor.config import ModelConfig
+from pagedllm.model_executor.dummy import LOAD_FORMATS, init_dummy_weights
 from pagedllm.model_executor.loader import load_safetensors
 from pagedllm.model_executor.models import LlamaForCausalLM
+from pagedllm.worker.cuda_graph import DecodeGraphRunner
 
 logger = logging.getLogger("pagedllm")
 
@@ -57,22 +68,42 @@ class ModelRunner:
         kv_cache_memory_bytes: int | None = None,
         gpu_memory_utilization: float = 0.9,
         num_blocks: int | None = None,
+        load_format: str = "auto",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        enforce_eager: bool = False,
+        seed: int = 0,
     ):
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r} is not supported: use one of {list(LOAD_FORMATS)}")
         self.config = model_config
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.phase_seconds: dict[str, float] = {}
+        self.graphs: DecodeGraphRunner | None = None
         start = time.perf_counter()
         self.model = LlamaForCausalLM(model_config, dtype, device, max_positions=max_model_len)
-        self.model.load_weights(load_safetensors(model_path))
+        if load_format == "dummy":
+            init_dummy_weights(self.model, seed)
+        else:
+            self.model.load_weights(load_safetensors(model_path))
         self.model.eval()
-        logger.info("loaded %s (%s, %s) in %.1f s", model_path, model_config.architecture, dtype,
-                    time.perf_counter() - start)
+        if self.model.pack_weights():
+            logger.info("projections pre-packed for oneDNN (bfloat16 on CPU)")
+        self._synchronize()
+        self.phase_seconds["load_weights"] = time.perf_counter() - start
+        logger.info("loaded %s (%s, %s, load_format=%s) in %.1f s", model_path, model_config.architecture, dtype,
+                    load_format, self.phase_seconds["load_weights"])
         elem = torch.empty((), dtype=dtype).element_size()
         self.bytes_per_block = (2 * model_config.num_hidden_layers * block_size
                                 * model_config.num_key_value_heads * model_config.head_dim * elem)
+        use_graphs = device.type == "cuda" and not enforce_eager
         if num_blocks is None:
-            budget = self._kv_budget(kv_cache_memory_bytes, gpu_memory_utilization)
+            budget = self._kv_budget(kv_cache_memory_bytes, gpu_memory_utilization, use_graphs)
             num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -80,29 +111,102 @@ class ModelRunner:
                 f"needs {self.bytes_per_block} bytes)"
             )
         self.num_blocks = int(num_blocks)
+        start = time.perf_counter()
         self.kv_caches = [
             ops.allocate_kv_cache(self.num_blocks, block_size, model_config.num_key_value_heads,
                                   model_config.head_dim, dtype, device)
             for _ in range(model_config.num_hidden_layers)
         ]
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s)",
+        self._synchronize()
+        self.phase_seconds["allocate_kv_cache"] = time.perf_counter() - start
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s) in %.2f s",
                     self.num_blocks, block_size, self.num_blocks * block_size,
-                    self.num_blocks * self.bytes_per_block / 2**30, dtype, device)
+                    self.num_blocks * self.bytes_per_block / 2**30, dtype, device,
+                    self.phase_seconds["allocate_kv_cache"])
+        if use_graphs:
+            start = time.perf_counter()
+            self.graphs = DecodeGraphRunner(self.model, self.kv_caches, max_num_seqs,
+                                            self._max_blocks_per_seq(), device)
+            self.phase_seconds["capture_cuda_graphs"] = time.perf_counter() - start
+            logger.info("captured %d CUDA graphs for decode batches %s in %.1f s", len(self.graphs.sizes),
+                        self.graphs.sizes, self.phase_seconds["capture_cuda_graphs"])
 
-    def _kv_budget(self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float) -> int:
+    @property
+    def num_graph_replays(self) -> int:
+        return 0 if self.graphs is None else self.graphs.num_replays
+
+    def _max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _kv_budget(self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
+                   use_graphs: bool = False) -> int:
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory_bytes <= 0:
                 raise ValueError(f"kv_cache_memory_bytes must be > 0, got {kv_cache_memory_bytes}")
             return int(kv_cache_memory_bytes)
-        if self.device.type == "cuda":
-            if not 0 < gpu_memory_utilization <= 1:
-                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-            # activations of a step: leave 10% of the budget for them
-            budget = total * gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(self.device)
-            return int(max(budget * 0.9, 0))
-        return DEFAULT_CPU_KV_CACHE_BYTES
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        start = time.perf_counter()
+        activation_peak = self._profile_activation_peak()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        rows = min(self.max_num_seqs, self.max_num_batched_tokens)
+        sampler = 3 * rows * self.config.vocab_size * 4
+        # graphs: the shared logits buffer and the largest graph's pool (its bf16 and fp32 logits)
+        graph_margin = (256 << 20) + 3 * self.max_num_seqs * self.config.vocab_size * 4 if use_graphs else 0
+        budget = total * gpu_memory_utilization - used_by_others - weights - activation_peak - sampler - graph_margin
+        self.phase_seconds["profile_run"] = time.perf_counter() - start
+        logger.info("memory profile (%.2f s): total %.2f GiB x %.2f, other processes %.2f GiB, weights %.2f GiB, "
+                    "activation peak %.2f GiB (%d tokens), sampler %.2f GiB, graphs %.2f GiB -> KV %.2f GiB",
+                    self.phase_seconds["profile_run"], total / 2**30, gpu_memory_utilization,
+                    used_by_others / 2**30, weights / 2**30, activation_peak / 2**30, self.max_num_batched_tokens,
+                    sampler / 2**30, graph_margin / 2**30, max(budget, 0) / 2**30)
+        if budget < self.bytes_per_block:
+            raise ValueError(
+                f"gpu_memory_utilization={gpu_memory_utilization} leaves {budget / 2**30:.2f} GiB for the KV cache, "
+                f"less than one block ({self.bytes_per_block} bytes): raise it or lower max_num_batched_tokens")
+        return int(budget)
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self) -> int:
+        """Peak bytes a step of max_num_batched_tokens prefill tokens (logits for max_num_seqs rows)
+        allocates beyond the weights, measured by one forward pass over a scratch one-layer cache."""
+        cfg, dev, bs = self.config, self.device, self.block_size
+        tokens = self.max_num_batched_tokens
+        seq_len = min(tokens, self.max_model_len)
+        num_seqs = -(-tokens // seq_len)
+        lens = [seq_len] * (num_seqs - 1) + [tokens - seq_len * (num_seqs - 1)]
+        blocks_per_seq = self._max_blocks_per_seq()
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        scratch = ops.allocate_kv_cache(num_seqs * blocks_per_seq, bs, cfg.num_key_value_heads, cfg.head_dim,
+                                        self.dtype, dev)
+        scratch_bytes = torch.cuda.memory_allocated(dev) - base
+        tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=dev).view(num_seqs, blocks_per_seq)
+        positions = torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in lens])
+        slots = torch.cat([i * blocks_per_seq * bs + torch.arange(n, device=dev) for i, n in enumerate(lens)])
+        qsl = torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                                 seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                                 query_start_loc=qsl, decode_only=False)
+        rows = min(self.max_num_seqs, tokens)
+        logits_indices = torch.linspace(0, tokens - 1, rows, device=dev).long()
+        ids = torch.randint(0, cfg.vocab_size, (tokens,), device=dev)
+        logits = self.model(ids, positions, [scratch] * cfg.num_hidden_layers, meta, logits_indices)
+        del logits
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base - scratch_bytes
+        del scratch, tables, positions, slots, meta, ids
+        torch.cuda.empty_cache()
+        return int(peak)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(array)
@@ -117,8 +221,11 @@ class ModelRunner:
             values = [v for _, v in self.kv_caches]
             ops.copy_blocks(keys, values, self._tensor(np.ascontiguousarray(copy_orders)))
         num_sampled = int(sched.num_sampled)
-        rows = [self._tensor(sched.logits_indices)]
         prompt_rows = list(getattr(sched, "prompt_logprob_rows", None) or [])
+        if (self.graphs is not None and sched.num_tokens > 0 and int(sched.max_query_len) == 1
+                and not prompt_rows and self.graphs.can_run(int(sched.num_seqs))):
+            return ModelRunnerOutput(self.graphs.run(sched), {})
+        rows = [self._tensor(sched.logits_indices)]
         for _, first_row, num_rows, _ in prompt_rows:
             rows.append(torch.arange(first_row, first_row + num_rows, dtype=torch.int64, device=self.device))
         logits_indices = rows[0] if len(rows) == 1 else torch.cat(rows)
@@ -143,6 +250,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Drop the weights and the KV caches (memory is returned when no one else holds them)."""
+        self.graphs = None
         self.kv_caches = []
         self.model = None
         if self.device.type == "cuda":

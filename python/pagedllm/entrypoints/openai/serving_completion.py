@@ -211,7 +211,10 @@ class _Renderer:
                     offsets[key] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp is not None and lp.tokens else offset
                     first = key not in started
                     started.add(key)
-                    if not text and c.finish_reason is None and lp is None and not first:
+                    # a step whose text is held back (partial UTF-8 / stop string) still
+                    # carries its token ids when the client asked for them (as the chat stream)
+                    if (not text and c.finish_reason is None and lp is None and not first
+                            and not (c.token_ids and self.req.return_token_ids)):
                         continue
                     choices.append(CompletionChoice(
                         index=i * self.n + c.index, text=text, logprobs=lp, finish_reason=c.finish_reason,

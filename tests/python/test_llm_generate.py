@@ -22,8 +22,10 @@ EOS = 2
 def one_thread():
     from pagedllm import ops
 
+    before = ops.get_num_threads()
     ops.set_num_threads(1)
     yield
+    ops.set_num_threads(before)
 
 
 def metrics(llm) -> dict[str, float]:
@@ -129,7 +131,7 @@ def test_text_prompts_chat_and_order(bundled_llm, hf_reference):
 
 
 def test_prefix_caching_on_and_off(hf_reference):
-    idx = range(0, 8)  # chat prompts share the template's system prefix (> one 16-token block)
+    idx = [0, 2, 4, 6]  # chat prompts share the template's system prefix (> one 16-token block)
     results = {}
     for enabled in (True, False):
         llm = make_llm(enable_prefix_caching=enabled)
@@ -155,7 +157,7 @@ def test_chunked_prefill_budgets(hf_reference, budget):
     assert_matches_hf(outs, hf_reference, idx)
     longest = max(len(bundled_prompt_ids()[i]) for i in idx)
     if budget is not None:
-        assert longest > budget
+        assert longest > 2 * budget
         assert m["num_chunked_prefills"] > 0  # a prompt was cut into several chunks
     else:
         assert m["num_chunked_prefills"] == 0

@@ -1,0 +1,329 @@
+// cpu_attention_tiles.h — internal: the inner loop of the CPU attention kernels. A tile of
+// query rows (all G = Hq / Hkv heads of one KV head, times a few query tokens for prefill) walks
+// the (block, kv head) K/V tiles of its context [lo, hi) once with the online softmax of
+// FlashAttention (Dao et al. 2022, section 3.1: running max m, running sum l, rescaled
+// accumulator acc), in fp32. Two variants: attend_blocks (few rows: decode) and, with AVX-512,
+// attend_blocks_rows16 (>= 16 rows: prefill tiles). Used by cpu_attention.cpp only.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_qk_pv.h"
+#include "cpu_vec.h"
+
+namespace pagedllm::cpu::tiles {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+/// Geometry shared by every work item of one launch.
+template <typename T>
+struct Context {
+  const T* key_cache;
+  const T* value_cache;
+  const int32_t* block_tables;
+  int64_t max_blocks;  // M, row length of block_tables
+  int64_t num_kv_heads;
+  int block_size;
+  int32_t sliding_window;
+  float soft_cap;
+};
+
+/// Per-thread scratch, sized for up to `rows` query rows (rounded up to 16 for the row-tiled
+/// prefill path, whose transposed query qt, probabilities pt and fp32 K chunk kf live here too).
+struct Workspace {
+  std::vector<float> q, acc, m, l, s, vf, qt, pt, kf;
+  std::vector<bf16> qb;
+  std::vector<int32_t> pos;
+  Workspace(int rows, int head_size, int block_size) {
+    const size_t r16 = (size_t(rows) + 15) / 16 * 16, d = head_size;
+    q.resize(r16 * d);
+    acc.resize(r16 * d);
+    m.resize(r16);
+    l.resize(r16);
+    s.resize(r16 * block_size);
+    vf.resize(size_t(block_size) * d);
+    qb.resize(r16 * d);
+    pos.resize(r16);
+    if (rows >= 16) {
+      qt.resize(r16 * d);
+      pt.resize(16 * 16);
+      kf.resize(16 * d);
+    }
+  }
+};
+
+/// Online-softmax attention of R query rows (w.q: [R][D] fp32, already multiplied by `scale`;
+/// for bf16 also w.qb: the unscaled bf16 rows; w.pos[r]: the row's position) over the context
+/// tokens [lo, hi) of one sequence (`table`: its block-table row) and KV head `kvh`, updating
+/// w.m, w.l, w.acc ([R][D]). Row r sees token j iff j <= pos[r] and (no window or
+/// j > pos[r] - window).
+template <typename T, int D>
+void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64_t lo, int64_t hi,
+                   int R, float scale, Workspace& w) {
+  const int bs = c.block_size;
+  const float* q = w.q.data();
+  const bf16* qb = w.qb.data();
+  const int32_t* pos = w.pos.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
+  float* acc = w.acc.data();
+  float* s = w.s.data();
+  const float cap = c.soft_cap;
+  const int32_t window = c.sliding_window;
+  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+    const int64_t base = blk * bs;  // position of row 0 of this block
+    const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
+    const int t1 = static_cast<int>(std::min<int64_t>(hi, base + bs) - base);
+    const int64_t tile = (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * bs * D;
+    const T* kt = c.key_cache + tile;
+    if ((blk + 1) * bs < hi) {
+      // Blocks are scattered, so the hardware prefetcher cannot run ahead across tiles: fetch
+      // the next (block, kv head) K and V tiles while this one is computed.
+      const int64_t next = (static_cast<int64_t>(table[blk + 1]) * c.num_kv_heads + kvh) * bs * D;
+      const char* nk = reinterpret_cast<const char*>(c.key_cache + next);
+      const char* nv = reinterpret_cast<const char*>(c.value_cache + next);
+      for (size_t off = 0; off < size_t(bs) * D * sizeof(T); off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
+    const float* vp;
+    if constexpr (std::is_same_v<T, float>) {
+      vp = c.value_cache + tile;
+    } else {
+      to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
+      vp = w.vf.data();
+    }
+    // Scores S = Q K^T for this block, 16 tokens at a time (bs is a multiple of 16); a chunk's
+    // K rows stay in L1 for all R rows. Rows outside [t0, t1) are computed but never used.
+    for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16)
+      for (int r = 0; r < R; ++r)
+        qk_chunk16<T, D>(q + r * D, qb + r * D, scale, kt + c16 * D, s + r * bs + c16);
+    for (int r = 0; r < R; ++r) {
+      float* sr = s + r * bs;
+      const int64_t p = pos[r];
+      float m_new, corr, sum;
+#if defined(__AVX512F__)
+      // Vectorized over 16-token chunks: lanes outside [t0, t1), after the row's position or
+      // before its window are masked to probability 0.
+      {
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 ninf = _mm512_set1_ps(kNegInf);
+        __mmask16 valid[4];  // bs <= 64
+        __m512 mxv = ninf;
+        const int nc = (t1 + 15) / 16;
+        for (int ci = (t0 / 16); ci < nc; ++ci) {
+          const __m512i t = _mm512_add_epi32(lane, _mm512_set1_epi32(ci * 16));
+          __mmask16 v = _mm512_cmp_epi32_mask(t, _mm512_set1_epi32(t0), _MM_CMPINT_NLT) &
+                        _mm512_cmp_epi32_mask(t, _mm512_set1_epi32(t1), _MM_CMPINT_LT);
+          // j = base + t <= p  <=>  t <= p - base (and j > p - window <=> t > p - window - base)
+          v &= _mm512_cmp_epi32_mask(
+              t, _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(p - base, 1 << 20))),
+              _MM_CMPINT_LE);
+          if (window > 0)
+            v &= _mm512_cmp_epi32_mask(
+                t, _mm512_set1_epi32(static_cast<int32_t>(std::max<int64_t>(-1, p - window - base))),
+                _MM_CMPINT_NLE);
+          valid[ci] = v;
+          __m512 x = _mm512_loadu_ps(sr + ci * 16);
+          if (cap > 0.0f)
+            x = _mm512_mul_ps(_mm512_set1_ps(cap), tanh512(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / cap))));
+          x = _mm512_mask_mov_ps(ninf, v, x);
+          _mm512_storeu_ps(sr + ci * 16, x);
+          mxv = _mm512_max_ps(mxv, x);
+        }
+        const float mx = _mm512_reduce_max_ps(mxv);
+        if (mx == kNegInf) continue;  // nothing visible to this row in this block
+        m_new = std::max(m[r], mx);
+        corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
+        __m512 sv = _mm512_setzero_ps();
+        const __m512 mn = _mm512_set1_ps(m_new);
+        for (int ci = (t0 / 16); ci < nc; ++ci) {
+          const __m512 e = _mm512_maskz_mov_ps(
+              valid[ci], exp512_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + ci * 16), mn)));
+          _mm512_storeu_ps(sr + ci * 16, e);
+          sv = _mm512_add_ps(sv, e);
+        }
+        sum = _mm512_reduce_add_ps(sv);
+      }
+#else
+      if (cap > 0.0f) {
+        const float inv = 1.0f / cap;
+#pragma omp simd
+        for (int t = t0; t < t1; ++t) sr[t] = cap * tanh_vec(sr[t] * inv);
+      }
+      // Causal and sliding-window mask, only where the block crosses a boundary of this row.
+      const bool crosses_causal = base + t1 - 1 > p;
+      const bool crosses_window = window > 0 && base + t0 <= p - window;
+      if (crosses_causal || crosses_window) {
+        const int64_t wlo = window > 0 ? p - window : std::numeric_limits<int64_t>::min();
+#pragma omp simd
+        for (int t = t0; t < t1; ++t) {
+          const int64_t j = base + t;
+          sr[t] = (j <= p && j > wlo) ? sr[t] : kNegInf;
+        }
+      }
+      float mx = kNegInf;
+#pragma omp simd reduction(max : mx)
+      for (int t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
+      if (mx == kNegInf) continue;  // nothing visible to this row in this block
+      m_new = std::max(m[r], mx);
+      corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
+      sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = t0; t < t1; ++t) {
+        const float e = exp_neg(sr[t] - m_new);
+        const float pr = sr[t] == kNegInf ? 0.0f : e;
+        sr[t] = pr;
+        sum += pr;
+      }
+#endif
+      m[r] = m_new;
+      l[r] = l[r] * corr + sum;
+      pv_row<D>(acc + r * D, corr, sr, vp, t0, t1);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+/// attend_blocks for many rows (prefill tiles), transposed: query rows sit in the 16 lanes of a
+/// vector, so S^T[t][rows] = sum_d K[t][d] * Q^T[d][rows] needs no horizontal reduction
+/// (broadcast K element times a column of Q^T; a bf16 chunk is widened to fp32 once), and the online
+/// softmax (max, exp, sum, mask) runs vertically over 16 rows at once. PV stays row-wise.
+template <typename T, int D>
+void attend_blocks_rows16(const Context<T>& c, const int32_t* table, int64_t kvh, int64_t lo,
+                          int64_t hi, int R, float /*scale: already in w.q*/, Workspace& w) {
+  const int bs = c.block_size;
+  const int NG = (R + 15) / 16;
+  for (int r = R; r < NG * 16; ++r) {  // padding rows: see nothing, never written back
+    w.pos[r] = -1;
+    w.m[r] = kNegInf;
+    w.l[r] = 0.0f;
+  }
+  for (int r = 0; r < NG * 16; ++r)  // transpose the query tile once per work item
+    for (int d = 0; d < D; ++d)
+      w.qt[(size_t(r / 16) * D + d) * 16 + r % 16] = r < R ? w.q[size_t(r) * D + d] : 0.0f;
+  const float cap = c.soft_cap;
+  const int32_t window = c.sliding_window;
+  float corr_lanes[16];
+  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+    const int64_t base = blk * bs;
+    const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
+    const int t1 = static_cast<int>(std::min<int64_t>(hi, base + bs) - base);
+    const int64_t tile = (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * bs * D;
+    const T* kt = c.key_cache + tile;
+    if ((blk + 1) * bs < hi) {
+      const int64_t next = (static_cast<int64_t>(table[blk + 1]) * c.num_kv_heads + kvh) * bs * D;
+      const char* nk = reinterpret_cast<const char*>(c.key_cache + next);
+      const char* nv = reinterpret_cast<const char*>(c.value_cache + next);
+      for (size_t off = 0; off < size_t(bs) * D * sizeof(T); off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
+    const float* vp;
+    if constexpr (std::is_same_v<T, float>) {
+      vp = c.value_cache + tile;
+    } else {
+      to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
+      vp = w.vf.data();
+    }
+    for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16) {
+      const int u0 = std::max(t0, c16) - c16, u1 = std::min(t1, c16 + 16) - c16;
+      const float* kf16;  // the chunk's 16 K rows in fp32 (converted once for all row groups)
+      if constexpr (std::is_same_v<T, float>) {
+        kf16 = kt + size_t(c16) * D;
+      } else {
+        to_float_row(kt + size_t(c16) * D, w.kf.data(), 16 * D);
+        kf16 = w.kf.data();
+      }
+      for (int g = 0; g < NG; ++g) {
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+        {
+          const float* kc16 = kf16;
+          const float* qg = w.qt.data() + size_t(g) * D * 16;
+          for (int d = 0; d < D; ++d) {
+            const __m512 qv = _mm512_loadu_ps(qg + d * 16);
+            for (int t = 0; t < 16; ++t)
+              acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(kc16[t * D + d]), qv, acc[t]);
+          }
+        }
+        if (cap > 0.0f) {
+          const __m512 cv = _mm512_set1_ps(cap), inv = _mm512_set1_ps(1.0f / cap);
+          for (int t = 0; t < 16; ++t) acc[t] = _mm512_mul_ps(cv, tanh512(_mm512_mul_ps(acc[t], inv)));
+        }
+        const __m512i posv = _mm512_loadu_si512(w.pos.data() + g * 16);
+        const __m512i wlo = _mm512_sub_epi32(posv, _mm512_set1_epi32(window));
+        const __m512 ninf = _mm512_set1_ps(kNegInf);
+        __mmask16 valid[16];
+        __mmask16 any = 0;
+        __m512 mx = ninf;
+        for (int t = 0; t < 16; ++t) {
+          if (t < u0 || t >= u1) {
+            valid[t] = 0;
+            continue;
+          }
+          const __m512i j = _mm512_set1_epi32(static_cast<int32_t>(base + c16 + t));
+          __mmask16 v = _mm512_cmp_epi32_mask(j, posv, _MM_CMPINT_LE);
+          if (window > 0) v &= _mm512_cmp_epi32_mask(j, wlo, _MM_CMPINT_NLE);
+          valid[t] = v;
+          any |= v;
+          mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(ninf, v, acc[t]));
+        }
+        if (!any) continue;
+        const __m512 mold = _mm512_loadu_ps(w.m.data() + g * 16);
+        const __m512 mnew = _mm512_max_ps(mold, mx);
+        const __mmask16 had = _mm512_cmp_ps_mask(mold, ninf, _CMP_NEQ_OQ);
+        const __m512 msafe = _mm512_mask_mov_ps(_mm512_setzero_ps(), any | had, mnew);
+        const __m512 corr = _mm512_maskz_mov_ps(had, exp512_neg(_mm512_sub_ps(mold, msafe)));
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = u0; t < u1; ++t) {
+          const __m512 p = _mm512_maskz_mov_ps(valid[t], exp512_neg(_mm512_sub_ps(acc[t], msafe)));
+          _mm512_storeu_ps(w.pt.data() + t * 16, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        _mm512_storeu_ps(w.m.data() + g * 16, mnew);
+        _mm512_storeu_ps(w.l.data() + g * 16,
+                         _mm512_fmadd_ps(_mm512_loadu_ps(w.l.data() + g * 16), corr, sum));
+        _mm512_storeu_ps(corr_lanes, corr);
+        for (int lane = 0; lane < 16 && g * 16 + lane < R; ++lane) {
+          if (!((any >> lane) & 1)) continue;  // nothing visible: m, l, acc unchanged
+          pv_row<D>(w.acc.data() + size_t(g * 16 + lane) * D, corr_lanes[lane], w.pt.data() + lane,
+                    vp + size_t(c16) * D, u0, u1, 16);
+        }
+      }
+    }
+  }
+}
+#endif
+
+/// Load query row `src` (D elements) into dst as fp32 times `scale`.
+/// (and, for bf16, its unscaled bits into qb).
+template <typename T, int D>
+inline void load_query(const T* src, float scale, float* dst, bf16* qb) {
+#pragma omp simd
+  for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+  if constexpr (std::is_same_v<T, bf16>) std::copy_n(src, D, qb);
+}
+
+/// out row = acc / l (a zero row when the row saw no token, l == 0).
+template <typename T, int D>
+inline void store_row(const float* acc, float l, T* dst) {
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma omp simd
+  for (int d = 0; d < D; ++d) dst[d] = from_float<T>(acc[d] * inv);
+}
+
+inline void reset_rows(Workspace& w, int R, int D) {
+  std::fill_n(w.m.begin(), R, kNegInf);
+  std::fill_n(w.l.begin(), R, 0.0f);
+  std::fill_n(w.acc.begin(), size_t(R) * D, 0.0f);
+}
+
+}  // namespace pagedllm::cpu::tiles

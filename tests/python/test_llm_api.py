@@ -1,0 +1,211 @@
+"""The offline LLM API's behaviour (vLLM's rules) on a random tiny Llama with SmolLM2's tokenizer:
+prompt forms and order, per-prompt params, max_model_len rules, priority, n > 1, prompt logprobs
+against HF (also across chunked prefill), abort, metrics, argument errors, shutdown + restart."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from llm_reference import bundled_folder
+from tiny_models import build_tiny_model
+
+torch.set_num_threads(1)
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    hf = build_tiny_model("llama", folder, vocab_size=49152)  # SmolLM2's tokenizer
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled_folder() / f, folder / f)
+    return folder, hf
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_folder):
+    from pagedllm import LLM, ops
+
+    before = ops.get_num_threads()
+    ops.set_num_threads(1)
+    engine = LLM(str(tiny_folder[0]), dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=MAX_LEN,
+                 max_num_batched_tokens=64, enable_prefix_caching=False)
+    yield engine
+    engine.shutdown()
+    ops.set_num_threads(before)
+
+
+def greedy(**kw):
+    from pagedllm import SamplingParams
+
+    kw.setdefault("max_tokens", 8)
+    return SamplingParams(temperature=0.0, ignore_eos=True, **kw)
+
+
+def metric(llm, name):
+    return next(m for m in llm.get_metrics() if m.name == "pagedllm:" + name)
+
+
+def assert_idle(llm):
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert metric(llm, "kv_cache_usage_perc").value == 0.0
+    assert metric(llm, "num_requests_running").value == 0 and metric(llm, "num_requests_waiting").value == 0
+
+
+def test_prompt_forms_order_and_per_prompt_params(llm):
+    from pagedllm import TokensPrompt
+
+    tok = llm.get_tokenizer()
+    prompts = ["hello there", {"prompt": "a text prompt"}, TokensPrompt(prompt_token_ids=[5, 6, 7]),
+               {"prompt_token_ids": [9, 10, 11, 12], "prompt": "echoed"}]
+    params = [greedy(max_tokens=n) for n in (1, 2, 3, 4)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4]
+    assert [o.prompt for o in outs] == ["hello there", "a text prompt", None, "echoed"]
+    assert outs[0].prompt_token_ids == tok.encode("hello there")
+    assert outs[2].prompt_token_ids == [5, 6, 7]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    single = llm.generate("hello there", greedy(max_tokens=1), use_tqdm=False)
+    assert single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="2 sampling params for 4 prompts"):
+        llm.generate(prompts, params[:2], use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_bad_prompts_raise_and_queue_nothing(llm):
+    ok = {"prompt_token_ids": [5, 6, 7]}
+    with pytest.raises(ValueError, match=f"max_model_len is {MAX_LEN}"):
+        llm.generate([ok, {"prompt_token_ids": [5] * MAX_LEN}], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([ok, {"prompt_token_ids": []}], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="50000"):
+        llm.generate([ok, {"prompt_token_ids": [1, 50000]}], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([ok, 42], greedy(), use_tqdm=False)
+    assert_idle(llm)
+    assert llm.generate(ok, greedy(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids  # still serving
+
+
+def test_generation_stops_at_max_model_len(llm):
+    from pagedllm import SamplingParams
+
+    prompt = {"prompt_token_ids": list(range(3, MAX_LEN - 2))}  # MAX_LEN - 5 tokens
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+    out = llm.generate(prompt, greedy(max_tokens=100), use_tqdm=False)[0]  # max_tokens beyond the room
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+    assert_idle(llm)
+
+
+def test_prompt_logprobs_match_hf_across_chunks(llm, tiny_folder):
+    _, hf = tiny_folder
+    ids = torch.randint(3, 49152, (150,), generator=torch.Generator().manual_seed(4)).tolist()  # > 2 chunks of 64
+    chunks_before = metric(llm, "num_chunked_prefills").value
+    out = llm.generate({"prompt_token_ids": ids}, greedy(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    assert metric(llm, "num_chunked_prefills").value > chunks_before
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[ids[pos]].logprob - ref[pos - 1, ids[pos]].item()) < 1e-4, pos
+        top = ref[pos - 1].topk(2).indices.tolist()
+        assert {t for t, lp in entry.items() if lp.rank in (1, 2)} >= set(top) - {ids[pos]}
+    with torch.no_grad():
+        last = hf(torch.tensor([ids])).logits[0, -1]
+    assert out.outputs[0].token_ids[0] == int(last.argmax())
+
+
+def test_n_sequences_fork(llm):
+    from pagedllm import SamplingParams
+
+    forks = metric(llm, "num_forks").value
+    out = llm.generate({"prompt_token_ids": list(range(10, 50))},
+                       SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert metric(llm, "num_forks").value >= forks + 2
+    assert_idle(llm)
+
+
+def test_priority_scheduling(tiny_folder):
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match="priority"):
+        llm_fcfs = LLM(str(tiny_folder[0]), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=MAX_LEN)
+        try:
+            llm_fcfs.generate(["a", "b"], greedy(), priority=[0, 1], use_tqdm=False)
+        finally:
+            llm_fcfs.shutdown()
+    llm = LLM(str(tiny_folder[0]), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=MAX_LEN,
+              scheduling_policy="priority", max_num_seqs=1)
+    engine = llm.llm_engine
+    for request_id, prio in (("late", 5), ("urgent", 0)):
+        engine.add_request(request_id, None, [5, 6, 7, 8], greedy(max_tokens=4), priority=prio)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["urgent", "late"]
+    outs = llm.generate(["x", "y"], greedy(max_tokens=2), priority=[3, 1], use_tqdm=False)
+    assert [o.prompt for o in outs] == ["x", "y"]  # input order whatever the priority
+    llm.shutdown()
+
+
+def test_abort_frees_everything(llm):
+    engine = llm.llm_engine
+    engine.add_request("to-abort", None, list(range(5, 60)), greedy(max_tokens=50))
+    engine.step()
+    assert metric(llm, "kv_cache_usage_perc").value > 0
+    final = engine.abort_request("to-abort")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert_idle(llm)
+
+
+def test_metrics_count_tokens(llm):
+    before = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    outs = llm.generate([{"prompt_token_ids": [5] * 20}, {"prompt_token_ids": [6] * 30}], greedy(max_tokens=7),
+                        use_tqdm=False)
+    after = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    assert after["pagedllm:prompt_tokens"] - before["pagedllm:prompt_tokens"] == 50
+    assert after["pagedllm:generation_tokens"] - before["pagedllm:generation_tokens"] == 14
+    names = {m.name for m in llm.get_metrics()}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+                 "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "cache_config_info"):
+        assert "pagedllm:" + name in names
+    info = metric(llm, "cache_config_info")
+    assert info.labels["block_size"] == "16" and int(info.labels["num_gpu_blocks"]) > 0
+    assert all(len(o.outputs[0].token_ids) == 7 for o in outs)
+
+
+def test_constructor_errors_name_the_argument(tiny_folder):
+    from pagedllm import LLM
+
+    folder = str(tiny_folder[0])
+    for kwargs, pattern in [
+        (dict(block_size=24), "block_size=24"),
+        (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+        (dict(dtype="float16", device="cpu"), "float16"),
+        (dict(max_model_len=10**6), "max_model_len=1000000"),
+        (dict(scheduling_policy="lifo"), "lifo"),
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=64), "max_num_batched_tokens=16"),
+        (dict(kv_cache_memory_bytes=100), "0 KV blocks"),
+    ]:
+        with pytest.raises(ValueError, match=pattern):
+            LLM(folder, **kwargs)
+    with pytest.raises(TypeError, match="no_such_option"):
+        LLM(folder, no_such_option=1)
+
+
+def test_shutdown_then_a_second_llm(tiny_folder):
+    from pagedllm import LLM
+
+    prompt = {"prompt_token_ids": [7, 8, 9]}
+    first = LLM(str(tiny_folder[0]), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=MAX_LEN)
+    a = first.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    first.shutdown()
+    second = LLM(str(tiny_folder[0]), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=MAX_LEN)
+    assert second.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].token_ids == a
+    second.shutdown()
