@@ -1,8 +1,9 @@
 """`python -m pagedllm.demo` (what `bash scripts/demo.sh` runs): chat with the bundled
 SmolLM2-135M-Instruct through the offline API and print the replies and the generation speed.
 
-Options: --max-tokens N (default 96), --dtype (default auto = float32 for the bundled model),
---threads N (torch and kernel threads; default: all cores).
+Options: --max-tokens N (default 96), --dtype (default auto = float32 for the bundled model: its
+bfloat16 greedy replies are visibly worse, in Hugging Face transformers too), --threads N (torch
+and kernel threads; default: all cores).
 """
 
 from __future__ import annotations

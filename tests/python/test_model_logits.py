@@ -154,6 +154,7 @@ def test_packed_bf16_projections_give_identical_logits(tiny):
     packed = model.pack_weights()
     assert packed == can_pack_linear(torch.bfloat16, torch.device("cpu"))
     assert isinstance(model.layers[0].qkv_proj, PackedLinear) == packed
+    assert isinstance(model.packed_lm_head, PackedLinear) == packed
     again = PagedHarness(model, 1, 32).step([(0, seq)])
     assert torch.equal(plain, again)
     assert not load_pagedllm(folder, torch.float32).pack_weights()  # fp32 stays on F.linear

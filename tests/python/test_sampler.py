@@ -422,3 +422,28 @@ def test_cuda_matches_contract():
     s_alone.add_sequence(107, params[1])
     alone = s_alone(logits[1:2].cuda(), np.array([107]))
     assert alone.sampled_token_ids[0] == out.sampled_token_ids[1]
+
+
+def test_top_k_top_p_routes_in_one_batch():
+    """Rows of one batch take different exact routes (top-k only, pass-through, top-k then top-p,
+    top-p over the top candidates, full sort): each row still matches the reference."""
+    from pagedllm.sample import ops
+
+    vocab = 4096
+    g = torch.Generator().manual_seed(21)
+    peaked = torch.randn(1, vocab, generator=g) * 4.0
+    flat = torch.randn(1, vocab, generator=g) * 0.05
+    rows = [  # (logits, k, p)
+        (peaked, 30, 1.0), (peaked, vocab, 1.0), (peaked, 5, 0.9), (peaked, vocab, 0.9),
+        (flat, vocab, 0.999), (flat, 2000, 0.5), (peaked, 2000, 0.95),
+    ]
+    logits = torch.cat([r[0] for r in rows])
+    k = torch.tensor([r[1] for r in rows])
+    p = torch.tensor([r[2] for r in rows], dtype=torch.float32)
+    got = ops.apply_top_k_top_p(logits.clone(), k, p)
+    for i, (l, kk, pp) in enumerate(rows):
+        want = ref_top_p(ref_top_k(l[0].double().numpy(), kk), pp) if pp < 1 else ref_top_k(l[0].double().numpy(), kk)
+        assert_same_survivors(got[i], want)
+    # the routes really differ: the flat top-p row keeps far more than the candidate window
+    assert int(torch.isfinite(got[4]).sum()) > ops._TOPP_CANDIDATES
+    assert int(torch.isfinite(got[3]).sum()) < ops._TOPP_CANDIDATES

@@ -70,7 +70,8 @@ class Sampler:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.vocab_size = int(vocab_size)
         self.seed = int(seed)
-        self._default_generators: dict[torch.device, torch.Generator] = {}
+        self._default_gen = torch.Generator()
+        self._default_gen.manual_seed(self.seed)
         self._capacity = 0
         self._free: list[int] = []
         # Sorted seq ids and their slots (vectorised lookup with np.searchsorted).
@@ -190,7 +191,7 @@ class Sampler:
         else:
             self.has_seed[slot] = False
             self._seeds[slot] = None
-        self._generators[slot] = None  # created on the logits' device at first use
+        self._generators[slot] = None  # created at first use
         pos = int(np.searchsorted(self._keys, seq_id))
         self._keys = np.insert(self._keys, pos, seq_id)
         self._key_slots = np.insert(self._key_slots, pos, slot)
@@ -231,21 +232,32 @@ class Sampler:
                 self._output_ids[slot].append(tok)
 
     # ------------------------------------------------------------------ sampling
-    def _default_generator(self, device: torch.device) -> torch.Generator:
-        gen = self._default_generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed)
-            self._default_generators[device] = gen
-        return gen
-
-    def _generator(self, slot: int, device: torch.device) -> torch.Generator:
+    def _generator(self, slot: int) -> torch.Generator:
+        """The sequence's own CPU generator (created at first use from its seed)."""
         gen = self._generators[slot]
-        if gen is None or gen.device != device:
-            gen = torch.Generator(device=device)
+        if gen is None:
+            gen = torch.Generator()
             gen.manual_seed(self._seeds[slot])
             self._generators[slot] = gen
         return gen
+
+    def _uniforms(self, slots: np.ndarray) -> torch.Tensor:
+        """One U[0, 1) float64 per row (CPU): seeded rows from their own generator (so the draw
+        does not depend on the batch, and is the same on CPU and CUDA), others from the
+        engine's stream."""
+        u = torch.rand(len(slots), generator=self._default_gen, dtype=torch.float64)
+        for r in np.nonzero(self.has_seed[slots])[0].tolist():
+            u[r] = torch.rand(1, generator=self._generator(int(slots[r])), dtype=torch.float64)[0]
+        return u
+
+    def _plain_greedy(self, slots: np.ndarray) -> bool:
+        """Every row greedy with nothing that changes the logits this step."""
+        return bool(
+            (self.temperature[slots] < _SAMPLING_EPS).all()
+            and not self.has_bias[slots].any()
+            and not self.has_penalty[slots].any()
+            and not (self.num_output_tokens[slots] < self.min_tokens[slots]).any()
+        )
 
     def _check(self, logits: torch.Tensor, seq_ids) -> None:
         if logits.dim() != 2:
@@ -321,14 +333,15 @@ class Sampler:
         device = logits.device
         num_logprobs = self.num_logprobs[slots]
         want_logprobs = bool((num_logprobs >= 0).any())
+        if not want_logprobs and self._plain_greedy(slots):
+            # argmax of the raw logits: no copy, no transform (exact also for bf16 logits)
+            sampled = logits[:, : self.vocab_size].argmax(dim=-1)
+            return SamplerOutput(sampled.to(torch.int32).cpu().numpy(), None)
         logits, greedy_sampled, greedy_rows, raw_logprobs = self._process(logits, slots, want_logprobs)
         if greedy_rows.all():
             sampled = greedy_sampled
         else:
-            probs = torch.softmax(logits, dim=-1)
-            seeded = np.nonzero(self.has_seed[slots])[0].tolist()
-            generators = {r: self._generator(int(slots[r]), device) for r in seeded}
-            random_sampled = ops.random_sample(probs, generators, self._default_generator(device))
+            random_sampled = ops.random_sample(logits, self._uniforms(slots))
             if greedy_sampled is not None:
                 mask = torch.from_numpy(greedy_rows).to(device)
                 sampled = torch.where(mask, greedy_sampled, random_sampled)
@@ -348,33 +361,38 @@ class Sampler:
         return SamplerOutput(sampled.to(torch.int32).cpu().numpy(), logprobs)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, device) -> None:
-        V = self.vocab_size
+        """Penalties on the tokens each row has seen (prompt for the repetition penalty, output),
+        with ops.apply_penalties_sparse: the cost follows the history length, not the vocabulary."""
+        ids_list, counts_list = [], []
+        for s in slots.tolist():
+            out = np.asarray(self._output_ids[s] or [], dtype=np.int64)
+            prompt = self._prompt_ids[s]
+            toks, counts = np.unique(out, return_counts=True) if out.size else (out, out)
+            if prompt is not None and prompt.size:
+                extra = np.setdiff1d(np.unique(prompt), toks, assume_unique=True)
+                toks = np.concatenate([toks, extra])
+                counts = np.concatenate([counts, np.zeros(len(extra), dtype=counts.dtype)])
+            ids_list.append(toks)
+            counts_list.append(counts)
+        width = max((len(t) for t in ids_list), default=0)
+        if width == 0:
+            return
         n = len(rows)
-        outs = [self._output_ids[int(s)] or [] for s in slots]
-        max_len = max((len(o) for o in outs), default=0)
-        counts = torch.zeros((n, V + 1), dtype=torch.int32, device=device)
-        if max_len:
-            padded = np.full((n, max_len), V, dtype=np.int64)  # column V is a discard bin
-            for i, o in enumerate(outs):
-                padded[i, : len(o)] = o
-            idx = torch.from_numpy(padded).to(device)
-            counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
-        counts = counts[:, :V]
-        prompt_mask = None
-        prompts = [self._prompt_ids[int(s)] for s in slots]
-        if any(p is not None and len(p) for p in prompts):
-            mask = torch.zeros((n, V + 1), dtype=torch.bool, device=device)
-            for i, pids in enumerate(prompts):
-                if pids is not None and len(pids):
-                    mask[i, torch.from_numpy(pids).to(device)] = True
-            prompt_mask = mask[:, :V]
-        sub = logits[torch.from_numpy(rows).to(device)]
-        ops.apply_penalties(
-            sub,
-            prompt_mask,
-            counts,
-            torch.from_numpy(self.repetition_penalty[slots]).to(device),
-            torch.from_numpy(self.frequency_penalty[slots]).to(device),
-            torch.from_numpy(self.presence_penalty[slots]).to(device),
+        keep = [i for i in range(n) if len(ids_list[i])]
+        ids = np.zeros((len(keep), width), dtype=np.int64)
+        counts = np.zeros((len(keep), width), dtype=np.int64)
+        for j, i in enumerate(keep):
+            t, c = ids_list[i], counts_list[i]
+            reps = -(-width // len(t))  # pad by repeating the row's own entries (same values written)
+            ids[j] = np.tile(t, reps)[:width]
+            counts[j] = np.tile(c, reps)[:width]
+        sel = slots[keep]
+        ops.apply_penalties_sparse(
+            logits,
+            torch.from_numpy(rows[keep]).to(device),
+            torch.from_numpy(ids).to(device),
+            torch.from_numpy(counts).to(device),
+            torch.from_numpy(self.repetition_penalty[sel]).to(device),
+            torch.from_numpy(self.frequency_penalty[sel]).to(device),
+            torch.from_numpy(self.presence_penalty[sel]).to(device),
         )
-        logits[torch.from_numpy(rows).to(device)] = sub

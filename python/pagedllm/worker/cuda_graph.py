@@ -3,7 +3,8 @@
 At start-up, one graph per batch size of a ladder (1, 2, 4, 8, then multiples of 16 up to
 max_num_seqs, max_num_seqs itself last) captures the whole model forward — embeddings, every
 layer's reshape_and_cache and paged_attention, the final norm and the LM head — over static input
-buffers; the graphs share one memory pool (captured largest first). A decode step of n <= max
+buffers, writing one shared float32 logits buffer [max_num_seqs, vocab]; the graphs share one
+memory pool (captured largest first). A decode step of n <= max
 sequences copies its batch buffers into the first n rows of the next larger size's buffers (pinned
 host staging, one async copy per field), pads the rest (slot -1: nothing written; seq_len 1 over
 block 0: a harmless read) and replays; the logits of the real rows are returned.
@@ -60,7 +61,9 @@ class DecodeGraphRunner:
         self._rows = torch.arange(n + 1, dtype=torch.int64, device=device)
         self._query_start_loc = self._rows.to(torch.int32)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        # One float32 logits buffer for every graph (each graph copies its rows in): a graph's own
+        # output would stay allocated per graph (sum of the ladder x vocab x 4 bytes).
+        self._logits = torch.empty((n, model.config.vocab_size), dtype=torch.float32, device=device)
         self._capture_all()
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -82,9 +85,8 @@ class DecodeGraphRunner:
                 self._forward(size)  # warm-up outside capture (cuBLAS workspaces, lazy init)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._forward(size)
+                    self._logits[:size].copy_(self._forward(size))
                 self._graphs[size] = graph
-                self._logits[size] = logits
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
@@ -120,7 +122,7 @@ class DecodeGraphRunner:
             d[key][:size].copy_(h[key][:size], non_blocking=True)
         self._graphs[size].replay()
         self.num_replays += 1
-        logits = self._logits[size]
+        logits = self._logits
         idx = np.asarray(sched.logits_indices)
         if len(idx) == n and np.array_equal(idx, np.arange(n)):
             return logits[:n]

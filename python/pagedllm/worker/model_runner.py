@@ -10,7 +10,8 @@ KV pool size: kv_cache_memory_bytes (default 4 GiB on CPU), else on CUDA (as vLL
 determine_num_available_blocks): a profiling forward pass of max_num_batched_tokens tokens with
 logits for max_num_seqs rows measures the activation peak; the pool gets
     total * gpu_memory_utilization - (memory used by other processes) - weights - activation peak
-    - sampler workspace (3 x the logits of max_num_seqs rows) - CUDA-graph margin,
+    - sampler workspace (3 x the logits of max_num_seqs rows)
+    - CUDA graphs (256 MiB + 3 x the float32 logits of max_num_seqs rows),
 divided by the bytes of a block (block_size tokens of K and V for every layer:
 2 * L * block_size * Hkv * D * dtype bytes).
 
@@ -158,7 +159,8 @@ class ModelRunner:
         weights = torch.cuda.memory_allocated(self.device)
         rows = min(self.max_num_seqs, self.max_num_batched_tokens)
         sampler = 3 * rows * self.config.vocab_size * 4
-        graph_margin = (256 << 20) if use_graphs else 0
+        # graphs: the shared logits buffer and the largest graph's pool (its bf16 and fp32 logits)
+        graph_margin = (256 << 20) + 3 * self.max_num_seqs * self.config.vocab_size * 4 if use_graphs else 0
         budget = total * gpu_memory_utilization - used_by_others - weights - activation_peak - sampler - graph_margin
         self.phase_seconds["profile_run"] = time.perf_counter() - start
         logger.info("memory profile (%.2f s): total %.2f GiB x %.2f, other processes %.2f GiB, weights %.2f GiB, "

@@ -142,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
             self.lm_head_weight = self.lm_head.weight
+        self.packed_lm_head: PackedLinear | None = None  # set by pack_weights()
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
         )
@@ -166,8 +167,6 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_lm_head is not None:
             return self.packed_lm_head(self.norm(hidden)).float()
         return F.linear(self.norm(hidden), self.lm_head_weight).float()
-
-    packed_lm_head = None
 
     def pack_weights(self) -> bool:
         """After load_weights: on CPU in bfloat16, replace every projection (and the LM head) by a
