@@ -170,6 +170,24 @@ def test_echo_streaming_matches_non_stream(client, server):
     assert streamed_tokens == full["logprobs"]["tokens"]
 
 
+def test_echo_scoring_leaves_the_server_healthy(server):
+    """C06: after the prompt-scoring requests (echo with max_tokens = 0, with and without
+    logprobs, also streamed) the server is healthy and a greedy reference is unchanged."""
+    ref_body = {"model": MODEL, "prompt": [11, 22, 33], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True}
+    ref = httpx.post(server.url + "/v1/completions", json=ref_body, timeout=60).json()["choices"][0]["token_ids"]
+    for extra in ({"logprobs": 1}, {}, {"logprobs": 1, "stream": True}):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "temperature": 0.0, **extra}
+        resp = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        if extra.get("stream"):
+            events = [json.loads(ln[6:]) for ln in resp.text.splitlines()
+                      if ln.startswith("data: ") and ln != "data: [DONE]"]
+            assert "".join(c["text"] for e in events for c in e["choices"]) == PROMPT
+            assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert server.healthy((ref_body, ref))
+
+
 def test_stop_string_in_stream_is_held_back(client, server):
     base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
     text = httpx.post(server.url + "/v1/completions", json=base, timeout=60).json()["choices"][0]["text"]
@@ -351,3 +369,4 @@ def test_c16_huge_top_k_and_mixed_batch(server):
         k = pool.submit(httpx.post, url, json={**base, "top_k": 5}, timeout=60)
         assert k.result().status_code == 200
         assert g.result().json()["choices"][0]["token_ids"] == solo
+    assert server.healthy((greedy, solo))  # still serving, same greedy ids
