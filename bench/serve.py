@@ -174,8 +174,7 @@ def git_commit() -> str:
 
 def start_pagedllm(extra: str, port: int, model: str | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pagedllm", "serve", *([model] if model else []), "--port", str(port), *extra.split()]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:

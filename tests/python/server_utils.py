@@ -19,6 +19,14 @@ from typing import Optional
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def package_root() -> str:
+    """The folder that holds the `pagedllm` this test process imported (site-packages after
+    `pip install`, python/ in a development build), so a subprocess runs the same build."""
+    import pagedllm
+
+    return str(Path(pagedllm.__file__).resolve().parents[1])
 MAX_MODEL_LEN = 512
 
 
@@ -64,7 +72,7 @@ class RemoteServer:
         cmd = [sys.executable, "-m", "pagedllm", "serve", model, "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+        env = dict(os.environ, PYTHONPATH=package_root(), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                    TOKENIZERS_PARALLELISM="false")
         self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(ROOT))
