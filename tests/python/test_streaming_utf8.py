@@ -103,7 +103,7 @@ def test_split_characters_stream_equals_non_stream(server, tok, path):
     assert text == tok.decode(full["token_ids"], skip_special_tokens=True)
     assert sum(d.count("\ufffd") for d in deltas) == text.count("\ufffd")
     assert split_characters(tok, full["token_ids"]) > 0, "no character was split across tokens"
-    assert "世" in text or "😀" in text
+    assert any(ord(ch) >= 0x3000 and ch != "\ufffd" for ch in text)  # a multi-byte character came out whole
 
 
 def _biased(max_tokens=200):
