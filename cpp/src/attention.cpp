@@ -35,11 +35,8 @@ using detail::check_dim;
 using detail::check_dtype;
 using detail::check_ndim;
 using detail::check_same_device;
+using detail::no_cuda;
 
-[[noreturn]] void no_cuda(const char* op) {
-  throw std::runtime_error(std::string(op) +
-                           ": got CUDA tensors but pagedllm was built without CUDA (PAGEDLLM_CUDA=ON)");
-}
 
 void check_options(const char* op, double scale, const AttentionOptions& o) {
   PAGEDLLM_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);

@@ -20,11 +20,8 @@ using detail::check_dim;
 using detail::check_dtype;
 using detail::check_ndim;
 using detail::check_same_device;
+using detail::no_cuda;
 
-[[noreturn]] void no_cuda(const char* op) {
-  throw std::runtime_error(std::string(op) +
-                           ": got CUDA tensors but pagedllm was built without CUDA (PAGEDLLM_CUDA=ON)");
-}
 
 /// int64 [C, 2] (src, dst) mapping; on the CPU also checks every id against the block counts.
 void check_block_mapping(const char* op, const TensorView& mapping, int64_t num_src_blocks,

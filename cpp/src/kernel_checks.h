@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -96,6 +97,12 @@ inline void check_kv_caches(const char* op, const TensorView& key_cache, const T
                  key_cache.size(1));
   PAGEDLLM_CHECK(key_cache.data != nullptr || key_cache.numel() == 0, op,
                  ": key_cache has a null data pointer");
+}
+
+/// A launcher got CUDA tensors in a build without the CUDA kernels.
+[[noreturn]] inline void no_cuda(const char* op) {
+  throw std::runtime_error(std::string(op) +
+                           ": got CUDA tensors but pagedllm was built without CUDA (PAGEDLLM_CUDA=ON)");
 }
 
 }  // namespace pagedllm::detail
