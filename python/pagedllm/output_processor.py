@@ -80,6 +80,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self._seq_owner: dict[int, tuple[str, int]] = {}
         self._token_text = TokenTextCache(tokenizer)
+        self._num_with_stop_strings = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -92,9 +93,16 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(state.prompt_token_ids)
         self.requests[request_id] = state
+        if params.stop:
+            self._num_with_stop_strings += 1
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
+
+    @property
+    def has_stop_strings(self) -> bool:
+        """Whether an unfinished request has stop strings (matched here, during detokenization)."""
+        return self._num_with_stop_strings > 0
 
     def _add_seq(self, seq_id: int, request_id: str, index: int) -> None:
         state = self.requests.get(request_id)
@@ -227,7 +235,8 @@ class OutputProcessor:
         for seq in state.seqs.values():
             self.sampler.remove_sequence(seq.seq_id)
             self._seq_owner.pop(seq.seq_id, None)
-        self.requests.pop(state.request_id, None)
+        if self.requests.pop(state.request_id, None) is not None and state.params.stop:
+            self._num_with_stop_strings -= 1
 
     def _completion(self, seq: _SeqState, delta: bool) -> CompletionOutput:
         finished = seq.finish_reason is not None

@@ -8,6 +8,14 @@ detokenization and stop strings -> RequestOutputs.
     core.release(out)
     text / stop strings per sequence            # a stop string -> core.finish_sequence(seq, str)
 
+Async output processing (async_output_processing=True, as vLLM's async output processor): the
+last item — detokenization and building RequestOutputs — of step N runs in step N + 1, after
+step N + 1's forward pass is launched and before its sampler waits for the GPU, so the host work
+hides behind the GPU work. step() then returns the outputs of the previous step; the sampler
+still sees every token of step N before it samples step N + 1. It applies only while no
+unfinished request has stop strings (they are matched during detokenization and can end a
+sequence before the next step is scheduled); such steps are processed at once.
+
 The LLM class (offline API) and AsyncLLM (server) both drive this object from one thread.
 """
 
@@ -60,6 +68,8 @@ class EngineArgs:
     device: str = "auto"
     num_gpu_blocks_override: Optional[int] = None
     load_format: str = "auto"
+    #: True: deferred output processing (see the module docstring); "auto": True on CUDA
+    async_output_processing: Any = False
 
 
 class LLMEngine:
@@ -73,6 +83,9 @@ class LLMEngine:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
         if args.block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size={args.block_size} is not supported: use one of {list(ops.SUPPORTED_BLOCK_SIZES)}")
+        if args.async_output_processing not in (True, False, "auto"):
+            raise ValueError("async_output_processing must be True, False or 'auto', got "
+                             f"{args.async_output_processing!r}")
         self.args = args
         self.device = _resolve_device(args.device)
         self.model_path = resolve_model(args.model)
@@ -117,6 +130,10 @@ class LLMEngine:
             "iteration_num_seqs": HistogramData(_ITERATION_SEQ_BOUNDS),
         }
         self._ids = itertools.count()
+        aop = args.async_output_processing
+        self.async_output_processing = self.device.type == "cuda" if aop == "auto" else bool(aop)
+        self._pending = None  # (UpdateResult, sample_seq_ids, SamplerOutput) of a deferred step
+        self._ready: list[RequestOutput] = []  # outputs of a deferred step, returned by the next step()
 
     # ---- requests -------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -164,12 +181,19 @@ class LLMEngine:
             raise
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
-        """Abort a request (finish_reason "abort"); returns its final output, None if unknown."""
+        """Abort a request (finish_reason "abort"); returns its final output, None if unknown.
+        A request that had already finished in a deferred step returns that final output."""
+        self._flush_pending()
         self.core.abort_request(request_id)
-        return self.output_processor.abort_request(request_id)
+        out = self.output_processor.abort_request(request_id)
+        if out is None:
+            for i, ready in enumerate(self._ready):
+                if ready.request_id == request_id and ready.finished:
+                    return self._ready.pop(i)
+        return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.core.has_unfinished_requests() or self._pending is not None or bool(self._ready)
 
     def has_request(self, request_id: str) -> bool:
         return self.output_processor.has_request(request_id)
@@ -180,14 +204,17 @@ class LLMEngine:
         output_kind; finished requests included). An exception leaves no KV block leaked: the
         step's sequences are rescheduled (release of a step that was never updated)."""
         sched = self.core.schedule()
+        stops: list[tuple[int, str]] = []
         try:
             if sched.num_tokens == 0:
-                return []
+                return self._take_ready()
             proc = self.output_processor
             proc.on_schedule(sched)
             self.histograms["iteration_tokens_total"].observe(int(sched.num_tokens))
             self.histograms["iteration_num_seqs"].observe(int(sched.num_seqs))
             run = self.runner.execute_model(sched)
+            # the previous step's output processing, while the GPU runs this step's forward pass
+            stops += self._flush_pending()
             sampled = self.sampler(run.logits, sched.sample_seq_ids)
             for request_id, (first_position, rows) in run.prompt_logits.items():
                 state = proc.requests.get(request_id)
@@ -201,11 +228,34 @@ class LLMEngine:
                     proc.add_prompt_logprobs(request_id, first_position, lp)
             result = self.core.update_from_output(
                 sched, np.ascontiguousarray(sampled.sampled_token_ids, dtype=np.int32))
-            outputs, stops = proc.on_update(result, sched.sample_seq_ids, sampled)
+            if self.async_output_processing and not proc.has_stop_strings:
+                self._pending = (result, np.array(sched.sample_seq_ids, dtype=np.int64), sampled)
+            else:
+                outputs, step_stops = proc.on_update(result, sched.sample_seq_ids, sampled)
+                self._ready.extend(outputs)
+                stops += step_stops
         finally:
             self.core.release(sched)
         for seq_id, stop_str in stops:  # stop strings matched on the Python side
             self.core.finish_sequence(seq_id, stop_str)
+        outputs, self._ready = self._ready, []  # a deferred step stays pending until the next step
+        return outputs
+
+    def _flush_pending(self) -> list[tuple[int, str]]:
+        """Process a deferred step's outputs into self._ready; returns its stop-string finishes
+        (none in practice: steps with stop strings are never deferred)."""
+        if self._pending is None:
+            return []
+        result, sample_seq_ids, sampled = self._pending
+        self._pending = None
+        outputs, stops = self.output_processor.on_update(result, sample_seq_ids, sampled)
+        self._ready.extend(outputs)
+        return stops
+
+    def _take_ready(self) -> list[RequestOutput]:
+        """Everything processed so far, a deferred step included (nothing was scheduled)."""
+        self._flush_pending()
+        outputs, self._ready = self._ready, []
         return outputs
 
     # ---- observability / lifecycle --------------------------------------------------------

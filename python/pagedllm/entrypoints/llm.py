@@ -26,7 +26,7 @@ logger = logging.getLogger("pagedllm")
 _IGNORED_ARGS = {
     "trust_remote_code", "tokenizer_mode", "skip_tokenizer_init", "revision", "tokenizer_revision",
     "quantization", "swap_space", "cpu_offload_gb", "disable_custom_all_reduce", "disable_log_stats",
-    "max_seq_len_to_capture", "disable_async_output_proc", "compilation_config", "hf_overrides",
+    "max_seq_len_to_capture", "compilation_config", "hf_overrides",
     "mm_processor_kwargs", "allowed_local_media_path", "download_dir",
     "pipeline_parallel_size", "distributed_executor_backend", "enable_lora", "max_logprobs", "kv_cache_dtype",
 }
@@ -42,7 +42,9 @@ class LLM:
       (default 8192). seed: seeds the sampling of requests without their own seed (and the dummy
       weights). load_format: "auto" (safetensors) or "dummy" (random weights with the config's
       shapes, drawn on the device; a folder with config.json alone gets a synthetic tokenizer).
-      enforce_eager: no CUDA graphs for decode steps. device: "auto" (CUDA when present), "cuda", "cpu".
+      enforce_eager: no CUDA graphs for decode steps. disable_async_output_proc: on CUDA a step's
+      detokenization runs while the GPU computes the next step unless this is True (vLLM's flag;
+      see pagedllm.engine.llm_engine). device: "auto" (CUDA when present), "cuda", "cpu".
     Errors: ValueError naming the bad argument.
     """
 
@@ -66,6 +68,7 @@ class LLM:
         device: str = "auto",
         num_gpu_blocks_override: Optional[int] = None,
         load_format: str = "auto",
+        disable_async_output_proc: bool = False,
         **kwargs: Any,
     ):
         unknown = sorted(set(kwargs) - _IGNORED_ARGS)
@@ -82,6 +85,7 @@ class LLM:
             scheduling_policy=scheduling_policy, seed=seed, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, device=device,
             num_gpu_blocks_override=num_gpu_blocks_override, load_format=load_format,
+            async_output_processing=False if disable_async_output_proc else "auto",
         ))
         self.startup_seconds = time.perf_counter() - start
         logger.info("LLM ready in %.1f s", self.startup_seconds)

@@ -55,6 +55,12 @@ class Attention:
         """q [T, Hq, D], k and v [T, Hkv, D] -> out [T, Hq, D] (same dtype)."""
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta)
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Attention only: this step's keys and values are already in the cache (written by
+        ops.rotary_embedding_and_cache). q [T, Hq, D] contiguous -> out [T, Hq, D]."""
+        key_cache, value_cache = kv_cache
         out = torch.empty_like(q)
         if meta.decode_only:
             ops.paged_attention(

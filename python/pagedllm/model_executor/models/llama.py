@@ -6,6 +6,14 @@ Per layer: RMSNorm -> fused QKV projection (+ bias for Qwen2) -> [q/k RMSNorm pe
 gate_up projection -> SiLU(gate) * up (SwiGLU; Shazeer 2020) -> down projection -> residual.
 Logits are computed only for the rows that are sampled.
 
+On CUDA (when pagedllm.ops.layer_ops_available) the elementwise steps run as fused kernels, as
+vLLM's Llama: the residual stream is carried beside the hidden state and each RMSNorm adds it
+in place (fused_add_rms_norm), RoPE writes the rotated query and the rotated key and value
+straight into the paged KV cache (rotary_embedding_and_cache), and SiLU(gate) * up is one kernel
+(silu_and_mul). They round where the PyTorch modules do, so both paths compute the same values up
+to reduction order. PAGEDLLM_FUSED_LAYER_OPS=0 in the environment keeps the PyTorch path on CUDA.
+The CPU path is the PyTorch one.
+
 Numerics follow Hugging Face transformers' modeling_llama / modeling_qwen2 / modeling_qwen3
 (RMSNorm in float32, weight multiplied in the model dtype), so fp32 logits agree with HF to
 rounding. Weights come from HF checkpoints: q/k/v and gate/up are concatenated on load.
@@ -13,12 +21,14 @@ rounding. Weights come from HF checkpoints: q/k/v and gate/up are concatenated o
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.model_executor.attention import Attention, AttentionMetadata
 from pagedllm.model_executor.config import ModelConfig
 from pagedllm.model_executor.rotary import RotaryEmbedding
@@ -42,6 +52,16 @@ class RMSNorm(nn.Module):
             variance = h.pow(2).mean(-1, keepdim=True)
             h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused kernels (CUDA): residual None -> (norm(x), x); else residual += x in place and
+        -> (norm(residual) written into x, residual). x, residual [T, N] contiguous."""
+        if residual is None:
+            out = torch.empty_like(x)
+            ops.rms_norm(out, x, self.weight, self.eps)
+            return out, x
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
 
 
 class PackedLinear(nn.Module):
@@ -122,6 +142,40 @@ class DecoderLayer(nn.Module):
         gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the fused kernels (CUDA). hidden [T, hidden_size] (this layer's
+        input before the residual add), residual [T, hidden_size] or None for the first layer ->
+        (hidden, residual) for the next layer; residual + hidden is the residual stream."""
+        T = hidden.shape[0]
+        hidden, residual = self.input_layernorm.forward_fused(hidden, residual)
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        query = torch.empty((T, self.num_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
+        key_cache, value_cache = kv_cache
+        ops.rotary_embedding_and_cache(positions, q, k, v, rotary.cos, rotary.sin, query, key_cache, value_cache,
+                                       meta.slot_mapping)
+        attn = self.attn.attend(query, kv_cache, meta)
+        hidden = self.o_proj(attn.view(T, self.q_size))
+        hidden, residual = self.post_attention_layernorm.forward_fused(hidden, residual)
+        gate_up = self.gate_up_proj(hidden)
+        act = torch.empty((T, self.intermediate_size), dtype=gate_up.dtype, device=gate_up.device)
+        ops.silu_and_mul(act, gate_up)
+        return self.down_proj(act), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """The whole decoder. forward(input_ids int [T], positions int64 [T], kv_caches (one (k, v) per
@@ -146,6 +200,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
         )
+        #: the fused CUDA kernels run the elementwise steps (see the module docstring)
+        self.fused_layer_ops = (ops.layer_ops_available(device)
+                                and os.environ.get("PAGEDLLM_FUSED_LAYER_OPS", "1") != "0")
 
     @torch.inference_mode()
     def forward(
@@ -157,6 +214,15 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.fused_layer_ops:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer.forward_fused(hidden, residual, positions, self.rotary, kv_cache, meta)
+            hidden = hidden.index_select(0, logits_indices)
+            if residual is None:  # no layers
+                return self.compute_logits(hidden)
+            hidden, _ = self.norm.forward_fused(hidden, residual.index_select(0, logits_indices))
+            return F.linear(hidden, self.lm_head_weight).float()
         cos, sin = self.rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, self.rotary, kv_cache, meta)

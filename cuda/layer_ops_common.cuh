@@ -1,0 +1,92 @@
+// cuda/layer_ops_common.cuh — internal device helpers of the layer kernels (rms_norm.cu,
+// activation.cu, rotary_embedding.cu): float conversions for every supported dtype, rounding to
+// the tensor dtype (to reproduce where PyTorch rounds), a block-wide sum, and the device guard.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda_check.h"
+
+namespace pagedllm::cuda::layer_ops {
+
+template <typename T>
+struct Convert;
+template <>
+struct Convert<float> {
+  __device__ __forceinline__ static float to_float(float v) { return v; }
+  __device__ __forceinline__ static float from_float(float v) { return v; }
+};
+template <>
+struct Convert<__nv_bfloat16> {
+  __device__ __forceinline__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ __forceinline__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+};
+template <>
+struct Convert<__half> {
+  __device__ __forceinline__ static float to_float(__half v) { return __half2float(v); }
+  __device__ __forceinline__ static __half from_float(float v) { return __float2half_rn(v); }
+};
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) { return Convert<T>::to_float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v) { return Convert<T>::from_float(v); }
+/// v rounded to T and read back as float: the value a PyTorch op with a T output would produce.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) { return to_float<T>(from_float<T>(v)); }
+
+/// VEC elements of T loaded / stored as one access (16 bytes when VEC * sizeof(T) == 16).
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
+/// Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+/// `shared` holds 32 floats. Call once per kernel (no trailing barrier for reuse).
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int num_warps = blockDim.x / 32;
+    v = lane < num_warps ? shared[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  return shared[0];
+}
+
+/// Makes `device` current for a launch and restores the previous device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device != previous_) PAGEDLLM_CUDA_CHECK(cudaSetDevice(device));
+    else previous_ = -1;
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+inline int round_up_warps(int64_t threads, int lo, int hi) {
+  int64_t t = (threads + 31) / 32 * 32;
+  if (t < lo) t = lo;
+  if (t > hi) t = hi;
+  return static_cast<int>(t);
+}
+
+}  // namespace pagedllm::cuda::layer_ops

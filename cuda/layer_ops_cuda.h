@@ -1,0 +1,31 @@
+// cuda/layer_ops_cuda.h — internal: the CUDA implementations behind pagedllm/layer_ops.h (only in a
+// build with PAGEDLLM_WITH_CUDA). Not installed, not public.
+//
+// The launchers (cpp/src/layer_ops.cpp) have ALREADY validated every argument: one float dtype
+// (float32 / bfloat16 / float16), one CUDA device, shapes and strides as documented in
+// pagedllm/layer_ops.h, num_tokens > 0. The implementations launch on `stream`, never
+// synchronize, and check every launch (cuda_check.h).
+#pragma once
+
+#include <cstdint>
+
+#include "pagedllm/tensor_view.h"
+
+namespace pagedllm::cuda {
+
+/// residual == nullptr: out = rms_norm(input) * weight. Otherwise (out == input, in place):
+/// residual += input; input = rms_norm(residual) * weight.
+void rms_norm(const TensorView& out, const TensorView& input, const TensorView* residual,
+              const TensorView& weight, float eps, std::uintptr_t stream);
+
+void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream);
+
+/// query_out == nullptr: rotate query and key in place (value, caches and slot_mapping unused,
+/// nullptr). Otherwise: rotated query -> query_out; rotated key and value -> the caches.
+void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
+                      const TensorView* value, const TensorView& cos_cache, const TensorView& sin_cache,
+                      const TensorView* query_out, const TensorView* key_cache,
+                      const TensorView* value_cache, const TensorView* slot_mapping,
+                      std::uintptr_t stream);
+
+}  // namespace pagedllm::cuda

@@ -1,0 +1,100 @@
+// cuda/rms_norm.cu — RMSNorm and the residual add fused with it (pagedllm/layer_ops.h).
+//
+// One CTA per token row. Pass 1 reads the row (and adds the residual, storing the rounded sum
+// back into the residual), accumulating the sum of squares in float32; a block reduction gives
+// inv = rsqrt(mean + eps); pass 2 re-reads the row (L1/L2-resident: each thread reads back what
+// it wrote) and writes T(T(h * inv) * weight), HF's LlamaRMSNorm rounding. Rows whose size is a
+// multiple of 16 bytes / sizeof(T) move as 16-byte vectors, others element by element.
+#include "layer_ops_common.cuh"
+#include "layer_ops_cuda.h"
+
+namespace pagedllm::cuda {
+namespace {
+
+using namespace layer_ops;
+
+/// residual == nullptr: out = norm(input). Else out == input: residual += input; input = norm(residual).
+template <typename T, int VEC, bool kResidual>
+__global__ void rms_norm_kernel(T* out, const T* input, T* residual, const T* __restrict__ weight,
+                                int hidden, float eps) {
+  __shared__ float shared[32];
+  using V = Vec<T, VEC>;
+  const int64_t row = blockIdx.x;
+  const int num_vecs = hidden / VEC;
+  const V* in = reinterpret_cast<const V*>(input + row * hidden);
+  V* res = kResidual ? reinterpret_cast<V*>(residual + row * hidden) : nullptr;
+  float sumsq = 0.f;
+  for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+    V x = in[i];
+    if constexpr (kResidual) {
+      V r = res[i];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        r.v[j] = from_float<T>(to_float(x.v[j]) + to_float(r.v[j]));
+        const float h = to_float(r.v[j]);
+        sumsq += h * h;
+      }
+      res[i] = r;
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float h = to_float(x.v[j]);
+        sumsq += h * h;
+      }
+    }
+  }
+  const float inv = rsqrtf(block_sum(sumsq, shared) / static_cast<float>(hidden) + eps);
+  const V* src = kResidual ? res : in;
+  const V* w = reinterpret_cast<const V*>(weight);
+  V* dst = reinterpret_cast<V*>(out + row * hidden);
+  for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+    const V x = src[i];
+    const V wv = w[i];
+    V y;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      y.v[j] = from_float<T>(round_to<T>(to_float(x.v[j]) * inv) * to_float(wv.v[j]));
+    dst[i] = y;
+  }
+}
+
+template <typename T, int VEC>
+void launch_vec(const TensorView& out, const TensorView& input, const TensorView* residual,
+                const TensorView& weight, float eps, cudaStream_t stream) {
+  const int hidden = static_cast<int>(input.size(1));
+  const auto rows = static_cast<unsigned>(input.size(0));
+  const int threads = round_up_warps(hidden / VEC, 32, 1024);
+  if (residual != nullptr)
+    rms_norm_kernel<T, VEC, true><<<rows, threads, 0, stream>>>(out.ptr<T>(), input.ptr<T>(), residual->ptr<T>(),
+                                                                weight.ptr<T>(), hidden, eps);
+  else
+    rms_norm_kernel<T, VEC, false><<<rows, threads, 0, stream>>>(out.ptr<T>(), input.ptr<T>(), nullptr,
+                                                                 weight.ptr<T>(), hidden, eps);
+  PAGEDLLM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch(const TensorView& out, const TensorView& input, const TensorView* residual, const TensorView& weight,
+            float eps, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vec = input.size(1) % kVec == 0 && aligned16(out.data) && aligned16(input.data) &&
+                   aligned16(weight.data) && (residual == nullptr || aligned16(residual->data));
+  if (vec) launch_vec<T, kVec>(out, input, residual, weight, eps, stream);
+  else launch_vec<T, 1>(out, input, residual, weight, eps, stream);
+}
+
+}  // namespace
+
+void rms_norm(const TensorView& out, const TensorView& input, const TensorView* residual, const TensorView& weight,
+              float eps, std::uintptr_t stream) {
+  DeviceGuard guard(input.device_index);
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  switch (input.dtype) {
+    case DType::kFloat32: return launch<float>(out, input, residual, weight, eps, s);
+    case DType::kBFloat16: return launch<__nv_bfloat16>(out, input, residual, weight, eps, s);
+    case DType::kFloat16: return launch<__half>(out, input, residual, weight, eps, s);
+    default: throw std::runtime_error("CUDA rms_norm: unsupported dtype");
+  }
+}
+
+}  // namespace pagedllm::cuda
