@@ -138,8 +138,8 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
 
     engine = llm.llm_engine
     prof_batch = min(256, args.max_num_seqs)
-    for i, p in enumerate(prompts[:prof_batch]):
-        engine.add_request(f"prof{i}", None, p, SamplingParams(max_tokens=24, ignore_eos=True))
+    for i, p in enumerate(prompts[:prof_batch]):  # greedy, as the measured workload
+        engine.add_request(f"prof{i}", None, p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     for _ in range(12):  # the prefill steps and the first decode steps
         engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -174,6 +174,8 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
         "cuda_graph_replays": metrics.get("pagedllm:cuda_graph_replays"),
         "num_preemptions": metrics.get("pagedllm:num_preemptions"), "num_steps": metrics.get("pagedllm:num_steps"),
         "batch1_ttft_s": ttft, "batch1_s_per_token": b1, "profiled_step_s": step_s,
+        "fused_layer_ops": bool(runner.model.fused_layer_ops),
+        "async_output_processing": bool(engine.async_output_processing),
     }
     llm.shutdown()
     del llm, outs

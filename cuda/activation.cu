@@ -59,7 +59,7 @@ void launch(const TensorView& out, const TensorView& input, cudaStream_t stream)
 }  // namespace
 
 void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream) {
-  DeviceGuard guard(input.device_index);
+  layer_ops::DeviceGuard guard(input.device_index);
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   switch (input.dtype) {
     case DType::kFloat32: return launch<float>(out, input, s);

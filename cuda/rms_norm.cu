@@ -87,7 +87,7 @@ void launch(const TensorView& out, const TensorView& input, const TensorView* re
 
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView* residual, const TensorView& weight,
               float eps, std::uintptr_t stream) {
-  DeviceGuard guard(input.device_index);
+  layer_ops::DeviceGuard guard(input.device_index);
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   switch (input.dtype) {
     case DType::kFloat32: return launch<float>(out, input, residual, weight, eps, s);

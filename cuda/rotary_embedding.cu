@@ -37,7 +37,7 @@ struct RotaryParams {
 template <typename T>
 __device__ __forceinline__ void rotate_pair(T x1, T x2, float c, float s, T& y1, T& y2) {
   const float a = to_float(x1), b = to_float(x2);
-  y1 = from_float<T>(__fsub_rn(round_to<T>(__fmul_rn(a, c)), round_to<T>(__fmul_rn(b, s))));
+  y1 = from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(a, c)), -round_to<T>(__fmul_rn(b, s))));
   y2 = from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(b, c)), round_to<T>(__fmul_rn(a, s))));
 }
 
@@ -114,7 +114,7 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
                       const TensorView* value, const TensorView& cos_cache, const TensorView& sin_cache,
                       const TensorView* query_out, const TensorView* key_cache, const TensorView* value_cache,
                       const TensorView* slot_mapping, std::uintptr_t stream) {
-  DeviceGuard guard(query.device_index);
+  layer_ops::DeviceGuard guard(query.device_index);
   const bool fused = query_out != nullptr;
   RotaryParams p{};
   p.positions = positions.ptr<int64_t>();
