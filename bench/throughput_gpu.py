@@ -137,6 +137,25 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
+    # batch-1 decode under the profiler: GPU time per step against the step's wall time
+    greedy40 = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("prof-b1", None, prompts[0], greedy40)
+    for _ in range(6):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof1:
+        t5 = time.perf_counter()
+        for _ in range(8):
+            engine.step()
+        torch.cuda.synchronize()
+        b1_step_s = (time.perf_counter() - t5) / 8
+    while engine.has_unfinished_requests():
+        engine.step()
+    b1_gpu_s = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+                   for e in prof1.key_averages()) / 8 / 1e6
+    b1_text = (f"batch-1 decode: 8 engine steps, {b1_step_s * 1e3:.3f} ms per step under the profiler, "
+               f"{b1_gpu_s * 1e3:.3f} ms of GPU kernel time per step\n\n"
+               + prof1.key_averages().table(sort_by="self_cuda_time_total", row_limit=20) + "\n\n"
+               + prof1.key_averages().table(sort_by="self_cpu_time_total", row_limit=15) + "\n\n")
     prof_batch = min(256, args.max_num_seqs)
     for i, p in enumerate(prompts[:prof_batch]):  # greedy, as the measured workload
         engine.add_request(f"prof{i}", None, p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
@@ -165,7 +184,7 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
         f"4 engine steps (decode, batch {prof_batch}), {step_s * 1e3:.2f} ms per step under the profiler\n\n"
         + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n"
         + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
-        + "\n\nHost (cProfile, 3 decode steps, by own time):\n" + host_text.getvalue())
+        + "\n\nHost (cProfile, 3 decode steps, by own time):\n" + host_text.getvalue() + "\n\n" + b1_text)
     result = {
         "output_tokens": n_out, "seconds": seconds, "output_tok_s": n_out / seconds,
         "total_tok_s": (n_out + len(prompts) * args.input_len) / seconds, "startup_s": startup,
@@ -174,6 +193,7 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
         "cuda_graph_replays": metrics.get("pagedllm:cuda_graph_replays"),
         "num_preemptions": metrics.get("pagedllm:num_preemptions"), "num_steps": metrics.get("pagedllm:num_steps"),
         "batch1_ttft_s": ttft, "batch1_s_per_token": b1, "profiled_step_s": step_s,
+        "batch1_profiled_step_s": b1_step_s, "batch1_gpu_kernel_s_per_step": b1_gpu_s,
         "fused_layer_ops": bool(runner.model.fused_layer_ops),
         "async_output_processing": bool(engine.async_output_processing),
     }
