@@ -328,7 +328,7 @@ MODEL_CONFIGS = {
 
 
 @pytest.mark.parametrize("arch", list(MODEL_CONFIGS))
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)], ids=["float32", "bfloat16"])
 @pytest.mark.cuda
 @needs_cuda
 def test_model_fused_path_matches_pytorch_path(tmp_path, gen, arch, dtype, tol):
