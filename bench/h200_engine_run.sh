@@ -3,7 +3,8 @@
 # to a build without the fused layer kernels if they fail to compile, so the rest still runs),
 # the CUDA tests of the kernels and the engine, then bench/throughput_gpu.py. Everything lands
 # in $OUT (at most 8 files come back from the device tool).
-#   OUT=/some/dir NAME=throughput_gpu-run4 [SHAPES="llama3-8b qwen2-0.5b"] [TESTS="..."] bash bench/h200_engine_run.sh
+#   OUT=/some/dir NAME=throughput_gpu-run4 [SHAPES="llama3-8b qwen2-0.5b"] [TESTS="file ..."]
+#     [PYTEST_K="not slow"] [BENCH_ARGS=--skip-hf] [TEST_TIMEOUT=s] [BENCH_TIMEOUT=s] bash bench/h200_engine_run.sh
 set -uo pipefail
 OUT=${OUT:?set OUT}
 NAME=${NAME:-throughput_gpu}
@@ -24,11 +25,16 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.lo
 fi
 echo "build: $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
-[ -n "$TESTS" ] && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest $TESTS -m cuda -q -rf -p no:cacheprovider \
-  --maxfail=30 > "$OUT/tests.log" 2>&1
-echo "tests: $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|error|FAILED" "$OUT/tests.log" | tail -25
+: > "$OUT/tests.log"
+for f in $TESTS; do  # one process per file: a crash in one file does not hide the others
+  echo "== $f" >> "$OUT/tests.log"
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest "$f" -m cuda -q -rf -p no:cacheprovider --maxfail=30 \
+    ${PYTEST_K:+-k "$PYTEST_K"} >> "$OUT/tests.log" 2>&1
+  echo "rc=$?" >> "$OUT/tests.log"
+done
+echo "tests: $(( $(date +%s) - t0 )) s"; grep -E "^==|passed|failed|error|FAILED|rc=" "$OUT/tests.log" | tail -40
 t0=$(date +%s)
-timeout "${BENCH_TIMEOUT:-330}" python3 bench/throughput_gpu.py --shapes $SHAPES --name "$NAME" --out "$OUT" \
+timeout "${BENCH_TIMEOUT:-330}" python3 bench/throughput_gpu.py --shapes $SHAPES --name "$NAME" --out "$OUT" ${BENCH_ARGS:-} \
   > "$OUT/bench.log" 2>&1
 echo "bench: $(( $(date +%s) - t0 )) s"
 grep -vE "^\s*$" "$OUT/bench.log" | grep -E "output_tok_s|ratio_vs_hf|batch1|fraction|Error|error" | head -40
