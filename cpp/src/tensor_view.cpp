@@ -1,7 +1,5 @@
 #include "pagedllm/tensor_view.h"
 
-#include <sstream>
-
 namespace pagedllm {
 
 DType parse_dtype(const std::string& raw) {
@@ -37,12 +35,12 @@ TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list
 }
 
 std::string TensorView::describe() const {
-  std::ostringstream os;
-  os << "[";
-  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
-  os << "] " << dtype_name(dtype) << " " << device_name(device);
-  if (device == DeviceType::kCUDA) os << ":" << device_index;
-  return os.str();
+  // std::to_string, not an ostringstream: see detail::concat in pagedllm/errors.h
+  std::string s = "[";
+  for (int d = 0; d < ndim; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  s += std::string("] ") + dtype_name(dtype) + " " + device_name(device);
+  if (device == DeviceType::kCUDA) s += ":" + std::to_string(device_index);
+  return s;
 }
 
 }  // namespace pagedllm

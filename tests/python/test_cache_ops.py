@@ -170,3 +170,23 @@ def test_kv_cache_shape_and_allocate():
         ops.kv_cache_shape(0, 16, 3, 64)
     with pytest.raises(ValueError, match="block size 8 is not supported; supported block sizes: 16, 32"):
         ops.allocate_kv_cache(4, 8, 3, 64)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_argument_errors_raise_after_cuda_init():
+    """Bad arguments on CUDA tensors raise ValueError naming the value, numbers included. On the
+    H200 image, messages formatted through an ostringstream crashed the process (segfault) once
+    PyTorch had initialised CUDA; pagedllm::detail::concat no longer uses iostreams."""
+    k = torch.randn(3, 2, 64, device="cuda")
+    kc = torch.zeros(4, 2, 16, 64, device="cuda")
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"slot_mapping must be int64, got int32 \(\[3\] int32 cuda:0\)"):
+        ops.reshape_and_cache(k, k, kc, kc.clone(), torch.zeros(3, dtype=torch.int32, device="cuda"))
+    k3 = torch.randn(3, 3, 64, device="cuda")
+    with pytest.raises(ValueError, match=r"key dimension 1 \(num_kv_heads, must match key_cache\) must be 2, got 3 "
+                                         r"\(key is \[3, 3, 64\] float32 cuda:0\)"):
+        ops.reshape_and_cache(k3, k3, kc, kc.clone(), torch.zeros(3, dtype=torch.int64, device="cuda"))
+    ops.reshape_and_cache(k, k, kc, kc.clone(), torch.arange(3, device="cuda"))  # still serving
+    torch.cuda.synchronize()
+    assert torch.equal(kc[0, :, :3], k.transpose(0, 1))

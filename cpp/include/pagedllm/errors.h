@@ -6,9 +6,11 @@
 // std::invalid_argument into Python ValueError and std::runtime_error into RuntimeError.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace pagedllm {
 
@@ -19,11 +21,33 @@ class InvalidArgument : public std::invalid_argument {
 };
 
 namespace detail {
+// Message pieces are appended with std::to_string / snprintf, never through iostreams: in a
+// process that also holds another copy of libstdc++'s locale machinery (seen on the H200 image
+// once PyTorch had initialised CUDA), formatting a number with an ostringstream inside
+// pagedllm._C crashed (segfault in num_put) instead of raising the error.
+inline void append_part(std::string& s, const std::string& v) { s += v; }
+inline void append_part(std::string& s, std::string_view v) { s += v; }
+inline void append_part(std::string& s, const char* v) { s += v != nullptr ? v : "(null)"; }
+inline void append_part(std::string& s, char v) { s += v; }
+template <typename T>
+  requires std::is_arithmetic_v<T>
+void append_part(std::string& s, T v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    s += v ? "1" : "0";  // as an ostream prints a bool
+  } else if constexpr (std::is_integral_v<T>) {
+    s += std::to_string(v);
+  } else {  // "%g": an ostream's default floating-point format
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+    s += buf;
+  }
+}
+
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (append_part(s, args), ...);
+  return s;
 }
 }  // namespace detail
 
