@@ -14,10 +14,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <string>
 
 #include "attention_launch.h"
 #include "cuda_check.h"
+#include "device_guard.h"
 #include "kernels.h"
 #include "pagedllm/errors.h"
 
@@ -27,23 +29,6 @@ namespace detail {
 namespace {
 
 constexpr int kMaxDevices = 64;
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) PAGEDLLM_CUDA_CHECK(cudaSetDevice(device));
-    else previous_ = -1;
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 int current_device() {
   int d = 0;
@@ -84,6 +69,7 @@ AttnParams common_params(const TensorView& out, const TensorView& query, const T
     throw std::runtime_error("CUDA attention: block size must be a power of two, got " +
                              std::to_string(p.block_size));
   p.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  p.cache_rows = key_cache.size(0) * key_cache.size(1) * key_cache.size(2);
   p.scale = scale;
   p.scale_log2 = scale * kLog2e;
   p.soft_cap = options.soft_cap;
@@ -92,6 +78,50 @@ AttnParams common_params(const TensorView& out, const TensorView& query, const T
 }
 
 enum class DecodeKernel { kV1, kV2, kFp32 };
+
+/// How split-K partials are combined. kKernel: a separate reduction kernel (launch_splitk_reduce).
+/// kFused: inside the CTA-per-item decode kernel, with per-device persistent arrival counters.
+/// kFusedMemset: the same with counters in the call's workspace, zeroed by cudaMemsetAsync.
+/// PAGEDLLM_SPLITK=fused / fused_memset selects the fused forms (and the CTA-per-item kernel) for
+/// bf16 / fp16 (read once).
+enum class SplitCombine { kKernel, kFused, kFusedMemset };
+
+SplitCombine split_combine_mode() {
+  static const SplitCombine mode = [] {
+    const char* v = std::getenv("PAGEDLLM_SPLITK");
+    const std::string s = v ? v : "";
+    if (s == "fused") return SplitCombine::kFused;
+    if (s == "fused_memset") return SplitCombine::kFusedMemset;
+    return SplitCombine::kKernel;
+  }();
+  return mode;
+}
+
+/// Per-device split-K arrival counters for the fused combine (AttnParams::split_counters): int32,
+/// zero between calls (the combining CTA resets its counter). Allocated and zeroed once per device
+/// on first use outside stream capture; nullptr before that while capturing, or when more than
+/// kMaxSplitCounters are needed — the caller then launches the separate reduction. The counters are
+/// shared by all streams of the device: split-K decodes must not run concurrently on two streams.
+constexpr int64_t kMaxSplitCounters = int64_t{1} << 16;
+
+int* persistent_split_counters(int64_t n, cudaStream_t stream) {
+  static std::mutex mu;
+  static int* buffers[kMaxDevices] = {};
+  const int dev = current_device();
+  if (n > kMaxSplitCounters || dev >= kMaxDevices) return nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (buffers[dev] == nullptr) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    PAGEDLLM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    if (status != cudaStreamCaptureStatusNone) return nullptr;
+    int* buf = nullptr;
+    PAGEDLLM_CUDA_CHECK(cudaMalloc(&buf, kMaxSplitCounters * sizeof(int)));
+    PAGEDLLM_CUDA_CHECK(cudaMemsetAsync(buf, 0, kMaxSplitCounters * sizeof(int), stream));
+    PAGEDLLM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    buffers[dev] = buf;
+  }
+  return buffers[dev];
+}
 
 /// PAGEDLLM_DECODE_KERNEL=v1 selects the CTA-per-item decode kernel for every head size (for
 /// benchmarking the two; read once).
@@ -195,9 +225,12 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 
   // Which decode kernel: v2 (persistent per-warp items) for bf16/fp16 up to d128, the
   // CTA-per-item kernel for d256 (or when PAGEDLLM_DECODE_KERNEL=v1), float32 on CUDA cores.
-  const DecodeKernel kind = dtype == DType::kFloat32                               ? DecodeKernel::kFp32
-                            : decode_v2_supports(dtype, head_size) && !force_v1() ? DecodeKernel::kV2
-                                                                                  : DecodeKernel::kV1;
+  const SplitCombine combine_mode = dtype == DType::kFloat32 ? SplitCombine::kKernel : split_combine_mode();
+  const DecodeKernel kind = dtype == DType::kFloat32 ? DecodeKernel::kFp32
+                            : decode_v2_supports(dtype, head_size) && !force_v1() &&
+                                      combine_mode == SplitCombine::kKernel
+                                ? DecodeKernel::kV2
+                                : DecodeKernel::kV1;
 
   // Flash-decoding split: partitions of whole blocks.
   int64_t splits = 1;
@@ -222,17 +255,29 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 
   if (p.num_splits == 1) return launch();
 
+  // The fused combine needs the CTA-per-item kernel and its scratch for the split weights.
+  const SplitCombine combine = kind == DecodeKernel::kV1 && p.num_splits <= decode_v1_max_fused_splits(head_size)
+                                   ? combine_mode
+                                   : SplitCombine::kKernel;
+  const int64_t groups = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ((p.group + 15) / 16);
   keep_pool_memory();
   const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_heads * p.num_splits;
-  const size_t bytes = rows * (head_size + 2) * sizeof(float);
+  size_t bytes = rows * (head_size + 2) * sizeof(float);
+  if (combine == SplitCombine::kFusedMemset) bytes += static_cast<size_t>(groups) * sizeof(int);
   void* workspace = nullptr;
   PAGEDLLM_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
   p.partial_out = static_cast<float*>(workspace);
   p.partial_max = p.partial_out + rows * head_size;
   p.partial_sum = p.partial_max + rows;
   try {
+    if (combine == SplitCombine::kFused) {
+      p.split_counters = persistent_split_counters(groups, stream);
+    } else if (combine == SplitCombine::kFusedMemset) {
+      p.split_counters = reinterpret_cast<int*>(p.partial_sum + rows);
+      PAGEDLLM_CUDA_CHECK(cudaMemsetAsync(p.split_counters, 0, static_cast<size_t>(groups) * sizeof(int), stream));
+    }
     launch();
-    launch_splitk_reduce(dtype, head_size, p, stream);
+    if (p.split_counters == nullptr) launch_splitk_reduce(dtype, head_size, p, stream);
   } catch (...) {
     cudaFreeAsync(workspace, stream);
     throw;
