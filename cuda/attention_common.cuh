@@ -46,10 +46,6 @@ struct AttnParams {
   float* partial_out = nullptr;              // [B, Hq, num_splits, D], normalised per partition
   float* partial_max = nullptr;              // [B, Hq, num_splits], log2 domain (-inf: empty)
   float* partial_sum = nullptr;              // [B, Hq, num_splits]
-  // Fused combine (CTA-per-item decode kernel only): one arrival counter per (sequence, KV head,
-  // head chunk), zero between calls — the CTA that arrives last combines the partials into `out`
-  // and resets its counter. nullptr: a separate reduction kernel combines them.
-  int* split_counters = nullptr;
   // Rows of the cache viewed as [rows, head_size] (num_blocks * Hkv * block_size), for TMA maps.
   int64_t cache_rows = 0;
 };
@@ -123,17 +119,6 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
                  "r"(src_size));
   }
 }
-/// cp_async_16 for a copy known to be in bounds: the form without the source-size operand
-/// (no zero-fill), as FlashAttention's cute copies issue it.
-template <int kPrefetch = 128>
-__device__ __forceinline__ void cp_async_16_full(void* smem, const void* gmem) {
-  if constexpr (kPrefetch == 128) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
-  } else {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
-  }
-}
-
 // ---- Hopper bulk tensor copies (TMA) completing on an mbarrier (sm_90; no-ops elsewhere).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PAGEDLLM_HAS_TMA 1

@@ -26,8 +26,6 @@ void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, cudaStrea
 /// for v2, CTAs for the CTA-per-item kernel and the float32 kernel.
 int decode_v2_units(DType dtype, int head_size);
 int decode_v1_units(DType dtype, int head_size);
-/// The most partitions the CTA-per-item kernel can combine itself (AttnParams::split_counters).
-int decode_v1_max_fused_splits(int head_size);
 int attention_fp32_units(int head_size);
 
 /// Varlen causal prefill / mixed batch on tensor cores (bf16 / fp16).

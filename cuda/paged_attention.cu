@@ -14,7 +14,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <mutex>
 #include <string>
 
 #include "attention_launch.h"
@@ -78,50 +77,6 @@ AttnParams common_params(const TensorView& out, const TensorView& query, const T
 }
 
 enum class DecodeKernel { kV1, kV2, kFp32 };
-
-/// How split-K partials are combined. kKernel: a separate reduction kernel (launch_splitk_reduce).
-/// kFused: inside the CTA-per-item decode kernel, with per-device persistent arrival counters.
-/// kFusedMemset: the same with counters in the call's workspace, zeroed by cudaMemsetAsync.
-/// PAGEDLLM_SPLITK=fused / fused_memset selects the fused forms (and the CTA-per-item kernel) for
-/// bf16 / fp16 (read once).
-enum class SplitCombine { kKernel, kFused, kFusedMemset };
-
-SplitCombine split_combine_mode() {
-  static const SplitCombine mode = [] {
-    const char* v = std::getenv("PAGEDLLM_SPLITK");
-    const std::string s = v ? v : "";
-    if (s == "fused") return SplitCombine::kFused;
-    if (s == "fused_memset") return SplitCombine::kFusedMemset;
-    return SplitCombine::kKernel;
-  }();
-  return mode;
-}
-
-/// Per-device split-K arrival counters for the fused combine (AttnParams::split_counters): int32,
-/// zero between calls (the combining CTA resets its counter). Allocated and zeroed once per device
-/// on first use outside stream capture; nullptr before that while capturing, or when more than
-/// kMaxSplitCounters are needed — the caller then launches the separate reduction. The counters are
-/// shared by all streams of the device: split-K decodes must not run concurrently on two streams.
-constexpr int64_t kMaxSplitCounters = int64_t{1} << 16;
-
-int* persistent_split_counters(int64_t n, cudaStream_t stream) {
-  static std::mutex mu;
-  static int* buffers[kMaxDevices] = {};
-  const int dev = current_device();
-  if (n > kMaxSplitCounters || dev >= kMaxDevices) return nullptr;
-  std::lock_guard<std::mutex> lock(mu);
-  if (buffers[dev] == nullptr) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    PAGEDLLM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status != cudaStreamCaptureStatusNone) return nullptr;
-    int* buf = nullptr;
-    PAGEDLLM_CUDA_CHECK(cudaMalloc(&buf, kMaxSplitCounters * sizeof(int)));
-    PAGEDLLM_CUDA_CHECK(cudaMemsetAsync(buf, 0, kMaxSplitCounters * sizeof(int), stream));
-    PAGEDLLM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    buffers[dev] = buf;
-  }
-  return buffers[dev];
-}
 
 /// PAGEDLLM_DECODE_KERNEL=v1 selects the CTA-per-item decode kernel for every head size (for
 /// benchmarking the two; read once).
@@ -225,12 +180,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 
   // Which decode kernel: v2 (persistent per-warp items) for bf16/fp16 up to d128, the
   // CTA-per-item kernel for d256 (or when PAGEDLLM_DECODE_KERNEL=v1), float32 on CUDA cores.
-  const SplitCombine combine_mode = dtype == DType::kFloat32 ? SplitCombine::kKernel : split_combine_mode();
-  const DecodeKernel kind = dtype == DType::kFloat32 ? DecodeKernel::kFp32
-                            : decode_v2_supports(dtype, head_size) && !force_v1() &&
-                                      combine_mode == SplitCombine::kKernel
-                                ? DecodeKernel::kV2
-                                : DecodeKernel::kV1;
+  const DecodeKernel kind = dtype == DType::kFloat32                               ? DecodeKernel::kFp32
+                            : decode_v2_supports(dtype, head_size) && !force_v1() ? DecodeKernel::kV2
+                                                                                  : DecodeKernel::kV1;
 
   // Flash-decoding split: partitions of whole blocks.
   int64_t splits = 1;
@@ -255,29 +207,17 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 
   if (p.num_splits == 1) return launch();
 
-  // The fused combine needs the CTA-per-item kernel and its scratch for the split weights.
-  const SplitCombine combine = kind == DecodeKernel::kV1 && p.num_splits <= decode_v1_max_fused_splits(head_size)
-                                   ? combine_mode
-                                   : SplitCombine::kKernel;
-  const int64_t groups = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ((p.group + 15) / 16);
   keep_pool_memory();
   const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_heads * p.num_splits;
-  size_t bytes = rows * (head_size + 2) * sizeof(float);
-  if (combine == SplitCombine::kFusedMemset) bytes += static_cast<size_t>(groups) * sizeof(int);
+  const size_t bytes = rows * (head_size + 2) * sizeof(float);
   void* workspace = nullptr;
   PAGEDLLM_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
   p.partial_out = static_cast<float*>(workspace);
   p.partial_max = p.partial_out + rows * head_size;
   p.partial_sum = p.partial_max + rows;
   try {
-    if (combine == SplitCombine::kFused) {
-      p.split_counters = persistent_split_counters(groups, stream);
-    } else if (combine == SplitCombine::kFusedMemset) {
-      p.split_counters = reinterpret_cast<int*>(p.partial_sum + rows);
-      PAGEDLLM_CUDA_CHECK(cudaMemsetAsync(p.split_counters, 0, static_cast<size_t>(groups) * sizeof(int), stream));
-    }
     launch();
-    if (p.split_counters == nullptr) launch_splitk_reduce(dtype, head_size, p, stream);
+    launch_splitk_reduce(dtype, head_size, p, stream);
   } catch (...) {
     cudaFreeAsync(workspace, stream);
     throw;

@@ -7,10 +7,6 @@
 // 16-token tiles (tiles w, w+4, ...) through a private NSTAGE-deep cp.async ring in shared
 // memory (no CTA barriers in the main loop), keeps an online softmax (FlashAttention-2, Dao 2023,
 // algorithm 1) over its tiles, and the warps' states are merged at the end.
-//
-// Split-K: each CTA writes its partition's partials; with p.split_counters set, the CTA that
-// finishes last for its (sequence, KV head, head chunk) combines all partitions into `out` in the
-// same launch (the "semaphore" pattern of serial split-K reductions), so no second kernel runs.
 #include "launch_utils.cuh"
 
 namespace pagedllm::cuda::detail {
@@ -28,61 +24,8 @@ struct DecodeCfg {
   static constexpr int kWarpElems = kStages * kStageElems;
   static constexpr size_t kSmemBytes =
       (16 * kRow + kWarps * kWarpElems) * sizeof(T) + kWarps * 2 * 16 * sizeof(float);
-  // Floats of the ring area, reused as scratch by the fused combine (16 rows x splits weights).
-  static constexpr int kScratchFloats = kWarps * kWarpElems * sizeof(T) / sizeof(float);
   static_assert(16 * D * sizeof(float) <= kWarpElems * sizeof(T), "merge buffer must fit");
 };
-
-/// Combine the flash-decoding partials of rows row0 .. row0+nrows-1 (row = b * Hq + h) into
-/// `out`: out = sum_s w_s * partial_out_s / sum_s w_s, w_s = partial_sum_s * 2^(partial_max_s -
-/// max); a row whose partitions are all empty is written as 0. CTA-wide; `scratch` holds
-/// nrows * (num_splits + 1) floats. Partials are read through L2 (__ldcg): other CTAs wrote them.
-template <typename T, int D, int kThreads>
-__device__ void combine_partials(const AttnParams& p, int64_t row0, int nrows, float* scratch) {
-  using TT = TypeTraits<T>;
-  const int S = p.num_splits;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* s_w = scratch;                  // [nrows][S]
-  float* s_total = scratch + nrows * S;  // [nrows]
-  for (int r = warp; r < nrows; r += kThreads / 32) {
-    const float* pm = p.partial_max + (row0 + r) * S;
-    const float* ps = p.partial_sum + (row0 + r) * S;
-    float mmax = neg_inf();
-    for (int s = lane; s < S; s += 32) mmax = fmaxf(mmax, __ldcg(pm + s));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mmax = fmaxf(mmax, __shfl_xor_sync(0xffffffffu, mmax, o));
-    float total = 0.f;
-    for (int s = lane; s < S; s += 32) {
-      const float w = mmax == neg_inf() ? 0.f : __ldcg(ps + s) * exp2f(__ldcg(pm + s) - mmax);
-      s_w[r * S + s] = w;
-      total += w;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-    if (lane == 0) s_total[r] = total;
-  }
-  __syncthreads();
-  constexpr int kCols = D / 4;  // float4 columns of a row
-  for (int idx = threadIdx.x; idx < nrows * kCols; idx += kThreads) {
-    const int r = idx / kCols, c = idx % kCols;
-    const float4* po = reinterpret_cast<const float4*>(p.partial_out + (row0 + r) * S * D) + c;
-    const float* w = s_w + r * S;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
-    for (int s = 0; s < S; ++s) {
-      const float4 v = __ldcg(po + static_cast<int64_t>(s) * kCols);
-      const float ws = w[s];
-      acc.x = fmaf(ws, v.x, acc.x);
-      acc.y = fmaf(ws, v.y, acc.y);
-      acc.z = fmaf(ws, v.z, acc.z);
-      acc.w = fmaf(ws, v.w, acc.w);
-    }
-    const float inv = s_total[r] > 0.f ? 1.f / s_total[r] : 0.f;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + (row0 + r) * D + 4 * c);
-    dst[0] = TT::pack(acc.x * inv, acc.y * inv);
-    dst[1] = TT::pack(acc.z * inv, acc.w * inv);
-  }
-}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(128) paged_decode_mma_kernel(const AttnParams p) {
@@ -92,7 +35,6 @@ __global__ void __launch_bounds__(128) paged_decode_mma_kernel(const AttnParams 
   constexpr bool kQInRegs = D <= 128;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ int s_last;
   T* sQ = reinterpret_cast<T*>(smem_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -116,23 +58,6 @@ __global__ void __launch_bounds__(128) paged_decode_mma_kernel(const AttnParams 
   const T* kc = static_cast<const T*>(p.key_cache);
   const T* vc = static_cast<const T*>(p.value_cache);
 
-  const int n_tiles = end > start ? (end - start + C::kTile - 1) / C::kTile : 0;
-  const int my_tiles = n_tiles > warp ? (n_tiles - warp + C::kWarps - 1) / C::kWarps : 0;
-
-  auto issue = [&](int k, int stage) {
-    T* sK = sW + stage * C::kStageElems;
-    T* sV = sK + C::kTile * C::kRow;
-    const int t0 = start + (warp + k * C::kWarps) * C::kTile;
-    cp_async_kv_rows<T, D, C::kTile, C::kRow, 32>(sK, sV, kc, vc, bt, t0, end, kv_head, p, lane);
-  };
-
-  // The first K/V tiles go out before the query load, so their latency overlaps it.
-#pragma unroll
-  for (int s = 0; s < C::kStages - 1; ++s) {
-    if (s < my_tiles) issue(s, s);
-    cp_async_commit();
-  }
-
   // Query rows (the group's heads are consecutive in [B, Hq, D]) -> shared memory.
   const T* q = static_cast<const T*>(p.query) + (static_cast<int64_t>(seq) * p.num_heads + h0) * D;
   for (int c = threadIdx.x; c < 16 * C::kChunks; c += C::kThreads) {
@@ -148,6 +73,22 @@ __global__ void __launch_bounds__(128) paged_decode_mma_kernel(const AttnParams 
   if constexpr (kQInRegs) {
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) ldmatrix_x4(qf[kk], sQ + a_row * C::kRow + kk * 16 + a_col);
+  }
+
+  const int n_tiles = end > start ? (end - start + C::kTile - 1) / C::kTile : 0;
+  const int my_tiles = n_tiles > warp ? (n_tiles - warp + C::kWarps - 1) / C::kWarps : 0;
+
+  auto issue = [&](int k, int stage) {
+    T* sK = sW + stage * C::kStageElems;
+    T* sV = sK + C::kTile * C::kRow;
+    const int t0 = start + (warp + k * C::kWarps) * C::kTile;
+    cp_async_kv_rows<T, D, C::kTile, C::kRow, 32>(sK, sV, kc, vc, bt, t0, end, kv_head, p, lane);
+  };
+
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) {
+    if (s < my_tiles) issue(s, s);
+    cp_async_commit();
   }
 
   float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
@@ -243,22 +184,6 @@ __global__ void __launch_bounds__(128) paged_decode_mma_kernel(const AttnParams 
       }
     }
   }
-  if (p.num_splits == 1 || p.split_counters == nullptr) return;
-
-  // Fused combine: publish this partition's partials, count the arrival; the last CTA of the
-  // (sequence, KV head, head chunk) combines them and resets the counter for the next call.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* counter = p.split_counters + static_cast<int64_t>(seq) * gridDim.y + blockIdx.y;
-    const int arrived = atomicAdd(counter, 1);
-    s_last = arrived == p.num_splits - 1;
-    if (s_last) atomicExch(counter, 0);
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  combine_partials<T, D, C::kThreads>(p, row0, nrows, reinterpret_cast<float*>(sQ + 16 * C::kRow));
 }
 
 template <typename T, int D>
@@ -284,13 +209,6 @@ int decode_v1_units(DType dtype, int head_size) {
   return dispatch_mma_dtype(dtype, "CUDA decode", [&](auto tag) {
     using T = typename decltype(tag)::type;
     return dispatch_head_size(head_size, "CUDA decode", [&](auto d) { return v1_units<T, decltype(d)::value>(); });
-  });
-}
-
-int decode_v1_max_fused_splits(int head_size) {
-  return dispatch_head_size(head_size, "CUDA decode", [&](auto d) {
-    using C = DecodeCfg<__nv_bfloat16, decltype(d)::value>;  // same ring bytes for fp16
-    return C::kScratchFloats / 16 - 1;
   });
 }
 

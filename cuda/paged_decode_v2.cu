@@ -13,17 +13,13 @@
 // (FlashAttention-2, Dao 2023) written as the output row (one partition) or as flash-decoding
 // partials (Dao et al. 2023) that launch_splitk_reduce combines.
 //
-// Tile loads (template LOAD): kLoadCpAsync, 16-byte cp.async per lane into padded rows;
-// kLoadCpAsyncFull, the same without the zero-fill operand on whole tiles; kLoadTma, whole
-// in-block tiles as 2-D TMA boxes (64 columns x 16 rows, 128-byte swizzle) completing on a
-// per-slot mbarrier, other tiles by cp.async into the same swizzled layout.
-// PAGEDLLM_DECODE_TMA=0 compiles the TMA variant out (a fallback build for the run-4 experiment).
-#ifndef PAGEDLLM_DECODE_TMA
-#define PAGEDLLM_DECODE_TMA 1
-#endif
-#if PAGEDLLM_DECODE_TMA
+// Tile loads (template LOAD): kLoadTma (head size 128 on sm_90, the default there): a tile that
+// lies whole in one block arrives as 2-D TMA boxes (cp.async.bulk.tensor; 64 columns x 16 rows,
+// 128-byte swizzle, no padding) issued by one lane and completing on the ring slot's mbarrier;
+// other tiles (block edges, the sequence's last tile) go by cp.async into the same swizzled
+// layout. kLoadCpAsync: 16-byte cp.async per lane into padded rows (other head sizes, other GPUs,
+// or PAGEDLLM_DECODE_TMA=0). TMA was 3% faster at 64 x 4,096 on the H200 (run 4, notes).
 #include <cuda.h>  // CUtensorMap and its enums (types only; the encoder is fetched at run time)
-#endif
 
 #include <cstdlib>
 #include <string>
@@ -33,22 +29,13 @@
 namespace pagedllm::cuda::detail {
 namespace {
 
-enum LoadKind : int { kLoadCpAsync = 0, kLoadCpAsyncFull = 1, kLoadTma = 2 };
+enum LoadKind : int { kLoadCpAsync = 0, kLoadTma = 1 };
 
-/// The K and V cache viewed as [cache_rows, head_size] 2-D tensors for the TMA variant.
-#if PAGEDLLM_DECODE_TMA
+/// The K and V caches viewed as [cache_rows, head_size] 2-D tensors (kLoadTma; unused otherwise).
 struct TmaMaps {
   CUtensorMap k;
   CUtensorMap v;
 };
-#else
-struct alignas(64) TmaMapStub {
-  unsigned long long opaque[16];
-};
-struct TmaMaps {
-  TmaMapStub k, v;
-};
-#endif
 
 template <typename T, int D, int W, int NS, int LOAD>
 struct DecodeV2Cfg {
@@ -184,13 +171,8 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 #pragma unroll
           for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
             const int r = c / C::kChunks, col = c % C::kChunks;
-            if constexpr (LOAD == kLoadCpAsyncFull) {
-              cp_async_16_full<PF>(tile_at(slot_issue, 0, r, col * 8), kb + r * D + col * 8);
-              cp_async_16_full<PF>(tile_at(slot_issue, 1, r, col * 8), vb + r * D + col * 8);
-            } else {
-              cp_async_16<PF>(tile_at(slot_issue, 0, r, col * 8), kb + r * D + col * 8, true);
-              cp_async_16<PF>(tile_at(slot_issue, 1, r, col * 8), vb + r * D + col * 8, true);
-            }
+            cp_async_16<PF>(tile_at(slot_issue, 0, r, col * 8), kb + r * D + col * 8, true);
+            cp_async_16<PF>(tile_at(slot_issue, 1, r, col * 8), vb + r * D + col * 8, true);
           }
         }
       } else {
@@ -304,7 +286,6 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   cp_async_wait<0>();
 }
 
-#if PAGEDLLM_DECODE_TMA
 // ---- TMA descriptors (cuTensorMapEncodeTiled through the runtime's driver entry point, so the
 // library needs no link against libcuda).
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -344,12 +325,11 @@ CUtensorMap cache_map(const void* cache, int64_t rows) {
     throw std::runtime_error("CUDA decode: cuTensorMapEncodeTiled failed with code " + std::to_string(static_cast<int>(r)));
   return map;
 }
-#endif
 
 /// One kernel configuration: W warps per CTA, an NS-deep ring per warp, L2 prefetch hint PF,
-/// tile loads LOAD. 4 x 3 cp.async with the 128-byte hint won on the H200 in run 3 (270 us at
-/// 64 x 4096 against 274-286 us for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row
-/// copies; see bench/cuda_kernels_notes.md).
+/// tile loads LOAD. 4 x 3 with the 128-byte hint won on the H200 in run 3 (270 us at 64 x 4096
+/// against 274-286 us for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row copies);
+/// 4 x 5 and cp.async without the zero-fill operand lost in run 4 (see bench/cuda_kernels_notes.md).
 template <typename T, int D, int W = 4, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync>
 struct V2 {
   using C = DecodeV2Cfg<T, D, W, NS, LOAD>;
@@ -371,60 +351,35 @@ struct V2 {
     const int64_t warps = std::min<int64_t>(units_, items);
     const unsigned ctas = static_cast<unsigned>((warps + C::kWarps - 1) / C::kWarps);
     TmaMaps maps{};
-#if PAGEDLLM_DECODE_TMA
     if constexpr (LOAD == kLoadTma) {
       maps.k = cache_map<T, D>(p.key_cache, p.cache_rows);
       maps.v = cache_map<T, D>(p.value_cache, p.cache_rows);
     }
-#endif
     static std::atomic<uint64_t> smem_raised{0};
     launch_checked(kernel(), ctas, C::kThreads, C::kSmemBytes, stream, smem_raised, p, static_cast<int>(items),
                    head_chunks, maps);
   }
 };
 
-/// Experimental d128 configurations, selected with PAGEDLLM_DECODE_V2 (read once): "nz"
-/// (cp.async without the zero-fill operand on whole tiles), "tma" (2-D TMA boxes, sm_90 and caches
-/// of < 2^31 rows only), "4x5" (5-deep rings: a 64-token item's tiles all in flight at once).
-/// Anything else: the default 4 x 3 cp.async configuration.
-int v2_variant() {
-  static const int variant = [] {
-    const char* v = std::getenv("PAGEDLLM_DECODE_V2");
-    const std::string s = v ? v : "";
-    if (s == "nz") return 1;
-    if (s == "tma") return 2;
-    if (s == "4x5") return 3;
-    return 0;
-  }();
-  return variant;
-}
-
-bool tma_usable(const AttnParams& p) {
-  static const bool sm90 = [] {
+/// TMA tile loads: on sm_90+, for caches of fewer than 2^31 rows (TMA coordinates are int32),
+/// unless PAGEDLLM_DECODE_TMA=0 (read once). `p` == nullptr: the device alone decides.
+bool use_tma(const AttnParams* p) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("PAGEDLLM_DECODE_TMA");
+    if (v != nullptr && std::string(v) == "0") return false;
     int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
       return false;
     return major >= 9;
   }();
-  return sm90 && p.cache_rows > 0 && p.cache_rows < (int64_t{1} << 31);
+  return enabled && (p == nullptr || (p->cache_rows > 0 && p->cache_rows < (int64_t{1} << 31)));
 }
 
 /// Calls f(V2<...>{}) with the configuration of (T, head_size) and the parameters.
 template <typename T, typename F>
 auto with_config(int head_size, const AttnParams* p, F&& f) {
-  if (head_size == 128) {
-    switch (v2_variant()) {
-      case 1: return f(V2<T, 128, 4, 3, 128, kLoadCpAsyncFull>{});
-#if PAGEDLLM_DECODE_TMA
-      case 2:
-        if (p == nullptr || tma_usable(*p)) return f(V2<T, 128, 4, 3, 128, kLoadTma>{});
-        break;
-#endif
-      case 3: return f(V2<T, 128, 4, 5, 128>{});
-      default: break;
-    }
-  }
+  if (head_size == 128 && use_tma(p)) return f(V2<T, 128, 4, 3, 128, kLoadTma>{});
   return dispatch_head_size<128>(head_size, "CUDA decode v2", [&](auto d) { return f(V2<T, decltype(d)::value>{}); });
 }
 
