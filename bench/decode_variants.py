@@ -5,7 +5,7 @@ PAGEDLLM_SPLITK), so each runs bench/cuda_kernels.py in its own process over the
 cases (GQA 32/8, d128, bf16, CUDA-graph replay, inputs rotated past 4x L2, SDPA in the same
 process). The documents are merged into one JSON: DIR/<date>-h200-kernels-run4.json.
 
-    python3 bench/decode_variants.py --out DIR [--variants base,nz,...] [--cases ...]
+    python3 bench/decode_variants.py --out DIR [--variants base,cpasync,...] [--cases ...]
 """
 
 from __future__ import annotations
@@ -22,22 +22,19 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {
     "base": {},
-    "nz": {"PAGEDLLM_DECODE_V2": "nz"},
-    "tma": {"PAGEDLLM_DECODE_V2": "tma"},
-    "4x5": {"PAGEDLLM_DECODE_V2": "4x5"},
-    "fused": {"PAGEDLLM_SPLITK": "fused"},
-    "fused_memset": {"PAGEDLLM_SPLITK": "fused_memset"},
+    "cpasync": {"PAGEDLLM_DECODE_TMA": "0"},  # d128 tiles by cp.async instead of TMA
+    "v1": {"PAGEDLLM_DECODE_KERNEL": "v1"},  # the CTA-per-item decode kernel
     "base2": {},  # the default again, last: the run-to-run spread
 }
 DEFAULT_CASES = {
     "base": "1x4096,8x4096,16x1024,64x4096,64x4096:s1,64x4096:s4,1x4096:s16,1x4096:s32",
-    "nz": "64x4096,1x4096",
-    "tma": "64x4096,1x4096",
-    "4x5": "1x4096,8x4096,64x4096",
-    "fused": "1x4096,8x4096,16x1024,1x4096:s16,1x4096:s64",
-    "fused_memset": "1x4096,1x4096:s16",
+    "cpasync": "64x4096,1x4096",
+    "v1": "1x4096,64x4096",
     "base2": "64x4096,1x4096",
 }
+# Run 4's first device call (commit 23a08c7) also had "nz" (cp.async without the zero-fill
+# operand), "tma" (now the default), "4x5" (5-deep rings), "fused" / "fused_memset" (split-K
+# combined by the last CTA of the CTA-per-item kernel); the losers were removed (notes).
 
 
 def main() -> None:
