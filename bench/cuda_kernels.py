@@ -36,6 +36,8 @@ DTYPE = torch.bfloat16
 
 
 def git_commit() -> str:
+    if os.environ.get("PAGEDLLM_COMMIT"):  # a copied tree run inside another checkout (device runs)
+        return os.environ["PAGEDLLM_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
                                        text=True, stderr=subprocess.DEVNULL).strip()

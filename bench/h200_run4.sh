@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run 4, second device call (bench/cuda_kernels_notes.md): two trees built in parallel —
-# $1 = the final candidate (TMA decode tiles + per-stream split-K workspace), $2 = the same
-# without the workspace change (fallback and A/B) — then all CUDA tests of both (the final tree's
-# decode tests also under PAGEDLLM_DECODE_TMA=0 and PAGEDLLM_DECODE_KERNEL=v1), the kernel
-# benchmark of the final tree, the A/B rows, and Nsight Compute on the 64 x 4096 decode.
-#   OUT=/some/dir bash bench/h200_run4.sh FINAL_TREE FALLBACK_TREE
+# $1 = the candidate, $2 = a fallback differing in one change (for the A/B and in case the
+# candidate fails) — then all CUDA tests of both (the candidate's decode tests also under
+# PAGEDLLM_DECODE_TMA=0 and PAGEDLLM_DECODE_KERNEL=v1), the kernel benchmark of the candidate,
+# the A/B rows, and Nsight Compute on the decode kernels. Each tree holds a COMMIT file.
+# (fastapi / openai are missing on the device image: only the CUDA test files are collected.)
+#   OUT=/some/dir bash bench/h200_run4.sh CANDIDATE_TREE FALLBACK_TREE
 set -uo pipefail
 OUT=${OUT:?set OUT}
 F=$(realpath "$1"); T=$(realpath "$2")

@@ -3,22 +3,17 @@
 // dispatch by dtype: bf16 / fp16 to the tensor-core kernels (paged_decode.cu, paged_prefill.cu),
 // float32 to the CUDA-core kernel (attention_fp32.cu).
 //
-// Split-K workspace: the partials of a split decode live in a persistent device buffer of the
-// caller's stream (one per device and stream, grown on demand with cudaMalloc and never freed while
-// the process runs — a captured CUDA graph may still point into an outgrown one). Calls on one
-// stream are ordered, so they can share it; calls on different streams never do. A graph captured
-// on stream S uses S's buffer when it is replayed, so S must not run split-K decodes eagerly at
-// the same time as such a replay on another stream. Unlike a stream-ordered cudaMallocAsync /
-// cudaFreeAsync pair, this puts no memory nodes into a captured graph.
+// Split-K workspace: the partials of a split decode are allocated with cudaMallocAsync on the
+// caller's stream and freed with cudaFreeAsync after the reduction, so the call stays
+// asynchronous and CUDA-graph capturable (captured as memory-allocation nodes). The device's
+// default memory pool keeps freed memory (release threshold raised once per device), so
+// steady-state calls do not go back to the driver.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cmath>
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <utility>
-#include <vector>
+#include <limits>
 #include <string>
 
 #include "attention_launch.h"
@@ -32,38 +27,23 @@ namespace detail {
 
 namespace {
 
+constexpr int kMaxDevices = 64;
+
 int current_device() {
   int d = 0;
   PAGEDLLM_CUDA_CHECK(cudaGetDevice(&d));
   return d;
 }
 
-/// The split-K workspace of `stream` on the current device, at least `bytes` large (see the file
-/// comment). Growth during stream capture is allowed: cudaMalloc runs in relaxed capture mode (it
-/// is not a stream operation, so the graph does not record it; the buffer outlives the graph).
-void* stream_workspace(size_t bytes, cudaStream_t stream) {
-  struct Buffer {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-  };
-  static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, Buffer> buffers;
-  static std::vector<void*> outgrown;  // kept: captured graphs may still use them
+void keep_pool_memory() {
+  static std::atomic<bool> done[kMaxDevices] = {};
   const int dev = current_device();
-  std::lock_guard<std::mutex> lock(mu);
-  Buffer& b = buffers[{dev, stream}];
-  if (b.bytes < bytes) {
-    const size_t want = std::max(bytes, 2 * b.bytes);
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    PAGEDLLM_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    void* ptr = nullptr;
-    const cudaError_t err = cudaMalloc(&ptr, want);
-    cudaThreadExchangeStreamCaptureMode(&mode);
-    PAGEDLLM_CUDA_CHECK(err);
-    if (b.ptr != nullptr) outgrown.push_back(b.ptr);
-    b = Buffer{ptr, want};
-  }
-  return b.ptr;
+  if (dev < kMaxDevices && done[dev].load()) return;
+  cudaMemPool_t pool;
+  PAGEDLLM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t threshold = std::numeric_limits<uint64_t>::max();
+  PAGEDLLM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  if (dev < kMaxDevices) done[dev].store(true);
 }
 
 AttnParams common_params(const TensorView& out, const TensorView& query, const TensorView& key_cache,
@@ -227,12 +207,22 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 
   if (p.num_splits == 1) return launch();
 
+  keep_pool_memory();
   const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_heads * p.num_splits;
-  p.partial_out = static_cast<float*>(stream_workspace(rows * (head_size + 2) * sizeof(float), stream));
+  const size_t bytes = rows * (head_size + 2) * sizeof(float);
+  void* workspace = nullptr;
+  PAGEDLLM_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
+  p.partial_out = static_cast<float*>(workspace);
   p.partial_max = p.partial_out + rows * head_size;
   p.partial_sum = p.partial_max + rows;
-  launch();
-  launch_splitk_reduce(dtype, head_size, p, stream);
+  try {
+    launch();
+    launch_splitk_reduce(dtype, head_size, p, stream);
+  } catch (...) {
+    cudaFreeAsync(workspace, stream);
+    throw;
+  }
+  PAGEDLLM_CUDA_CHECK(cudaFreeAsync(workspace, stream));
 }
 
 void paged_prefill_attention(const TensorView& out, const TensorView& query,

@@ -12,7 +12,8 @@
 // launch never syncs and is graph-capturable. Surplus CTAs exit at once.
 #include <string>
 
-#include "launch_utils.cuh"
+#include "attention_launch.h"
+#include "cuda_check.h"
 
 namespace pagedllm::cuda::detail {
 namespace {
@@ -127,7 +128,15 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_mma_kernel(const AttnPar
     T* sK = sKV + stage * C::kStageElems;
     T* sV = sK + C::kBC * C::kRow;
     const int t0 = kv_lo + k * C::kBC;
-    cp_async_kv_rows<T, D, C::kBC, C::kRow, C::kThreads>(sK, sV, kc, vc, bt, t0, kv_hi, kv_head, p, threadIdx.x);
+#pragma unroll
+    for (int c = threadIdx.x; c < C::kBC * C::kChunks; c += C::kThreads) {
+      const int r = c / C::kChunks, col = c % C::kChunks;
+      const int pos = t0 + r;
+      const bool valid = pos < kv_hi;
+      const int64_t off = valid ? kv_row_offset(bt, pos, kv_head, p, D) + col * 8 : 0;
+      cp_async_16(sK + r * C::kRow + col * 8, kc + off, valid);
+      cp_async_16(sV + r * C::kRow + col * 8, vc + off, valid);
+    }
   };
 
 #pragma unroll
@@ -168,19 +177,26 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_mma_kernel(const AttnPar
       float s[NT][4];
 #pragma unroll
       for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      mma_qk<T, KSTEPS, NT>(
-          s,
-          [&](int kk, uint32_t(&a)[4]) {
-            if constexpr (kQInRegs) {
-              a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
-            } else {
-              ldmatrix_x4(a, sQw + a_row * C::kRow + kk * 16 + a_col);
-            }
-          },
-          [&](int kk, int np) { return sK + (np * 16 + b_row) * C::kRow + kk * 16 + b_col; });
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        uint32_t a[4];
+        if constexpr (kQInRegs) {
+          a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
+        } else {
+          ldmatrix_x4(a, sQw + a_row * C::kRow + kk * 16 + a_col);
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, sK + (np * 16 + b_row) * C::kRow + kk * 16 + b_col);
+          mma_16816<T>(s[2 * np], a, b[0], b[1]);
+          mma_16816<T>(s[2 * np + 1], a, b[2], b[3]);
+        }
+      }
 
       const bool need_mask = t0 + C::kBC - 1 > w_first_pos ||
                              (p.sliding_window > 0 && t0 <= w_last_pos - p.sliding_window);
+      float mx[2] = {m[0], m[1]};
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -193,21 +209,56 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_mma_kernel(const AttnPar
             if (!ok) v = neg_inf();
           }
           s[j][e] = v;
+          mx[e >> 1] = fmaxf(mx[e >> 1], v);
         }
-      online_softmax_update(s, m, l, acc);
+      float base[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        base[r] = mx[r] == neg_inf() ? 0.f : mx[r];
+        const float corr = exp2f(m[r] - base[r]);
+        m[r] = mx[r];
+        l[r] *= corr;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          acc[n][2 * r] *= corr;
+          acc[n][2 * r + 1] *= corr;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = exp2f(s[j][e] - base[e >> 1]);
+          l[e >> 1] += s[j][e];
+        }
 
 #pragma unroll
-      for (int kk = 0; kk < C::kBC / 16; ++kk)
-        mma_pv<T, D>(acc, s, kk, [&](int np) { return sV + (kk * 16 + v_row) * C::kRow + np * 16 + v_col; });
+      for (int kk = 0; kk < C::kBC / 16; ++kk) {
+        uint32_t pa[4];
+        pa[0] = TT::pack(s[2 * kk][0], s[2 * kk][1]);
+        pa[1] = TT::pack(s[2 * kk][2], s[2 * kk][3]);
+        pa[2] = TT::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[3] = TT::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int np = 0; np < D / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, sV + (kk * 16 + v_row) * C::kRow + np * 16 + v_col);
+          mma_16816<T>(acc[2 * np], pa, b[0], b[1]);
+          mma_16816<T>(acc[2 * np + 1], pa, b[2], b[3]);
+        }
+      }
     }
     __syncthreads();
   }
   cp_async_wait<0>();
 
   // ---- normalise and write this warp's rows
-  row_sums(l);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     const int R = wrow0 + g + 8 * r;
     if (R >= total_rows) continue;
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
@@ -222,25 +273,35 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_mma_kernel(const AttnPar
 template <typename T, int D, int W = 4, int NS = 2>
 void launch_prefill_typed(const AttnParams& p, cudaStream_t stream) {
   using C = PrefillCfg<T, D, W, NS>;
+  auto kernel = paged_prefill_mma_kernel<T, D, W, NS>;
   static std::atomic<uint64_t> smem_raised{0};
+  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, smem_raised);
   const int64_t tiles = (static_cast<int64_t>(p.num_rows) * p.group + C::kRows - 1) / C::kRows + p.num_seqs;
   dim3 grid(static_cast<unsigned>(tiles), p.num_kv_heads);
-  launch_checked(paged_prefill_mma_kernel<T, D, W, NS>, grid, C::kThreads, C::kSmemBytes, stream, smem_raised, p);
+  kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
+  PAGEDLLM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_prefill_dtype(int head_size, const AttnParams& p, cudaStream_t stream) {
+  switch (head_size) {
+    case 64: return launch_prefill_typed<T, 64>(p, stream);
+    case 80: return launch_prefill_typed<T, 80>(p, stream);
+    case 96: return launch_prefill_typed<T, 96>(p, stream);
+    // d128: 8 warps (128 query rows per CTA, half the K/V re-reads from L2): 11% faster than 4
+    // warps at 4,096 tokens on the H200 (run 1); a 3-stage ring gained nothing (run 2).
+    case 128: return launch_prefill_typed<T, 128, 8, 2>(p, stream);
+    case 256: return launch_prefill_typed<T, 256>(p, stream);
+    default: throw std::runtime_error("CUDA prefill: unsupported head size " + std::to_string(head_size));
+  }
 }
 
 }  // namespace
 
 void launch_prefill_mma(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {
-  dispatch_mma_dtype(dtype, "CUDA prefill (tensor cores)", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    dispatch_head_size(head_size, "CUDA prefill", [&](auto d) {
-      constexpr int D = decltype(d)::value;
-      // d128: 8 warps (128 query rows per CTA, half the K/V re-reads from L2): 11% faster than 4
-      // warps at 4,096 tokens on the H200 (run 1); a 3-stage ring gained nothing (run 2).
-      if constexpr (D == 128) launch_prefill_typed<T, D, 8, 2>(p, stream);
-      else launch_prefill_typed<T, D>(p, stream);
-    });
-  });
+  if (dtype == DType::kBFloat16) return launch_prefill_dtype<__nv_bfloat16>(head_size, p, stream);
+  if (dtype == DType::kFloat16) return launch_prefill_dtype<__half>(head_size, p, stream);
+  throw std::runtime_error(std::string("CUDA prefill (tensor cores): unsupported dtype ") + dtype_name(dtype));
 }
 
 }  // namespace pagedllm::cuda::detail
