@@ -1,7 +1,7 @@
 """Decode kernel variants side by side on one GPU (bench/cuda_kernels_notes.md, run 4).
 
-Each variant is an environment setting read once by the library (PAGEDLLM_DECODE_V2,
-PAGEDLLM_SPLITK), so each runs bench/cuda_kernels.py in its own process over the same decode
+Each variant is an environment setting read once by the library (PAGEDLLM_DECODE_TMA,
+PAGEDLLM_DECODE_KERNEL), so each runs bench/cuda_kernels.py in its own process over the same decode
 cases (GQA 32/8, d128, bf16, CUDA-graph replay, inputs rotated past 4x L2, SDPA in the same
 process). The documents are merged into one JSON: DIR/<date>-h200-kernels-run4.json.
 

@@ -1,7 +1,9 @@
 // cuda/attention_common.cuh — internal device helpers shared by the CUDA attention kernels:
 // dtype traits, cp.async (sm_80+ asynchronous global->shared copies), ldmatrix and the
 // mma.sync m16n8k16 tensor-core instruction (PTX ISA, "Warp-level matrix multiply-accumulate"),
-// and the parameter block every attention kernel takes.
+// TMA 2-D tensor copies on mbarriers (sm_90), the warp-tile steps of the decode kernels (Q K^T,
+// online softmax, P V on one 16-row m16n8k16 tile), and the parameter block every attention
+// kernel takes.
 //
 // Fragment layouts used throughout (PTX ISA, m16n8k16 with .bf16/.f16 operands, f32 accumulate);
 // g = lane / 4 ("group"), t = lane % 4 ("thread in group"):
