@@ -1,7 +1,8 @@
 """pagedllm.ops: the paged KV-cache and attention kernels, called with torch tensors.
 
 Thin wrappers: each function makes :class:`pagedllm._C.TensorView` views of its torch tensors and
-calls the native launcher (declared in ``cpp/include/pagedllm/attention.h`` and ``cache_ops.h``),
+calls the native launcher (declared in ``cpp/include/pagedllm/attention.h`` and ``cache_ops.h``;
+the fused layer ops of ``layer_ops.h`` are in :mod:`pagedllm.ops.layer_ops`),
 which validates everything and dispatches to the CPU kernels or, for CUDA tensors, the CUDA ones
 on ``torch.cuda.current_stream()``. Bad arguments raise ``ValueError`` naming the bad value.
 
@@ -31,6 +32,11 @@ __all__ = [
     "swap_blocks",
     "set_num_threads",
     "get_num_threads",
+    "layer_ops_supported",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "rotary_embedding",
 ]
 
 #: Tokens per KV block the kernels support (the engine accepts exactly these).
@@ -44,12 +50,20 @@ def supported_cache_dtypes(device: str | torch.device = "cpu") -> tuple[torch.dt
     return tuple(getattr(torch, name) for name in _C.supported_cache_dtypes(torch.device(device).type))
 
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+
+
 def _view(t: torch.Tensor) -> "_C.TensorView":
+    # Called several times per kernel launch: no torch.device objects, no str(dtype) on the hot path.
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
-    dev = t.device
-    return _C.TensorView(t.data_ptr(), str(t.dtype), list(t.shape), list(t.stride()), dev.type,
-                         dev.index or 0)
+    dtype = _DTYPE_NAMES.get(t.dtype) or str(t.dtype)
+    if t.is_cuda:
+        return _C.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), "cuda", t.get_device())
+    if t.is_cpu:
+        return _C.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), "cpu", 0)
+    return _C.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), t.device.type, t.device.index or 0)
 
 
 def _stream(t: torch.Tensor) -> int:
@@ -148,3 +162,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     ``[C, 2]`` of (src_block, dst_block) on the CPU."""
     stream = _stream(src) if src.is_cuda else _stream(dst)
     _C.swap_blocks(_view(src), _view(dst), _view(block_mapping), stream)
+
+
+from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
+    fused_add_rms_norm,
+    layer_ops_supported,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+)

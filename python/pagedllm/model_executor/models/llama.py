@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.model_executor.attention import Attention, AttentionMetadata
 from pagedllm.model_executor.config import ModelConfig
 from pagedllm.model_executor.rotary import RotaryEmbedding
@@ -26,14 +27,21 @@ from pagedllm.model_executor.rotary import RotaryEmbedding
 
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, computed in float32
-    and cast back before the weight multiply (as HF's LlamaRMSNorm). x [..., N] -> [..., N]."""
+    and cast back before the weight multiply (as HF's LlamaRMSNorm). x [..., N] -> [..., N].
+    Where pagedllm.ops has the fused layer ops (CPU: float32, bfloat16) one kernel does it, with
+    the same roundings."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+        self.fused = ops.layer_ops_supported(device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            rows = x.reshape(-1, x.shape[-1])
+            return ops.rms_norm(torch.empty(rows.shape, dtype=x.dtype, device=x.device), rows, self.weight,
+                                self.eps).view(x.shape)
         dtype = x.dtype
         h = x.float()
         if h.is_cuda:  # one fused kernel instead of five (fewer nodes in a decode CUDA graph)
@@ -42,6 +50,15 @@ class RMSNorm(nn.Module):
             variance = h.pow(2).mean(-1, keepdim=True)
             h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x) for x, residual [T, N]; the fused op works in place
+        (x and residual are overwritten), HF's order of roundings either way."""
+        if self.fused:
+            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self.forward(residual), residual
 
 
 class PackedLinear(nn.Module):
@@ -93,34 +110,52 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = _linear(2 * cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
+        self.fused = ops.layer_ops_supported(device, dtype)
         self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         rotary: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """hidden [T, hidden_size] -> [T, hidden_size] (residual stream after this layer)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) [T, hidden_size] -> (this layer's MLP output, the residual stream
+        before it); residual None for the first layer. The stream after the layer is their sum,
+        added by the next norm (HF's `hidden = residual + hidden`, same rounding)."""
         T = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        if residual is None:
+            residual = hidden
+            h = self.input_layernorm(hidden)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = rotary.apply(q, cos, sin)
-        k = rotary.apply(k, cos, sin)
+        if cos_sin is None:  # fused: rotate q and k in place (views of qkv, or the normed copies)
+            ops.rotary_embedding(positions, q, k, rotary.cos_sin_cache)
+            q, k = q.contiguous(), k.contiguous()
+        else:
+            q = rotary.apply(q, *cos_sin)
+            k = rotary.apply(k, *cos_sin)
         attn = self.attn.forward(q, k, v.contiguous(), kv_cache, meta)
-        hidden = hidden + self.o_proj(attn.view(T, self.q_size))
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
-        gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        hidden = self.o_proj(attn.view(T, self.q_size))
+        h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        gate_up = self.gate_up_proj(h)
+        if self.fused:
+            act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device), gate_up)
+        else:
+            gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
             self.lm_head_weight = self.lm_head.weight
         self.packed_lm_head: PackedLinear | None = None  # set by pack_weights()
+        self.fused = ops.layer_ops_supported(device, dtype)
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
         )
@@ -157,16 +193,24 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions)
+        cos_sin = None if self.fused else self.rotary.cos_sin(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, self.rotary, kv_cache, meta)
-        return self.compute_logits(hidden.index_select(0, logits_indices))
+            hidden, residual = layer(hidden, residual, positions, cos_sin, self.rotary, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.compute_logits(hidden.index_select(0, logits_indices))
+        normed, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
+                                           residual.index_select(0, logits_indices))
+        return self._lm_head(normed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden_size] (pre final norm) -> float32 logits [R, vocab_size]."""
+        """hidden [R, hidden_size] (the residual stream, pre final norm) -> float32 logits [R, vocab_size]."""
+        return self._lm_head(self.norm(hidden))
+
+    def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(self.norm(hidden)).float()
-        return F.linear(self.norm(hidden), self.lm_head_weight).float()
+            return self.packed_lm_head(normed).float()
+        return F.linear(normed, self.lm_head_weight).float()
 
     def pack_weights(self) -> bool:
         """After load_weights: on CPU in bfloat16, replace every projection (and the LM head) by a

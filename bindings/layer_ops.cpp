@@ -1,0 +1,19 @@
+// Bindings for pagedllm/layer_ops.h. The GIL is released while a kernel runs.
+#include "pagedllm/layer_ops.h"
+
+#include "registry.h"
+
+PAGEDLLM_BINDING(layer_ops, m) {
+  namespace py = pybind11;
+  m.def("rms_norm", &pagedllm::rms_norm, py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("eps"),
+        py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+        "out [T, N] = RMSNorm(input [T, N]) * weight [N].");
+  m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm, py::arg("input"), py::arg("residual"),
+        py::arg("weight"), py::arg("eps"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+        "In place: residual += input; input = RMSNorm(residual) * weight.");
+  m.def("silu_and_mul", &pagedllm::silu_and_mul, py::arg("out"), py::arg("input"), py::arg("stream") = 0,
+        py::call_guard<py::gil_scoped_release>(), "out [T, I] = SiLU(input[:, :I]) * input[:, I:].");
+  m.def("rotary_embedding", &pagedllm::rotary_embedding, py::arg("positions"), py::arg("query"), py::arg("key"),
+        py::arg("cos_sin_cache"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+        "Rotate query [T, Hq, D] and key [T, Hkv, D] in place (NeoX layout) by positions int64 [T].");
+}
