@@ -37,6 +37,7 @@ __all__ = [
     "fused_add_rms_norm",
     "silu_and_mul",
     "rotary_embedding",
+    "argmax_rows",
 ]
 
 #: Tokens per KV block the kernels support (the engine accepts exactly these).
@@ -171,3 +172,4 @@ from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
     rotary_embedding,
     silu_and_mul,
 )
+from pagedllm.ops.sampling_ops import argmax_rows  # noqa: E402
