@@ -36,6 +36,8 @@ DTYPE = torch.bfloat16
 
 
 def git_commit() -> str:
+    if os.environ.get("PAGEDLLM_COMMIT"):  # a copied tree run inside another checkout (device runs)
+        return os.environ["PAGEDLLM_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
                                        text=True, stderr=subprocess.DEVNULL).strip()
@@ -214,6 +216,9 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. a variant)")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--cases", default="",
+                    help="decode cases instead of the default grid: BxCTX[:sSPLIT][:seq], comma-separated "
+                         "(e.g. 1x4096,1x4096:s16,64x4096:s2)")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -225,7 +230,19 @@ def main() -> None:
         "timing": "CUDA-graph replay, median of 10 replays / calls per graph; inputs rotated past 4x L2",
         "decode": [], "prefill": [],
     }
-    if not args.prefill_only:
+    if args.cases:
+        for case in args.cases.split(","):
+            parts = case.split(":")
+            batch, ctx = (int(x) for x in parts[0].split("x"))
+            kw = dict(batch=batch, ctx=ctx)
+            for extra in parts[1:]:
+                if extra.startswith("s"):
+                    kw["split_k"] = int(extra[1:])
+                elif extra == "seq":
+                    kw["sequential"] = True
+            doc["decode"].append(bench_decode(**kw))
+            print(json.dumps(doc["decode"][-1]), file=sys.stderr, flush=True)
+    elif not args.prefill_only:
         grid = [(1, 4096), (64, 4096)] if args.quick else \
             [(1, 4096), (1, 32768), (8, 4096), (16, 1024), (64, 4096), (256, 1024), (128, 2048)]
         for batch, ctx in grid:

@@ -1,7 +1,9 @@
 // cuda/attention_common.cuh — internal device helpers shared by the CUDA attention kernels:
 // dtype traits, cp.async (sm_80+ asynchronous global->shared copies), ldmatrix and the
 // mma.sync m16n8k16 tensor-core instruction (PTX ISA, "Warp-level matrix multiply-accumulate"),
-// and the parameter block every attention kernel takes.
+// TMA 2-D tensor copies on mbarriers (sm_90), the warp-tile steps of the decode kernels (Q K^T,
+// online softmax, P V on one 16-row m16n8k16 tile), and the parameter block every attention
+// kernel takes.
 //
 // Fragment layouts used throughout (PTX ISA, m16n8k16 with .bf16/.f16 operands, f32 accumulate);
 // g = lane / 4 ("group"), t = lane % 4 ("thread in group"):
@@ -46,6 +48,8 @@ struct AttnParams {
   float* partial_out = nullptr;              // [B, Hq, num_splits, D], normalised per partition
   float* partial_max = nullptr;              // [B, Hq, num_splits], log2 domain (-inf: empty)
   float* partial_sum = nullptr;              // [B, Hq, num_splits]
+  // Rows of the cache viewed as [rows, head_size] (num_blocks * Hkv * block_size), for TMA maps.
+  int64_t cache_rows = 0;
 };
 
 template <typename T>
@@ -73,6 +77,8 @@ struct TypeTraits<__half> {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
 /// tanh(x) = 1 - 2 / (e^{2x} + 1) through ex2.approx (relative error ~2^-22). Under
 /// --use_fast_math, tanhf becomes tanh.approx.f32 (~2^-11), too coarse for float32 caches.
 __device__ __forceinline__ float tanh_accurate(float x) {
@@ -84,6 +90,14 @@ __device__ __forceinline__ float tanh_accurate(float x) {
 __device__ __forceinline__ float score_log2(float qk, float scale, float scale_log2, float soft_cap) {
   if (soft_cap > 0.f) return soft_cap * tanh_accurate(qk * scale / soft_cap) * kLog2e;
   return qk * scale_log2;
+}
+
+/// Offset (elements) of the row holding position `pos` of a sequence for KV head `kv_head`.
+__device__ __forceinline__ int64_t kv_row_offset(const int32_t* block_table, int pos, int kv_head,
+                                                 const AttnParams& p, int head_size) {
+  const int64_t block = block_table[pos >> p.block_shift];
+  const int row = pos & (p.block_size - 1);
+  return ((block * p.num_kv_heads + kv_head) * p.block_size + row) * static_cast<int64_t>(head_size);
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -107,6 +121,82 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
                  "r"(src_size));
   }
 }
+// ---- Hopper bulk tensor copies (TMA) completing on an mbarrier (sm_90; no-ops elsewhere).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PAGEDLLM_HAS_TMA 1
+#else
+#define PAGEDLLM_HAS_TMA 0
+#endif
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+#if PAGEDLLM_HAS_TMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+/// Make mbarrier initialisation visible to the async proxy (the copy engine).
+__device__ __forceinline__ void mbarrier_init_fence() {
+#if PAGEDLLM_HAS_TMA
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+/// Order this thread's earlier generic-proxy shared-memory accesses before later async-proxy ones.
+__device__ __forceinline__ void fence_proxy_async() {
+#if PAGEDLLM_HAS_TMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+/// One arrival that also expects `bytes` of transactions in the current phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if PAGEDLLM_HAS_TMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+/// Spin until the phase with the given parity has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+#if PAGEDLLM_HAS_TMA
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+/// 2-D tiled tensor copy global -> shared of the box at coordinates (x, y) (x = innermost) of the
+/// tensor map at generic address `tmap` (a __grid_constant__ kernel parameter); completion is
+/// counted on `bar` in bytes.
+__device__ __forceinline__ void tma_load_2d(void* smem, const void* tmap, int x, int y, uint64_t* bar) {
+#if PAGEDLLM_HAS_TMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_addr(smem)),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(x), "r"(y), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
+
+/// Copy the K and V cache rows of positions t0 .. t0+kRows-1 of one sequence (block table `bt`)
+/// for `kv_head` into shared-memory tiles sK / sV (row stride kStride elements) with 16-byte
+/// cp.async, by kThreads threads (this one is `tid`); positions >= end are zero-filled.
+template <typename T, int D, int kRows, int kStride, int kThreads>
+__device__ __forceinline__ void cp_async_kv_rows(T* sK, T* sV, const T* kc, const T* vc, const int32_t* bt,
+                                                 int t0, int end, int kv_head, const AttnParams& p, int tid) {
+  constexpr int kChunks = D / 8;
+#pragma unroll
+  for (int c = tid; c < kRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, col = c % kChunks;
+    const int pos = t0 + r;
+    const bool valid = pos < end;
+    const int64_t off = valid ? kv_row_offset(bt, pos, kv_head, p, D) + col * 8 : 0;
+    cp_async_16(sK + r * kStride + col * 8, kc + off, valid);
+    cp_async_16(sV + r * kStride + col * 8, vc + off, valid);
+  }
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -141,14 +231,91 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
   }
 }
 
-/// Offset (elements) of the row holding position `pos` of a sequence for KV head `kv_head`.
-__device__ __forceinline__ int64_t kv_row_offset(const int32_t* block_table, int pos, int kv_head,
-                                                 const AttnParams& p, int head_size) {
-  const int64_t block = block_table[pos >> p.block_shift];
-  const int row = pos & (p.block_size - 1);
-  return ((block * p.num_kv_heads + kv_head) * p.block_size + row) * static_cast<int64_t>(head_size);
+// ---- Warp-level building blocks of the tensor-core kernels (decode and prefill). Each warp owns
+// a 16-row m16n8k16 tile of queries; "rows g and g+8" below are this thread's two rows.
+
+/// S += Q K^T over the head dimension for NT n8 tiles of keys: `q_frag(kk, a)` fills the A fragment
+/// of head-dim step kk (16 columns), `k_addr(kk, np)` gives this lane's ldmatrix address of the K
+/// rows of key tiles 2np, 2np+1 at that step.
+template <typename T, int KSTEPS, int NT, typename QFrag, typename KAddr>
+__device__ __forceinline__ void mma_qk(float (&s)[NT][4], QFrag&& q_frag, KAddr&& k_addr) {
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    uint32_t a[4];
+    q_frag(kk, a);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, k_addr(kk, np));
+      mma_16816<T>(s[2 * np], a, b[0], b[1]);
+      mma_16816<T>(s[2 * np + 1], a, b[2], b[3]);
+    }
+  }
 }
 
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+/// One online-softmax step (FlashAttention-2, Dao 2023, algorithm 1): `s` holds NT n8 tiles of
+/// scores in the log2 domain (masked entries -inf). Updates the running row max `m` and sum `l`,
+/// rescales the accumulators `acc`, and replaces `s` by the probabilities 2^(s - max). A row with
+/// no unmasked score so far keeps max -inf and uses base 0, so it stays all-zero without NaN.
+template <int NT, int NACC>
+__device__ __forceinline__ void online_softmax_update(float (&s)[NT][4], float (&m)[2], float (&l)[2],
+                                                      float (&acc)[NACC][4]) {
+  float mx[2] = {m[0], m[1]};
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    base[r] = mx[r] == neg_inf() ? 0.f : mx[r];
+    const float corr = exp2f(m[r] - base[r]);
+    m[r] = mx[r];
+    l[r] *= corr;
+#pragma unroll
+    for (int n = 0; n < NACC; ++n) {
+      acc[n][2 * r] *= corr;
+      acc[n][2 * r + 1] *= corr;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[j][e] = exp2f(s[j][e] - base[e >> 1]);
+      l[e >> 1] += s[j][e];
+    }
+}
+
+/// O += P V for the 16 keys of probability tiles 2kk, 2kk+1: P becomes the A operand, V rows come
+/// through ldmatrix.trans; `v_addr(np)` gives this lane's address for head-dim columns 16np..+15.
+template <typename T, int D, int NT, typename VAddr>
+__device__ __forceinline__ void mma_pv(float (&acc)[D / 8][4], const float (&s)[NT][4], int kk, VAddr&& v_addr) {
+  using TT = TypeTraits<T>;
+  uint32_t pa[4];
+  pa[0] = TT::pack(s[2 * kk][0], s[2 * kk][1]);
+  pa[1] = TT::pack(s[2 * kk][2], s[2 * kk][3]);
+  pa[2] = TT::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  pa[3] = TT::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+  for (int np = 0; np < D / 16; ++np) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, v_addr(np));
+    mma_16816<T>(acc[2 * np], pa, b[0], b[1]);
+    mma_16816<T>(acc[2 * np + 1], pa, b[2], b[3]);
+  }
+}
+
+/// The full row sums of this thread's two rows (the 4 threads of a row group hold parts).
+__device__ __forceinline__ void row_sums(float (&l)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+}
+
 
 }  // namespace pagedllm::cuda::detail

@@ -9,8 +9,7 @@
 // end.
 #include <cstdlib>
 
-#include "attention_launch.h"
-#include "cuda_check.h"
+#include "launch_utils.cuh"
 
 namespace pagedllm::cuda::detail {
 namespace {
@@ -202,37 +201,18 @@ __global__ void __launch_bounds__(kReduceThreads) splitk_reduce_kernel(const Att
 template <int D>
 int fp32_units() {
   static std::atomic<int> cached{0};
-  if (cached.load() > 0) return cached.load();
-  int per_sm = 0, sms = 0, dev = 0;
-  PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
-  PAGEDLLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_fp32_kernel<D>, 32 * kFp32Warps, 0));
-  PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cached.store(std::max(1, per_sm) * sms);
-  return cached.load();
+  static std::atomic<uint64_t> smem_raised{0};  // static shared memory only: nothing to raise
+  return resident_ctas(cached, attention_fp32_kernel<D>, 32 * kFp32Warps, 0, smem_raised);
 }
 
 }  // namespace
 
 int attention_fp32_units(int head_size) {
-  switch (head_size) {
-    case 64: return fp32_units<64>();
-    case 80: return fp32_units<80>();
-    case 96: return fp32_units<96>();
-    case 128: return fp32_units<128>();
-    case 256: return fp32_units<256>();
-    default: throw std::runtime_error("CUDA fp32 attention: unsupported head size " + std::to_string(head_size));
-  }
+  return dispatch_head_size(head_size, "CUDA fp32 attention", [](auto d) { return fp32_units<decltype(d)::value>(); });
 }
 
 void launch_attention_fp32(int head_size, const AttnParams& p, cudaStream_t stream) {
-  switch (head_size) {
-    case 64: return launch_fp32_typed<64>(p, stream);
-    case 80: return launch_fp32_typed<80>(p, stream);
-    case 96: return launch_fp32_typed<96>(p, stream);
-    case 128: return launch_fp32_typed<128>(p, stream);
-    case 256: return launch_fp32_typed<256>(p, stream);
-    default: throw std::runtime_error("CUDA fp32 attention: unsupported head size " + std::to_string(head_size));
-  }
+  dispatch_head_size(head_size, "CUDA fp32 attention", [&](auto d) { launch_fp32_typed<decltype(d)::value>(p, stream); });
 }
 
 void launch_splitk_reduce(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {

@@ -12,28 +12,14 @@
 #include <string>
 
 #include "cuda_check.h"
+#include "device_guard.h"
 #include "kernels.h"
 #include "pagedllm/errors.h"
 
 namespace pagedllm::cuda {
 namespace {
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) PAGEDLLM_CUDA_CHECK(cudaSetDevice(device));
-    else previous_ = -1;
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
+using detail::DeviceGuard;
 
 /// One CTA per token: key[t] and value[t] ([Hkv, D] each) go to row slot % bs of block
 /// slot / bs, for every KV head. slot < 0 or >= num_slots: skipped.

@@ -18,6 +18,7 @@
 
 #include "attention_launch.h"
 #include "cuda_check.h"
+#include "device_guard.h"
 #include "kernels.h"
 #include "pagedllm/errors.h"
 
@@ -27,23 +28,6 @@ namespace detail {
 namespace {
 
 constexpr int kMaxDevices = 64;
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) PAGEDLLM_CUDA_CHECK(cudaSetDevice(device));
-    else previous_ = -1;
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 int current_device() {
   int d = 0;
@@ -84,6 +68,7 @@ AttnParams common_params(const TensorView& out, const TensorView& query, const T
     throw std::runtime_error("CUDA attention: block size must be a power of two, got " +
                              std::to_string(p.block_size));
   p.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  p.cache_rows = key_cache.size(0) * key_cache.size(1) * key_cache.size(2);
   p.scale = scale;
   p.scale_log2 = scale * kLog2e;
   p.soft_cap = options.soft_cap;

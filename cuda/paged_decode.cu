@@ -7,8 +7,7 @@
 // 16-token tiles (tiles w, w+4, ...) through a private NSTAGE-deep cp.async ring in shared
 // memory (no CTA barriers in the main loop), keeps an online softmax (FlashAttention-2, Dao 2023,
 // algorithm 1) over its tiles, and the warps' states are merged at the end.
-#include "attention_launch.h"
-#include "cuda_check.h"
+#include "launch_utils.cuh"
 
 namespace pagedllm::cuda::detail {
 namespace {
@@ -83,27 +82,20 @@ __global__ void __launch_bounds__(128) paged_decode_mma_kernel(const AttnParams 
     T* sK = sW + stage * C::kStageElems;
     T* sV = sK + C::kTile * C::kRow;
     const int t0 = start + (warp + k * C::kWarps) * C::kTile;
-#pragma unroll
-    for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
-      const int r = c / C::kChunks, col = c % C::kChunks;
-      const int pos = t0 + r;
-      const bool valid = pos < end;
-      const int64_t off = valid ? kv_row_offset(bt, pos, kv_head, p, D) + col * 8 : 0;
-      cp_async_16(sK + r * C::kRow + col * 8, kc + off, valid);
-      cp_async_16(sV + r * C::kRow + col * 8, vc + off, valid);
-    }
+    cp_async_kv_rows<T, D, C::kTile, C::kRow, 32>(sK, sV, kc, vc, bt, t0, end, kv_head, p, lane);
   };
-
-  float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
-  float acc[D / 8][4];
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {
     if (s < my_tiles) issue(s, s);
     cp_async_commit();
   }
+
+  float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
   const int b_row = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;  // K (non-trans)
   const int v_row = (lane % 8) + ((lane / 8) % 2) * 8, v_col = (lane / 16) * 8;   // V (trans)
 
@@ -119,78 +111,36 @@ __global__ void __launch_bounds__(128) paged_decode_mma_kernel(const AttnParams 
 
     // S = Q K^T for 16 tokens: two n8 tiles.
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-      uint32_t a[4];
-      if constexpr (kQInRegs) {
-        a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
-      } else {
-        ldmatrix_x4(a, sQ + a_row * C::kRow + kk * 16 + a_col);
-      }
-      uint32_t b[4];
-      ldmatrix_x4(b, sK + b_row * C::kRow + kk * 16 + b_col);
-      mma_16816<T>(s[0], a, b[0], b[1]);
-      mma_16816<T>(s[1], a, b[2], b[3]);
-    }
+    mma_qk<T, KSTEPS, 2>(
+        s,
+        [&](int kk, uint32_t(&a)[4]) {
+          if constexpr (kQInRegs) {
+            a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
+          } else {
+            ldmatrix_x4(a, sQ + a_row * C::kRow + kk * 16 + a_col);
+          }
+        },
+        [&](int kk, int) { return sK + b_row * C::kRow + kk * 16 + b_col; });
 
     // Online softmax (log2 domain); rows g and g+8 of this thread.
-    float mx[2] = {m[0], m[1]};
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int pos = t0 + 8 * j + 2 * t + (e & 1);
-        const float v = pos < end ? score_log2(s[j][e], p.scale, p.scale_log2, p.soft_cap) : neg_inf();
-        s[j][e] = v;
-        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+        s[j][e] = pos < end ? score_log2(s[j][e], p.scale, p.scale_log2, p.soft_cap) : neg_inf();
       }
-    float base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      base[r] = mx[r] == neg_inf() ? 0.f : mx[r];
-      const float corr = exp2f(m[r] - base[r]);
-      m[r] = mx[r];
-      l[r] *= corr;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        acc[n][2 * r] *= corr;
-        acc[n][2 * r + 1] *= corr;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] = exp2f(s[j][e] - base[e >> 1]);
-        l[e >> 1] += s[j][e];
-      }
-    uint32_t pa[4];
-    pa[0] = TT::pack(s[0][0], s[0][1]);
-    pa[1] = TT::pack(s[0][2], s[0][3]);
-    pa[2] = TT::pack(s[1][0], s[1][1]);
-    pa[3] = TT::pack(s[1][2], s[1][3]);
+    online_softmax_update(s, m, l, acc);
 
     // O += P V
-#pragma unroll
-    for (int np = 0; np < D / 16; ++np) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, sV + v_row * C::kRow + np * 16 + v_col);
-      mma_16816<T>(acc[2 * np], pa, b[0], b[1]);
-      mma_16816<T>(acc[2 * np + 1], pa, b[2], b[3]);
-    }
+    mma_pv<T, D>(acc, s, 0, [&](int np) { return sV + v_row * C::kRow + np * 16 + v_col; });
     __syncwarp();
   }
   cp_async_wait<0>();
   __syncwarp();
 
   // Merge the 4 warps' softmax states.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
+  row_sums(l);
   float* sO = reinterpret_cast<float*>(sW);  // [16][D] for this warp
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
@@ -207,6 +157,7 @@ __global__ void __launch_bounds__(128) paged_decode_mma_kernel(const AttnParams 
 
   const float* sO_all = reinterpret_cast<const float*>(sQ + 16 * C::kRow);
   const int64_t warp_stride_f = C::kWarpElems * sizeof(T) / sizeof(float);
+  const int64_t row0 = static_cast<int64_t>(seq) * p.num_heads + h0;
   for (int idx = threadIdx.x; idx < nrows * D; idx += C::kThreads) {
     const int r = idx / D, d = idx % D;
     float mmax = neg_inf();
@@ -222,7 +173,7 @@ __global__ void __launch_bounds__(128) paged_decode_mma_kernel(const AttnParams 
       }
     }
     o = lsum > 0.f ? o / lsum : 0.f;
-    const int64_t row = static_cast<int64_t>(seq) * p.num_heads + h0 + r;
+    const int64_t row = row0 + r;
     if (p.num_splits == 1) {
       static_cast<T*>(p.out)[row * D + d] = TT::from_float(o);
     } else {
@@ -238,65 +189,34 @@ __global__ void __launch_bounds__(128) paged_decode_mma_kernel(const AttnParams 
 template <typename T, int D>
 void launch_decode_typed(const AttnParams& p, cudaStream_t stream) {
   using C = DecodeCfg<T, D>;
-  auto kernel = paged_decode_mma_kernel<T, D>;
   static std::atomic<uint64_t> smem_raised{0};
-  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, smem_raised);
   const int head_chunks = (p.group + 15) / 16;
   dim3 grid(p.num_splits, p.num_kv_heads * head_chunks, p.num_seqs);
-  kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
-  PAGEDLLM_CUDA_CHECK_LAUNCH();
+  launch_checked(paged_decode_mma_kernel<T, D>, grid, C::kThreads, C::kSmemBytes, stream, smem_raised, p);
 }
 
 template <typename T, int D>
 int v1_units() {
-  static std::atomic<int> cached{0};
-  if (cached.load() > 0) return cached.load();
   using C = DecodeCfg<T, D>;
-  auto kernel = paged_decode_mma_kernel<T, D>;
+  static std::atomic<int> cached{0};
   static std::atomic<uint64_t> smem_raised{0};
-  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, smem_raised);
-  int per_sm = 0, sms = 0, dev = 0;
-  PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
-  PAGEDLLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::kThreads, C::kSmemBytes));
-  PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cached.store(std::max(1, per_sm) * sms);
-  return cached.load();
-}
-
-template <typename T>
-int v1_units_dtype(int head_size) {
-  switch (head_size) {
-    case 64: return v1_units<T, 64>();
-    case 80: return v1_units<T, 80>();
-    case 96: return v1_units<T, 96>();
-    case 128: return v1_units<T, 128>();
-    case 256: return v1_units<T, 256>();
-    default: throw std::runtime_error("CUDA decode: unsupported head size " + std::to_string(head_size));
-  }
-}
-
-template <typename T>
-void launch_decode_dtype(int head_size, const AttnParams& p, cudaStream_t stream) {
-  switch (head_size) {
-    case 64: return launch_decode_typed<T, 64>(p, stream);
-    case 80: return launch_decode_typed<T, 80>(p, stream);
-    case 96: return launch_decode_typed<T, 96>(p, stream);
-    case 128: return launch_decode_typed<T, 128>(p, stream);
-    case 256: return launch_decode_typed<T, 256>(p, stream);
-    default: throw std::runtime_error("CUDA decode: unsupported head size " + std::to_string(head_size));
-  }
+  return resident_ctas(cached, paged_decode_mma_kernel<T, D>, C::kThreads, C::kSmemBytes, smem_raised);
 }
 
 }  // namespace
 
 int decode_v1_units(DType dtype, int head_size) {
-  return dtype == DType::kBFloat16 ? v1_units_dtype<__nv_bfloat16>(head_size) : v1_units_dtype<__half>(head_size);
+  return dispatch_mma_dtype(dtype, "CUDA decode", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return dispatch_head_size(head_size, "CUDA decode", [&](auto d) { return v1_units<T, decltype(d)::value>(); });
+  });
 }
 
 void launch_decode_mma(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {
-  if (dtype == DType::kBFloat16) return launch_decode_dtype<__nv_bfloat16>(head_size, p, stream);
-  if (dtype == DType::kFloat16) return launch_decode_dtype<__half>(head_size, p, stream);
-  throw std::runtime_error(std::string("CUDA decode (tensor cores): unsupported dtype ") + dtype_name(dtype));
+  dispatch_mma_dtype(dtype, "CUDA decode (tensor cores)", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_head_size(head_size, "CUDA decode", [&](auto d) { launch_decode_typed<T, decltype(d)::value>(p, stream); });
+  });
 }
 
 }  // namespace pagedllm::cuda::detail

@@ -6,31 +6,52 @@
 // (block, KV head) tile is read once for all of them. Unlike the CTA-per-item kernel
 // (paged_decode.cu), one WARP owns a whole item and walks its 16-token tiles alone, and a warp
 // takes items first, first + W, first + 2W, ... (W = warps in the grid, sized to the device's
-// occupancy). The warp's private 3-deep cp.async ring runs on across item boundaries — the tiles of
+// occupancy). The warp's private cp.async ring runs on across item boundaries — the tiles of
 // the next item are already in flight while the current one finishes — so the memory pipe never
 // drains between items, and with no cross-warp merge there is no CTA barrier at all. Q goes
 // straight from global memory into the A fragments. Each item ends with an online-softmax state
 // (FlashAttention-2, Dao 2023) written as the output row (one partition) or as flash-decoding
 // partials (Dao et al. 2023) that launch_splitk_reduce combines.
+//
+// Tile loads (template LOAD): kLoadTma (head size 128 on sm_90, the default there): a tile that
+// lies whole in one block arrives as 2-D TMA boxes (cp.async.bulk.tensor; 64 columns x 16 rows,
+// 128-byte swizzle, no padding) issued by one lane and completing on the ring slot's mbarrier;
+// other tiles (block edges, the sequence's last tile) go by cp.async into the same swizzled
+// layout. kLoadCpAsync: 16-byte cp.async per lane into padded rows (other head sizes, other GPUs,
+// or PAGEDLLM_DECODE_TMA=0). TMA was 3% faster at 64 x 4,096 on the H200 (run 4, notes).
+#include <cuda.h>  // CUtensorMap and its enums (types only; the encoder is fetched at run time)
+
+#include <cstdlib>
 #include <string>
 
-#include "attention_launch.h"
-#include "cuda_check.h"
+#include "launch_utils.cuh"
 
 namespace pagedllm::cuda::detail {
 namespace {
 
-template <typename T, int D, int W, int NS>
+enum LoadKind : int { kLoadCpAsync = 0, kLoadTma = 1 };
+
+/// The K and V caches viewed as [cache_rows, head_size] 2-D tensors (kLoadTma; unused otherwise).
+struct TmaMaps {
+  CUtensorMap k;
+  CUtensorMap v;
+};
+
+template <typename T, int D, int W, int NS, int LOAD>
 struct DecodeV2Cfg {
   static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16;
   static constexpr int kStages = NS;
-  static constexpr int kRow = D + 8;  // 16-byte pad: conflict-free ldmatrix
+  static constexpr bool kSwizzled = LOAD == kLoadTma;
+  static constexpr int kRow = D + 8;  // padded layout: 16-byte pad, conflict-free ldmatrix
   static constexpr int kChunks = D / 8;
-  static constexpr int kStageElems = 2 * kTile * kRow;
-  static constexpr int kWarpElems = kStages * kStageElems;
-  static constexpr size_t kSmemBytes = kWarps * kWarpElems * sizeof(T);
+  static constexpr int kBoxes = D / 64;  // swizzled layout: 64-column boxes of 16 rows x 128 B
+  static constexpr int kStageBytes = kSwizzled ? 2 * kBoxes * 2048 : 2 * kTile * kRow * int(sizeof(T));
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+  static constexpr size_t kSmemBytes =
+      kWarps * kWarpBytes + (kSwizzled ? 1024 + kWarps * kStages * sizeof(uint64_t) : 0);
+  static_assert(!kSwizzled || D % 64 == 0, "TMA boxes need head_size % 64 == 0");
 };
 
 struct DecodeItem {
@@ -64,13 +85,14 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   return it;
 }
 
-template <typename T, int D, int W_, int NS, int PF>
+template <typename T, int D, int W_, int NS, int PF, int LOAD>
 __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnParams p, int num_items,
-                                                                  int head_chunks) {
-  using C = DecodeV2Cfg<T, D, W_, NS>;
-  using TT = TypeTraits<T>;
+                                                                  int head_chunks,
+                                                                  const __grid_constant__ TmaMaps maps) {
+  using C = DecodeV2Cfg<T, D, W_, NS, LOAD>;
   constexpr int KSTEPS = D / 16;
   constexpr int S = C::kStages;
+  constexpr bool kTma = LOAD == kLoadTma && PAGEDLLM_HAS_TMA;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Let a programmatic dependent (the split-K reduction) be scheduled now; it waits for this
@@ -80,7 +102,30 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 #endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  T* ring = reinterpret_cast<T*>(smem_raw) + warp * C::kWarpElems;
+  unsigned char* smem = smem_raw;
+  if constexpr (C::kSwizzled) {  // the 128-byte swizzle pattern repeats every 1024 bytes
+    const uint32_t a = smem_addr(smem_raw);
+    smem += ((a + 1023u) & ~1023u) - a;
+  }
+  unsigned char* ring = smem + warp * C::kWarpBytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + C::kWarps * C::kWarpBytes) + warp * S;
+  uint32_t tma_slots = 0, phases = 0;  // per ring slot: filled by TMA; parity to wait for next
+  if constexpr (kTma) {
+    if (lane < S) mbarrier_init(bars + lane, 1);
+    mbarrier_init_fence();
+    __syncwarp();
+  }
+  // Shared-memory address of row r, columns c..c+7 (c % 8 == 0) of the K (kv = 0) or V (kv = 1)
+  // tile in ring slot `slot`.
+  auto tile_at = [&](int slot, int kv, int r, int c) -> T* {
+    if constexpr (C::kSwizzled) {
+      const int box = c / 64, chunk = (c % 64) / 8;
+      return reinterpret_cast<T*>(ring + slot * C::kStageBytes + (kv * C::kBoxes + box) * 2048 + r * 128 +
+                                  ((chunk ^ (r & 7)) << 4));
+    } else {
+      return reinterpret_cast<T*>(ring + slot * C::kStageBytes) + (kv * C::kTile + r) * C::kRow + c;
+    }
+  };
   const int W = gridDim.x * C::kWarps;
   const int first = blockIdx.x * C::kWarps + warp;
   const T* kc = static_cast<const T*>(p.key_cache);
@@ -100,30 +145,46 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   skip_exhausted();
   auto issue_next = [&]() {
     if (ii < num_items) {
-      T* sK = ring + slot_issue * C::kStageElems;
-      T* sV = sK + C::kTile * C::kRow;
       const int t0 = iitem.start + ik * C::kTile;
       const int row0 = t0 & (p.block_size - 1);
       if (row0 + C::kTile <= p.block_size && t0 + C::kTile <= iitem.end) {
         // The whole tile lies in one block (the common case): one block-table lookup, and the
         // tile is one contiguous run of kTile rows.
-        const T* kb = kc + kv_row_offset(iitem.bt, t0, iitem.kv_head, p, D);
-        const T* vb = vc + (kb - kc);
+        const int64_t off = kv_row_offset(iitem.bt, t0, iitem.kv_head, p, D);
+        if constexpr (kTma) {
+          uint64_t* bar = bars + slot_issue;
+          fence_proxy_async();  // the slot was last read by ldmatrix (generic proxy)
+          __syncwarp();
+          if (lane == 0) {
+            const int y = static_cast<int>(off / D);
+            mbarrier_arrive_expect_tx(bar, C::kStageBytes);
 #pragma unroll
-        for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
-          const int r = c / C::kChunks, col = c % C::kChunks;
-          cp_async_16<PF>(sK + r * C::kRow + col * 8, kb + r * D + col * 8, true);
-          cp_async_16<PF>(sV + r * C::kRow + col * 8, vb + r * D + col * 8, true);
+            for (int b = 0; b < C::kBoxes; ++b) {
+              tma_load_2d(tile_at(slot_issue, 0, 0, 64 * b), &maps.k, 64 * b, y, bar);
+              tma_load_2d(tile_at(slot_issue, 1, 0, 64 * b), &maps.v, 64 * b, y, bar);
+            }
+          }
+          tma_slots |= 1u << slot_issue;
+        } else {
+          const T* kb = kc + off;
+          const T* vb = vc + off;
+#pragma unroll
+          for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
+            const int r = c / C::kChunks, col = c % C::kChunks;
+            cp_async_16<PF>(tile_at(slot_issue, 0, r, col * 8), kb + r * D + col * 8, true);
+            cp_async_16<PF>(tile_at(slot_issue, 1, r, col * 8), vb + r * D + col * 8, true);
+          }
         }
       } else {
+        if constexpr (kTma) tma_slots &= ~(1u << slot_issue);
 #pragma unroll
         for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
           const int r = c / C::kChunks, col = c % C::kChunks;
           const int pos = t0 + r;
           const bool valid = pos < iitem.end;
           const int64_t off = valid ? kv_row_offset(iitem.bt, pos, iitem.kv_head, p, D) + col * 8 : 0;
-          cp_async_16<PF>(sK + r * C::kRow + col * 8, kc + off, valid);
-          cp_async_16<PF>(sV + r * C::kRow + col * 8, vc + off, valid);
+          cp_async_16<PF>(tile_at(slot_issue, 0, r, col * 8), kc + off, valid);
+          cp_async_16<PF>(tile_at(slot_issue, 1, r, col * 8), vc + off, valid);
         }
       }
       slot_issue = slot_issue + 1 == S ? 0 : slot_issue + 1;
@@ -166,73 +227,39 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     for (int k = 0; k < it.ntiles; ++k) {
       issue_next();
       cp_async_wait<S - 1>();
+      if constexpr (kTma) {
+        if (tma_slots & (1u << slot)) {
+          mbarrier_wait(bars + slot, (phases >> slot) & 1u);
+          phases ^= 1u << slot;
+        }
+      }
       __syncwarp();
-      const T* sK = ring + slot * C::kStageElems;
-      const T* sV = sK + C::kTile * C::kRow;
       const int t0 = it.start + k * C::kTile;
 
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int kk = 0; kk < KSTEPS; ++kk) {
-        uint32_t b[4];
-        ldmatrix_x4(b, sK + b_row * C::kRow + kk * 16 + b_col);
-        mma_16816<T>(s[0], qf[kk], b[0], b[1]);
-        mma_16816<T>(s[1], qf[kk], b[2], b[3]);
-      }
-
-      float mx[2] = {m[0], m[1]};
+      mma_qk<T, KSTEPS, 2>(
+          s,
+          [&](int kk, uint32_t(&a)[4]) {
+            a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
+          },
+          [&](int kk, int) { return tile_at(slot, 0, b_row, kk * 16 + b_col); });
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int pos = t0 + 8 * j + 2 * t + (e & 1);
-          const float v = pos < it.end ? score_log2(s[j][e], p.scale, p.scale_log2, p.soft_cap) : neg_inf();
-          s[j][e] = v;
-          mx[e >> 1] = fmaxf(mx[e >> 1], v);
+          s[j][e] = pos < it.end ? score_log2(s[j][e], p.scale, p.scale_log2, p.soft_cap) : neg_inf();
         }
-      float base[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        base[r] = mx[r] == neg_inf() ? 0.f : mx[r];
-        const float corr = exp2f(m[r] - base[r]);
-        m[r] = mx[r];
-        l[r] *= corr;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          acc[n][2 * r] *= corr;
-          acc[n][2 * r + 1] *= corr;
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = exp2f(s[j][e] - base[e >> 1]);
-          l[e >> 1] += s[j][e];
-        }
-      uint32_t pa[4];
-      pa[0] = TT::pack(s[0][0], s[0][1]);
-      pa[1] = TT::pack(s[0][2], s[0][3]);
-      pa[2] = TT::pack(s[1][0], s[1][1]);
-      pa[3] = TT::pack(s[1][2], s[1][3]);
-#pragma unroll
-      for (int np = 0; np < D / 16; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, sV + v_row * C::kRow + np * 16 + v_col);
-        mma_16816<T>(acc[2 * np], pa, b[0], b[1]);
-        mma_16816<T>(acc[2 * np + 1], pa, b[2], b[3]);
-      }
+      online_softmax_update(s, m, l, acc);
+      mma_pv<T, D>(acc, s, 0, [&](int np) { return tile_at(slot, 1, v_row, np * 16 + v_col); });
       slot = slot + 1 == S ? 0 : slot + 1;
       __syncwarp();
     }
 
     // ---- this item's rows: the output (one partition) or the flash-decoding partials
+    row_sums(l);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
       const int row = g + 8 * r;
       if (row >= it.nrows) continue;
       const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
@@ -241,7 +268,8 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         T* dst = static_cast<T*>(p.out) + grow * D + 2 * t;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
-          *reinterpret_cast<uint32_t*>(dst + 8 * n) = TT::pack(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+          *reinterpret_cast<uint32_t*>(dst + 8 * n) =
+              TypeTraits<T>::pack(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
       } else {
         const int64_t prow = grow * p.num_splits + it.split;
         float* dst = p.partial_out + prow * D + 2 * t;
@@ -258,27 +286,60 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   cp_async_wait<0>();
 }
 
-/// One kernel configuration: W warps per CTA, an NS-deep ring per warp, L2 prefetch hint PF.
-/// 4 x 3 with the 128-byte hint won on the H200 (run 3: 270 us at 64 x 4096 against 274-286 us
-/// for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row copies; see
-/// bench/cuda_kernels_notes.md).
-template <typename T, int D, int W = 4, int NS = 3, int PF = 128>
-struct V2 {
-  using C = DecodeV2Cfg<T, D, W, NS>;
-  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF>; }
+// ---- TMA descriptors (cuTensorMapEncodeTiled through the runtime's driver entry point, so the
+// library needs no link against libcuda).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-  // Concurrent warps of the grid: occupancy x SMs x warps per CTA (cached per instantiation).
+EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+#if CUDART_VERSION >= 12050
+    PAGEDLLM_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status));
+#else
+    PAGEDLLM_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &status));
+#endif
+    if (status != cudaDriverEntryPointSuccess || f == nullptr)
+      throw std::runtime_error("CUDA decode: cuTensorMapEncodeTiled is not available from the driver");
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+/// [rows, D] view of a cache with 64-column x 16-row boxes and the 128-byte swizzle.
+template <typename T, int D>
+CUtensorMap cache_map(const void* cache, int64_t rows) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(D * sizeof(T))};
+  const cuuint32_t box[2] = {64, 16};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUtensorMapDataType type =
+      TypeTraits<T>::kIsBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = encode_tiled()(&map, type, 2, const_cast<void*>(cache), dims, strides, box, elem_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("CUDA decode: cuTensorMapEncodeTiled failed with code " + std::to_string(static_cast<int>(r)));
+  return map;
+}
+
+/// One kernel configuration: W warps per CTA, an NS-deep ring per warp, L2 prefetch hint PF,
+/// tile loads LOAD. 4 x 3 with the 128-byte hint won on the H200 in run 3 (270 us at 64 x 4096
+/// against 274-286 us for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row copies);
+/// 4 x 5 and cp.async without the zero-fill operand lost in run 4 (see bench/cuda_kernels_notes.md).
+template <typename T, int D, int W = 4, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync>
+struct V2 {
+  using C = DecodeV2Cfg<T, D, W, NS, LOAD>;
+  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD>; }
+
+  // Concurrent warps of the grid: resident CTAs x warps per CTA (cached per instantiation).
   static int units() {
     static std::atomic<int> cached{0};
-    if (cached.load() > 0) return cached.load();
     static std::atomic<uint64_t> smem_raised{0};
-    set_max_dynamic_smem(reinterpret_cast<const void*>(kernel()), C::kSmemBytes, smem_raised);
-    int per_sm = 0, sms = 0, dev = 0;
-    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
-    PAGEDLLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel(), C::kThreads, C::kSmemBytes));
-    PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    cached.store(std::max(1, per_sm) * sms * C::kWarps);
-    return cached.load();
+    return resident_ctas(cached, kernel(), C::kThreads, C::kSmemBytes, smem_raised) * C::kWarps;
   }
 
   static void launch(const AttnParams& p, cudaStream_t stream) {
@@ -289,32 +350,37 @@ struct V2 {
       throw std::runtime_error("CUDA decode: too many work items (" + std::to_string(items) + ")");
     const int64_t warps = std::min<int64_t>(units_, items);
     const unsigned ctas = static_cast<unsigned>((warps + C::kWarps - 1) / C::kWarps);
-    auto k = kernel();
-    k<<<ctas, C::kThreads, C::kSmemBytes, stream>>>(p, static_cast<int>(items), head_chunks);
-    PAGEDLLM_CUDA_CHECK_LAUNCH();
+    TmaMaps maps{};
+    if constexpr (LOAD == kLoadTma) {
+      maps.k = cache_map<T, D>(p.key_cache, p.cache_rows);
+      maps.v = cache_map<T, D>(p.value_cache, p.cache_rows);
+    }
+    static std::atomic<uint64_t> smem_raised{0};
+    launch_checked(kernel(), ctas, C::kThreads, C::kSmemBytes, stream, smem_raised, p, static_cast<int>(items),
+                   head_chunks, maps);
   }
 };
 
-/// Calls f(V2<...>{}) with the configuration of (T, head_size).
+/// TMA tile loads: on sm_90+, for caches of fewer than 2^31 rows (TMA coordinates are int32),
+/// unless PAGEDLLM_DECODE_TMA=0 (read once). `p` == nullptr: the device alone decides.
+bool use_tma(const AttnParams* p) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("PAGEDLLM_DECODE_TMA");
+    if (v != nullptr && std::string(v) == "0") return false;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      return false;
+    return major >= 9;
+  }();
+  return enabled && (p == nullptr || (p->cache_rows > 0 && p->cache_rows < (int64_t{1} << 31)));
+}
+
+/// Calls f(V2<...>{}) with the configuration of (T, head_size) and the parameters.
 template <typename T, typename F>
-auto with_config(int head_size, F&& f) {
-  switch (head_size) {
-    case 64: return f(V2<T, 64>{});
-    case 80: return f(V2<T, 80>{});
-    case 96: return f(V2<T, 96>{});
-    case 128: return f(V2<T, 128>{});
-    default: throw std::runtime_error("CUDA decode v2: unsupported head size " + std::to_string(head_size));
-  }
-}
-
-template <typename T>
-void launch_v2_dtype(int head_size, const AttnParams& p, cudaStream_t stream) {
-  with_config<T>(head_size, [&](auto cfg) { decltype(cfg)::launch(p, stream); });
-}
-
-template <typename T>
-int units_dtype(int head_size) {
-  return with_config<T>(head_size, [&](auto cfg) { return decltype(cfg)::units(); });
+auto with_config(int head_size, const AttnParams* p, F&& f) {
+  if (head_size == 128 && use_tma(p)) return f(V2<T, 128, 4, 3, 128, kLoadTma>{});
+  return dispatch_head_size<128>(head_size, "CUDA decode v2", [&](auto d) { return f(V2<T, decltype(d)::value>{}); });
 }
 
 }  // namespace
@@ -324,13 +390,17 @@ bool decode_v2_supports(DType dtype, int head_size) {
 }
 
 int decode_v2_units(DType dtype, int head_size) {
-  return dtype == DType::kBFloat16 ? units_dtype<__nv_bfloat16>(head_size) : units_dtype<__half>(head_size);
+  return dispatch_mma_dtype(dtype, "CUDA decode v2", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return with_config<T>(head_size, nullptr, [&](auto cfg) { return decltype(cfg)::units(); });
+  });
 }
 
 void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {
-  if (dtype == DType::kBFloat16) return launch_v2_dtype<__nv_bfloat16>(head_size, p, stream);
-  if (dtype == DType::kFloat16) return launch_v2_dtype<__half>(head_size, p, stream);
-  throw std::runtime_error(std::string("CUDA decode v2: unsupported dtype ") + dtype_name(dtype));
+  dispatch_mma_dtype(dtype, "CUDA decode v2", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    with_config<T>(head_size, &p, [&](auto cfg) { decltype(cfg)::launch(p, stream); });
+  });
 }
 
 }  // namespace pagedllm::cuda::detail

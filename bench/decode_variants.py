@@ -1,0 +1,83 @@
+"""Decode kernel variants side by side on one GPU (bench/cuda_kernels_notes.md, run 4).
+
+Each variant is an environment setting read once by the library (PAGEDLLM_DECODE_TMA,
+PAGEDLLM_DECODE_KERNEL), so each runs bench/cuda_kernels.py in its own process over the same decode
+cases (GQA 32/8, d128, bf16, CUDA-graph replay, inputs rotated past 4x L2, SDPA in the same
+process). The documents are merged into one JSON: DIR/<date>-h200-kernels-run4.json.
+
+    python3 bench/decode_variants.py --out DIR [--variants base,cpasync,...] [--cases ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = {
+    "base": {},
+    "cpasync": {"PAGEDLLM_DECODE_TMA": "0"},  # d128 tiles by cp.async instead of TMA
+    "v1": {"PAGEDLLM_DECODE_KERNEL": "v1"},  # the CTA-per-item decode kernel
+    "base2": {},  # the default again, last: the run-to-run spread
+}
+DEFAULT_CASES = {
+    "base": "1x4096,8x4096,16x1024,64x4096,64x4096:s1,64x4096:s4,1x4096:s16,1x4096:s32",
+    "cpasync": "64x4096,1x4096",
+    "v1": "1x4096,64x4096",
+    "base2": "64x4096,1x4096",
+}
+# Run 4's first device call (commit 23a08c7) also had "nz" (cp.async without the zero-fill
+# operand), "tma" (now the default), "4x5" (5-deep rings), "fused" / "fused_memset" (split-K
+# combined by the last CTA of the CTA-per-item kernel); the losers were removed (notes).
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--cases", default="", help="the same cases for every variant (default: per variant)")
+    ap.add_argument("--name", default="kernels-run4")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per variant")
+    args = ap.parse_args()
+    merged = {"bench": "decode_variants", "date": datetime.date.today().isoformat(), "variants": {}}
+    for name in args.variants.split(","):
+        env = dict(os.environ, **VARIANTS[name])
+        cases = args.cases or DEFAULT_CASES[name]
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, os.path.join(HERE, "cuda_kernels.py"), "--out", tmp, "--no-prefill",
+                   "--cases", cases, "--tag", name]
+            print(f"== variant {name}: {VARIANTS[name]} cases {cases}", file=sys.stderr, flush=True)
+            try:
+                subprocess.run(cmd, env=env, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+                merged["variants"][name] = {"env": VARIANTS[name], "error": str(e)}
+                continue
+            doc = json.load(open(glob.glob(os.path.join(tmp, "*.json"))[0]))
+            for k in ("commit", "gpu", "sms", "torch", "shape", "timing"):
+                merged.setdefault(k, doc.get(k))
+            merged["variants"][name] = {"env": VARIANTS[name], "decode": doc["decode"]}
+    os.makedirs(args.out, exist_ok=True)
+    gpu = "h200" if "H200" in str(merged.get("gpu")) else str(merged.get("gpu")).replace(" ", "-").lower()
+    path = os.path.join(args.out, f"{merged['date']}-{gpu}-{args.name}.json")
+    with open(path, "w") as f:
+        f.write(json.dumps(merged, indent=1) + "\n")
+    # Short table last (the device tool returns the end of the output).
+    print(f"{'variant':13s} {'case':16s} {'ours_us':>9s} {'sdpa_us':>9s} {'ratio':>6s} {'err':>8s}")
+    for name, v in merged["variants"].items():
+        if "error" in v:
+            print(f"{name:13s} ERROR {v['error'][:80]}")
+            continue
+        for r in v["decode"]:
+            case = f"{r['batch']}x{r['context']}" + ("" if r["split_k"] == "auto" else f":s{r['split_k']}")
+            print(f"{name:13s} {case:16s} {r['ours_us']:9.2f} {r['sdpa_us']:9.2f} {r['speed_vs_sdpa']:6.3f} "
+                  f"{r['rel_l2_vs_sdpa_fp32']:8.1e}")
+
+
+if __name__ == "__main__":
+    main()
