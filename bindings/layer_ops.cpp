@@ -1,4 +1,4 @@
-// Bindings for pagedllm/layer_ops.h. The GIL is released while a kernel launches.
+// Bindings for pagedllm/layer_ops.h. The GIL is released while a kernel runs.
 #include "pagedllm/layer_ops.h"
 
 #include "registry.h"
@@ -6,7 +6,7 @@
 PAGEDLLM_BINDING(layer_ops, m) {
   namespace py = pybind11;
   m.def("layer_ops_built_with_cuda", &pagedllm::layer_ops_built_with_cuda,
-        "Whether this build has the CUDA layer kernels (rms_norm, silu_and_mul, rotary_embedding...).");
+        "Whether this build has the CUDA layer kernels.");
   m.def("rms_norm", &pagedllm::rms_norm, py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("eps"),
         py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
         "out [T, N] = RMSNorm(input [T, N]) * weight [N].");
@@ -14,10 +14,10 @@ PAGEDLLM_BINDING(layer_ops, m) {
         py::arg("weight"), py::arg("eps"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
         "In place: residual += input; input = RMSNorm(residual) * weight.");
   m.def("silu_and_mul", &pagedllm::silu_and_mul, py::arg("out"), py::arg("input"), py::arg("stream") = 0,
-        py::call_guard<py::gil_scoped_release>(), "out [T, d] = silu(input[:, :d]) * input[:, d:].");
+        py::call_guard<py::gil_scoped_release>(), "out [T, I] = SiLU(input[:, :I]) * input[:, I:].");
   m.def("rotary_embedding", &pagedllm::rotary_embedding, py::arg("positions"), py::arg("query"), py::arg("key"),
-        py::arg("cos_cache"), py::arg("sin_cache"), py::arg("stream") = 0,
-        py::call_guard<py::gil_scoped_release>(), "NeoX-style RoPE on query and key, in place.");
+        py::arg("cos_sin_cache"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+        "Rotate query [T, Hq, D] and key [T, Hkv, D] in place (NeoX layout) by positions int64 [T].");
   m.def("rotary_embedding_and_cache", &pagedllm::rotary_embedding_and_cache, py::arg("positions"),
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cos_cache"), py::arg("sin_cache"),
         py::arg("query_out"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),

@@ -1,13 +1,15 @@
-// Launchers of pagedllm/layer_ops.h: validate, then dispatch to the CUDA kernels (cuda/rms_norm.cu,
-// cuda/activation.cu, cuda/rotary_embedding.cu, declared in cuda/layer_ops_cuda.h). No CPU kernels yet:
-// CPU tensors are refused with a message saying so (a CPU version would be dispatched here).
+// Launchers of pagedllm/layer_ops.h: validate every argument, then run the CPU kernels
+// (cpu_layer_ops.cpp) or, for CUDA tensors, the CUDA ones (cuda/rms_norm.cu, activation.cu,
+// rotary_embedding.cu, declared in cuda/layer_ops_cuda.h).
 #include "pagedllm/layer_ops.h"
 
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
+#include "cpu_layer_kernels.h"
 #include "kernel_checks.h"
+#include "pagedllm/attention.h"
 #if defined(PAGEDLLM_WITH_CUDA) && !defined(PAGEDLLM_NO_LAYER_OPS_CUDA)
 #define PAGEDLLM_LAYER_OPS_CUDA 1
 #include "layer_ops_cuda.h"
@@ -23,26 +25,35 @@ using detail::check_dtype;
 using detail::check_ndim;
 using detail::check_same_device;
 
-/// float32 / bfloat16 / float16 on a CUDA device (the only kernels there are).
-void check_float_cuda(const char* op, const char* name, const TensorView& t) {
-  PAGEDLLM_CHECK(t.device == DeviceType::kCUDA, op, ": ", name, " is on ", detail::device_str(t),
-                 "; only CUDA kernels exist for this op (the CPU model path uses PyTorch)");
-  PAGEDLLM_CHECK(t.dtype == DType::kFloat32 || t.dtype == DType::kBFloat16 || t.dtype == DType::kFloat16, op,
-                 ": ", name, " dtype ", dtype_name(t.dtype),
-                 " is not supported; supported dtypes: float32, bfloat16, float16");
+/// The op's dtype: float32 or bfloat16 on the CPU, also float16 on CUDA.
+void check_float(const char* op, const char* name, const TensorView& t) {
+  if (t.device == DeviceType::kCUDA) {
+    PAGEDLLM_CHECK(t.dtype == DType::kFloat32 || t.dtype == DType::kBFloat16 || t.dtype == DType::kFloat16, op,
+                   ": ", name, " dtype ", dtype_name(t.dtype),
+                   " is not supported; supported dtypes on cuda: float32, bfloat16, float16");
+    return;
+  }
+  PAGEDLLM_CHECK(t.dtype == DType::kFloat32 || t.dtype == DType::kBFloat16, op, ": ", name, " dtype ",
+                 dtype_name(t.dtype), " is not supported; supported dtypes on cpu: float32, bfloat16");
+}
+
+/// A [rows, n] matrix whose rows may be strided but whose elements are contiguous.
+void check_rows(const char* op, const char* name, const TensorView& t, DType dtype, const char* layout) {
+  check_ndim(op, name, t, 2, layout);
+  check_dtype(op, name, t, dtype);
+  PAGEDLLM_CHECK(t.size(1) <= 1 || t.stride(1) == 1, op, ": ", name,
+                 " must have a contiguous last dimension, got ", t.describe());
+}
+
+/// The CUDA kernels take whole contiguous matrices (the CPU ones also strided rows).
+void check_cuda_contiguous(const char* op, const char* name, const TensorView& t) {
+  if (t.device == DeviceType::kCUDA)
+    PAGEDLLM_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous on cuda (strided rows are "
+                   "supported on the cpu only), got ", t.describe(), " with row stride ", t.stride(0));
 }
 
 void check_eps(const char* op, double eps) {
-  PAGEDLLM_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
-}
-
-/// weight [hidden] of input's dtype and device, contiguous.
-void check_norm_weight(const char* op, const TensorView& weight, const TensorView& input) {
-  check_ndim(op, "weight", weight, 1, "[hidden_size]");
-  check_dtype(op, "weight", weight, input.dtype);
-  check_same_device(op, "weight", weight, "input", input);
-  check_contiguous(op, "weight", weight);
-  check_dim(op, "weight", weight, 0, input.size(1), "hidden_size, must match input");
+  PAGEDLLM_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
 }
 
 bool overlaps(const TensorView& a, const TensorView& b) {
@@ -53,7 +64,7 @@ bool overlaps(const TensorView& a, const TensorView& b) {
   return an > 0 && bn > 0 && a0 < b0 + bn && b0 < a0 + an;
 }
 
-/// [T, H, D] with heads and features contiguous (any token stride).
+/// [T, H, D] with heads and features contiguous (any token stride): the CUDA rotary kernel's layout.
 void check_heads(const char* op, const char* name, const TensorView& t, const char* layout) {
   check_ndim(op, name, t, 3, layout);
   PAGEDLLM_CHECK(t.size(2) == 1 || t.stride(2) == 1, op, ": ", name,
@@ -63,41 +74,7 @@ void check_heads(const char* op, const char* name, const TensorView& t, const ch
                  " must have contiguous heads (stride(1) == head_size ", t.size(2), "), got stride ",
                  t.stride(1), " (", t.describe(), ")");
   PAGEDLLM_CHECK(t.size(0) <= 1 || t.stride(0) >= t.size(1) * t.size(2), op, ": ", name,
-                 " token stride ", t.stride(0), " is smaller than num_heads * head_size (",
-                 t.describe(), ")");
-}
-
-/// positions, query, key, cos/sin caches: shared by both rotary ops.
-void check_rotary(const char* op, const TensorView& positions, const TensorView& query, const TensorView& key,
-                  const TensorView& cos_cache, const TensorView& sin_cache) {
-  check_float_cuda(op, "query", query);
-  check_heads(op, "query", query, "[num_tokens, num_heads, head_size]");
-  check_heads(op, "key", key, "[num_tokens, num_kv_heads, head_size]");
-  check_dtype(op, "key", key, query.dtype);
-  check_same_device(op, "key", key, "query", query);
-  check_dim(op, "key", key, 0, query.size(0), "num_tokens, must match query");
-  check_dim(op, "key", key, 2, query.size(2), "head_size, must match query");
-  check_ndim(op, "positions", positions, 1, "[num_tokens]");
-  check_dtype(op, "positions", positions, DType::kInt64);
-  check_same_device(op, "positions", positions, "query", query);
-  check_contiguous(op, "positions", positions);
-  check_dim(op, "positions", positions, 0, query.size(0), "num_tokens, must match query");
-  for (const auto* c : {&cos_cache, &sin_cache}) {
-    const char* name = c == &cos_cache ? "cos_cache" : "sin_cache";
-    check_ndim(op, name, *c, 2, "[max_positions, rotary_dim / 2]");
-    check_dtype(op, name, *c, query.dtype);
-    check_same_device(op, name, *c, "query", query);
-    check_contiguous(op, name, *c);
-  }
-  PAGEDLLM_CHECK(sin_cache.size(0) == cos_cache.size(0) && sin_cache.size(1) == cos_cache.size(1), op,
-                 ": sin_cache shape ", sin_cache.describe(), " differs from cos_cache shape ",
-                 cos_cache.describe());
-  PAGEDLLM_CHECK(cos_cache.size(0) > 0 && cos_cache.size(1) > 0, op, ": cos_cache is empty (",
-                 cos_cache.describe(), ")");
-  PAGEDLLM_CHECK(2 * cos_cache.size(1) <= query.size(2), op, ": rotary_dim 2 * ", cos_cache.size(1),
-                 " (cos_cache dimension 1 = rotary_dim / 2) exceeds head_size ", query.size(2));
-  PAGEDLLM_CHECK(query.size(1) > 0 && key.size(1) > 0, op, ": num_heads and num_kv_heads must be positive, got ",
-                 query.size(1), " and ", key.size(1));
+                 " token stride ", t.stride(0), " is smaller than num_heads * head_size (", t.describe(), ")");
 }
 
 [[noreturn]] void no_layer_ops_cuda(const char* op) {
@@ -118,20 +95,26 @@ bool layer_ops_built_with_cuda() {
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
               std::uintptr_t stream) {
   const char* op = "rms_norm";
-  check_float_cuda(op, "input", input);
-  check_ndim(op, "input", input, 2, "[num_tokens, hidden_size]");
-  check_ndim(op, "out", out, 2, "[num_tokens, hidden_size]");
-  check_dtype(op, "out", out, input.dtype);
+  check_float(op, "input", input);
+  check_rows(op, "input", input, input.dtype, "[num_tokens, hidden_size]");
+  check_rows(op, "out", out, input.dtype, "[num_tokens, hidden_size]");
+  check_ndim(op, "weight", weight, 1, "[hidden_size]");
+  check_dtype(op, "weight", weight, input.dtype);
+  check_contiguous(op, "weight", weight);
   check_same_device(op, "out", out, "input", input);
-  check_contiguous(op, "input", input);
-  check_contiguous(op, "out", out);
+  check_same_device(op, "weight", weight, "input", input);
   check_dim(op, "out", out, 0, input.size(0), "num_tokens, must match input");
   check_dim(op, "out", out, 1, input.size(1), "hidden_size, must match input");
-  PAGEDLLM_CHECK(input.size(1) > 0, op, ": hidden_size must be positive, got ", input.size(1));
-  check_norm_weight(op, weight, input);
+  check_dim(op, "weight", weight, 0, input.size(1), "hidden_size, must match input");
   check_eps(op, eps);
-  PAGEDLLM_CHECK(!overlaps(out, input), op, ": out and input overlap (use fused_add_rms_norm to work in place)");
-  if (input.size(0) == 0) return;
+  if (input.numel() == 0) return;
+  if (input.device == DeviceType::kCPU) {
+    cpu::rms_norm(out, input, weight, static_cast<float>(eps), get_num_threads());
+    return;
+  }
+  check_cuda_contiguous(op, "input", input);
+  check_cuda_contiguous(op, "out", out);
+  PAGEDLLM_CHECK(!overlaps(out, input), op, ": out and input overlap (fused_add_rms_norm works in place)");
 #ifdef PAGEDLLM_LAYER_OPS_CUDA
   cuda::rms_norm(out, input, nullptr, weight, static_cast<float>(eps), stream);
 #else
@@ -143,20 +126,26 @@ void rms_norm(const TensorView& out, const TensorView& input, const TensorView& 
 void fused_add_rms_norm(const TensorView& input, const TensorView& residual, const TensorView& weight,
                         double eps, std::uintptr_t stream) {
   const char* op = "fused_add_rms_norm";
-  check_float_cuda(op, "input", input);
-  check_ndim(op, "input", input, 2, "[num_tokens, hidden_size]");
-  check_ndim(op, "residual", residual, 2, "[num_tokens, hidden_size]");
-  check_dtype(op, "residual", residual, input.dtype);
+  check_float(op, "input", input);
+  check_rows(op, "input", input, input.dtype, "[num_tokens, hidden_size]");
+  check_rows(op, "residual", residual, input.dtype, "[num_tokens, hidden_size]");
+  check_ndim(op, "weight", weight, 1, "[hidden_size]");
+  check_dtype(op, "weight", weight, input.dtype);
+  check_contiguous(op, "weight", weight);
   check_same_device(op, "residual", residual, "input", input);
-  check_contiguous(op, "input", input);
-  check_contiguous(op, "residual", residual);
+  check_same_device(op, "weight", weight, "input", input);
   check_dim(op, "residual", residual, 0, input.size(0), "num_tokens, must match input");
   check_dim(op, "residual", residual, 1, input.size(1), "hidden_size, must match input");
-  PAGEDLLM_CHECK(input.size(1) > 0, op, ": hidden_size must be positive, got ", input.size(1));
-  check_norm_weight(op, weight, input);
+  check_dim(op, "weight", weight, 0, input.size(1), "hidden_size, must match input");
   check_eps(op, eps);
+  if (input.numel() == 0) return;
+  if (input.device == DeviceType::kCPU) {
+    cpu::fused_add_rms_norm(input, residual, weight, static_cast<float>(eps), get_num_threads());
+    return;
+  }
+  check_cuda_contiguous(op, "input", input);
+  check_cuda_contiguous(op, "residual", residual);
   PAGEDLLM_CHECK(!overlaps(input, residual), op, ": input and residual overlap");
-  if (input.size(0) == 0) return;
 #ifdef PAGEDLLM_LAYER_OPS_CUDA
   cuda::rms_norm(input, input, &residual, weight, static_cast<float>(eps), stream);
 #else
@@ -167,19 +156,22 @@ void fused_add_rms_norm(const TensorView& input, const TensorView& residual, con
 
 void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream) {
   const char* op = "silu_and_mul";
-  check_float_cuda(op, "input", input);
-  check_ndim(op, "input", input, 2, "[num_tokens, 2 * d]");
-  check_ndim(op, "out", out, 2, "[num_tokens, d]");
-  check_dtype(op, "out", out, input.dtype);
+  check_float(op, "input", input);
+  check_rows(op, "input", input, input.dtype, "[num_tokens, 2 * intermediate_size]");
+  check_rows(op, "out", out, input.dtype, "[num_tokens, intermediate_size]");
   check_same_device(op, "out", out, "input", input);
-  check_contiguous(op, "input", input);
-  check_contiguous(op, "out", out);
-  PAGEDLLM_CHECK(input.size(1) > 0 && input.size(1) % 2 == 0, op, ": input dimension 1 must be a positive even "
-                 "number (gate | up), got ", input.size(1), " (", input.describe(), ")");
+  PAGEDLLM_CHECK(input.size(1) % 2 == 0, op, ": input's last dimension (gate and up halves) must be even, got ",
+                 input.describe());
   check_dim(op, "out", out, 0, input.size(0), "num_tokens, must match input");
-  check_dim(op, "out", out, 1, input.size(1) / 2, "d, half of input dimension 1");
+  check_dim(op, "out", out, 1, input.size(1) / 2, "intermediate_size, half of input's last dimension");
+  if (out.numel() == 0) return;
+  if (input.device == DeviceType::kCPU) {
+    cpu::silu_and_mul(out, input, get_num_threads());
+    return;
+  }
+  check_cuda_contiguous(op, "input", input);
+  check_cuda_contiguous(op, "out", out);
   PAGEDLLM_CHECK(!overlaps(out, input), op, ": out and input overlap");
-  if (input.size(0) == 0) return;
 #ifdef PAGEDLLM_LAYER_OPS_CUDA
   cuda::silu_and_mul(out, input, stream);
 #else
@@ -189,17 +181,41 @@ void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t
 }
 
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
-                      const TensorView& cos_cache, const TensorView& sin_cache, std::uintptr_t stream) {
+                      const TensorView& cos_sin_cache, std::uintptr_t /*stream*/) {
   const char* op = "rotary_embedding";
-  check_rotary(op, positions, query, key, cos_cache, sin_cache);
-  if (query.size(0) == 0) return;
-#ifdef PAGEDLLM_LAYER_OPS_CUDA
-  cuda::rotary_embedding(positions, query, key, nullptr, cos_cache, sin_cache, nullptr, nullptr, nullptr,
-                         nullptr, stream);
-#else
-  (void)stream;
-  no_layer_ops_cuda(op);
-#endif
+  PAGEDLLM_CHECK(query.device == DeviceType::kCPU, op, ": query is on ", detail::device_str(query),
+                 "; the in-place rotary embedding has a CPU kernel only so far (on cuda use "
+                 "rotary_embedding_and_cache)");
+  check_float(op, "query", query);
+  const char* layout = "[num_tokens, num_heads, head_size]";
+  check_ndim(op, "query", query, 3, layout);
+  check_ndim(op, "key", key, 3, layout);
+  check_dtype(op, "key", key, query.dtype);
+  check_ndim(op, "positions", positions, 1, "[num_tokens]");
+  check_dtype(op, "positions", positions, DType::kInt64);
+  check_contiguous(op, "positions", positions);
+  check_ndim(op, "cos_sin_cache", cos_sin_cache, 2, "[max_position, rotary_dim] (cos half, then sin half)");
+  check_dtype(op, "cos_sin_cache", cos_sin_cache, query.dtype);
+  check_contiguous(op, "cos_sin_cache", cos_sin_cache);
+  for (const auto* t : {&positions, &key, &cos_sin_cache})
+    check_same_device(op, t == &key ? "key" : t == &positions ? "positions" : "cos_sin_cache", *t, "query", query);
+  const int64_t tokens = query.size(0), rot = cos_sin_cache.size(1);
+  check_dim(op, "key", key, 0, tokens, "num_tokens, must match query");
+  check_dim(op, "positions", positions, 0, tokens, "num_tokens, must match query");
+  check_dim(op, "key", key, 2, query.size(2), "head_size, must match query");
+  PAGEDLLM_CHECK(query.size(2) <= 1 || query.stride(2) == 1, op, ": query must have a contiguous last dimension, got ",
+                 query.describe());
+  PAGEDLLM_CHECK(key.size(2) <= 1 || key.stride(2) == 1, op, ": key must have a contiguous last dimension, got ",
+                 key.describe());
+  PAGEDLLM_CHECK(rot > 0 && rot % 2 == 0 && rot <= query.size(2), op, ": rotary_dim (cos_sin_cache dimension 1) = ",
+                 rot, " must be even, positive and at most head_size ", query.size(2));
+  const int64_t max_pos = cos_sin_cache.size(0);
+  const int64_t* pos = positions.ptr<const int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    PAGEDLLM_CHECK(pos[t] >= 0 && pos[t] < max_pos, op, ": positions[", t, "] = ", pos[t],
+                   " is outside the cos_sin_cache's [0, ", max_pos, ")");
+  if (tokens == 0) return;
+  cpu::rotary_embedding(positions, query, key, cos_sin_cache, get_num_threads());
 }
 
 void rotary_embedding_and_cache(const TensorView& positions, const TensorView& query, const TensorView& key,
@@ -208,13 +224,41 @@ void rotary_embedding_and_cache(const TensorView& positions, const TensorView& q
                                 const TensorView& key_cache, const TensorView& value_cache,
                                 const TensorView& slot_mapping, std::uintptr_t stream) {
   const char* op = "rotary_embedding_and_cache";
-  check_rotary(op, positions, query, key, cos_cache, sin_cache);
+  PAGEDLLM_CHECK(query.device == DeviceType::kCUDA, op, ": query is on ", detail::device_str(query),
+                 "; this op has a CUDA kernel only so far (on the cpu use rotary_embedding, then "
+                 "reshape_and_cache)");
+  check_float(op, "query", query);
+  check_heads(op, "query", query, "[num_tokens, num_heads, head_size]");
+  check_heads(op, "key", key, "[num_tokens, num_kv_heads, head_size]");
   check_heads(op, "value", value, "[num_tokens, num_kv_heads, head_size]");
+  check_dtype(op, "key", key, query.dtype);
   check_dtype(op, "value", value, query.dtype);
+  check_same_device(op, "key", key, "query", query);
   check_same_device(op, "value", value, "query", query);
+  check_dim(op, "key", key, 0, query.size(0), "num_tokens, must match query");
+  check_dim(op, "key", key, 2, query.size(2), "head_size, must match query");
   for (int d = 0; d < 3; ++d)
     PAGEDLLM_CHECK(value.size(d) == key.size(d), op, ": value shape ", value.describe(),
                    " differs from key shape ", key.describe());
+  check_ndim(op, "positions", positions, 1, "[num_tokens]");
+  check_dtype(op, "positions", positions, DType::kInt64);
+  check_same_device(op, "positions", positions, "query", query);
+  check_contiguous(op, "positions", positions);
+  check_dim(op, "positions", positions, 0, query.size(0), "num_tokens, must match query");
+  for (const auto* c : {&cos_cache, &sin_cache}) {
+    const char* name = c == &cos_cache ? "cos_cache" : "sin_cache";
+    check_ndim(op, name, *c, 2, "[max_position, rotary_dim / 2]");
+    check_dtype(op, name, *c, query.dtype);
+    check_same_device(op, name, *c, "query", query);
+    check_contiguous(op, name, *c);
+  }
+  PAGEDLLM_CHECK(sin_cache.size(0) == cos_cache.size(0) && sin_cache.size(1) == cos_cache.size(1), op,
+                 ": sin_cache shape ", sin_cache.describe(), " differs from cos_cache shape ", cos_cache.describe());
+  PAGEDLLM_CHECK(cos_cache.size(0) > 0 && cos_cache.size(1) > 0 && 2 * cos_cache.size(1) <= query.size(2), op,
+                 ": rotary_dim 2 * ", cos_cache.size(1), " (cos_cache dimension 1 = rotary_dim / 2) must be "
+                 "positive and at most head_size ", query.size(2), " (cos_cache is ", cos_cache.describe(), ")");
+  PAGEDLLM_CHECK(query.size(1) > 0 && key.size(1) > 0, op, ": num_heads and num_kv_heads must be positive, got ",
+                 query.size(1), " and ", key.size(1));
   check_ndim(op, "query_out", query_out, 3, "[num_tokens, num_heads, head_size]");
   check_dtype(op, "query_out", query_out, query.dtype);
   check_same_device(op, "query_out", query_out, "query", query);
@@ -233,7 +277,7 @@ void rotary_embedding_and_cache(const TensorView& positions, const TensorView& q
   check_contiguous(op, "slot_mapping", slot_mapping);
   check_dim(op, "slot_mapping", slot_mapping, 0, query.size(0), "num_tokens, must match query");
   if (query.size(0) == 0) return;
-  // Overlap is checked on the span each view touches (a strided view's numel undercounts it).
+  // Overlap is checked on the span the strided query touches (its numel undercounts it).
   TensorView q_span = query;
   q_span.shape[0] = 1;
   q_span.shape[1] = 1;

@@ -1,35 +1,28 @@
-"""The fused layer kernels (pagedllm/layer_ops.h): rms_norm, fused_add_rms_norm, silu_and_mul,
-rotary_embedding, rotary_embedding_and_cache, and the CUDA model path that uses them.
+"""Fused layer ops (pagedllm.ops.rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding).
 
-Every kernel is checked against a float64 reference on fresh random inputs (the seed is printed),
-for float32 / bfloat16 / float16, odd sizes and misaligned (scalar-path) views; where the kernel
-reproduces PyTorch's rounding exactly (the residual add, RoPE), the result is also compared bit
-for bit with the PyTorch expression in the same dtype. The model test runs a tiny Llama /
-Qwen2 / Qwen3 with the fused kernels and with the PyTorch path on the same weights and inputs.
-CUDA cases carry the `cuda` marker; argument errors on CPU tensors run everywhere.
+Each op is checked twice on fresh random inputs: against a float64 reference of the formula
+(tolerance per dtype), and against the eager PyTorch composition Hugging Face's Llama modules
+use (same roundings), which the fused op must reproduce to within one unit in the last place of
+the dtype on a tiny fraction of elements (the fp32 mean of squares and exp are summed/evaluated
+in a different order than torch's). Inputs include strided rows (slices of a fused projection),
+odd sizes, one row and zero rows.
 """
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pagedllm.ops as ops
 
 torch.set_num_threads(2)
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (rtol, atol) against the float64 reference: a couple of units in the last place of the dtype
-TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3)}
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def dtype_id(dt):
-    return str(dt).removeprefix("torch.")
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16")]
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
+ROWS = [0, 1, 7, 300]  # 300 x 576 and up crosses the kernels' multi-thread threshold
 
 
 @pytest.fixture
@@ -39,349 +32,147 @@ def gen():
     return torch.Generator().manual_seed(seed)
 
 
-def randn(shape, dtype, gen, scale=1.0, offset=0):
-    """Random values on the GPU; offset > 0 returns a view starting `offset` elements into its
-    buffer (not 16-byte aligned: the kernels' scalar path)."""
-    n = 1
-    for s in shape:
-        n *= s
-    buf = (torch.randn(n + offset, generator=gen, dtype=torch.float64) * scale).to(dtype).cuda()
-    return buf[offset:].view(shape)
+def strided_rows(rows: int, cols: int, dtype, gen, scale: float = 1.0) -> torch.Tensor:
+    """A [rows, cols] view whose rows are strided (a column slice of a wider tensor)."""
+    wide = torch.randn(rows, cols + 37, generator=gen, dtype=torch.float64) * scale
+    return wide.to(dtype)[:, 5:5 + cols]
 
 
-def close(actual, expected64, dtype, what):
-    rtol, atol = TOL[dtype]
-    err = (actual.double().cpu() - expected64.cpu()).abs()
-    bound = atol + rtol * expected64.abs().cpu()
-    bad = err > bound
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {err.numel()} values off, worst {float(err.max()):.3g}"
+def assert_matches_eager(got: torch.Tensor, eager: torch.Tensor, dtype) -> None:
+    """bfloat16: equal to the eager composition except one ulp on < 0.2% of elements (a float32
+    intermediate that differs in its last bit flips a rounding now and then). float32: within
+    1e-6 relative (a row's normaliser may differ in its last bits, and every element with it)."""
+    got64, eager64 = got.double(), eager.double()
+    exponent = torch.floor(torch.log2(eager64.abs().clamp_min(1e-30)))
+    if dtype == torch.bfloat16:
+        differ = got64 != eager64
+        ulp = 2.0 ** (exponent - 7)
+        assert bool(((got64 - eager64).abs() <= ulp * 1.01)[differ].all()), "a bf16 result is more than 1 ulp off eager"
+        assert differ.double().mean().item() < 2e-3 if got.numel() else True
+    else:
+        torch.testing.assert_close(got64, eager64, rtol=1e-6, atol=1e-7)
 
 
-def rms_ref(x64, w64, eps):
-    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
-# ---------------------------------------------------------------- RMSNorm
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("tokens,hidden", [(1, 4096), (7, 37), (33, 256), (5, 1000), (3, 1), (2, 8192)])
-@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
-@pytest.mark.cuda
-@needs_cuda
-def test_rms_norm(gen, dtype, tokens, hidden, offset):
-    x = randn((tokens, hidden), dtype, gen, 2.0, offset)
-    w = randn((hidden,), dtype, gen, 0.3) + 1
-    out = torch.full_like(x, float("nan"))
-    x_before = x.clone()
-    ops.rms_norm(out, x, w, 1e-5)
-    torch.cuda.synchronize()
-    close(out, rms_ref(x.double(), w.double(), 1e-5), dtype, "rms_norm")
-    assert torch.equal(x, x_before)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [576, 100, 16])
+def test_rms_norm(dtype, rows, hidden, gen):
+    x = strided_rows(rows, hidden, dtype, gen, scale=3.0)
+    w = (torch.rand(hidden, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    eps = 1e-5
+    out = torch.full((rows, hidden), float("nan"), dtype=dtype)
+    assert ops.rms_norm(out, x, w, eps) is out
+    x64 = x.double()
+    ref = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+    assert_matches_eager(out, hf_rms_norm(x, w, eps), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("tokens,hidden", [(1, 4096), (9, 37), (64, 896), (4, 1000)])
-@pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "misaligned"])
-@pytest.mark.cuda
-@needs_cuda
-def test_fused_add_rms_norm(gen, dtype, tokens, hidden, offset):
-    x = randn((tokens, hidden), dtype, gen, 1.0, offset)
-    residual = randn((tokens, hidden), dtype, gen, 3.0, offset)
-    w = randn((hidden,), dtype, gen, 0.3) + 1
-    expected_residual = x + residual  # PyTorch's add in the dtype: the kernel rounds the same way
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [576, 100])
+def test_fused_add_rms_norm(dtype, rows, hidden, gen):
+    x = strided_rows(rows, hidden, dtype, gen)
+    residual = strided_rows(rows, hidden, dtype, gen, scale=4.0)
+    w = (torch.rand(hidden, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    x0, r0 = x.clone(), residual.clone()
     ops.fused_add_rms_norm(x, residual, w, 1e-6)
-    torch.cuda.synchronize()
-    assert torch.equal(residual, expected_residual)
-    close(x, rms_ref(expected_residual.double(), w.double(), 1e-6), dtype, "fused_add_rms_norm")
+    # HF's decoder layer: residual stream = residual + sublayer output (rounded), then the norm.
+    new_residual = r0 + x0
+    assert torch.equal(residual, new_residual)
+    s64 = r0.double() + x0.double()
+    ref = s64 / torch.sqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(x.double(), ref, **TOL[dtype])
+    assert_matches_eager(x, hf_rms_norm(new_residual, w, 1e-6), dtype)
 
 
-@pytest.mark.cuda
-@needs_cuda
-def test_rms_norm_leading_dims_and_empty(gen):
-    x = randn((2, 3, 64), torch.bfloat16, gen)
-    w = randn((64,), torch.bfloat16, gen) + 1
-    out = torch.empty_like(x)
-    ops.rms_norm(out, x, w, 1e-5)  # [..., N]: flattened to rows
-    close(out, rms_ref(x.double(), w.double(), 1e-5), torch.bfloat16, "rms_norm [2, 3, 64]")
-    empty = torch.empty((0, 64), dtype=torch.bfloat16, device="cuda")
-    ops.rms_norm(empty, empty.clone(), w, 1e-5)
-    ops.fused_add_rms_norm(empty, empty.clone(), w, 1e-5)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("inter", [1536, 45])
+def test_silu_and_mul(dtype, rows, inter, gen):
+    x = strided_rows(rows, 2 * inter, dtype, gen, scale=4.0)
+    x[:, :3] = torch.tensor([-100.0, 100.0, 0.0], dtype=dtype)[: min(3, 2 * inter)] if rows else x[:, :3]
+    out = torch.full((rows, inter), float("nan"), dtype=dtype)
+    assert ops.silu_and_mul(out, x) is out
+    g, u = x[:, :inter].double(), x[:, inter:].double()
+    ref = g / (1 + torch.exp(-g)) * u
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+    assert_matches_eager(out, F.silu(x[:, :inter]) * x[:, inter:], dtype)
 
 
-# ---------------------------------------------------------------- SiLU and mul
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("tokens,d", [(1, 14336), (5, 13), (64, 512), (3, 1000), (2, 1)])
-@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
-@pytest.mark.cuda
-@needs_cuda
-def test_silu_and_mul(gen, dtype, tokens, d, offset):
-    x = randn((tokens, 2 * d), dtype, gen, 3.0, offset)
-    out = torch.full((tokens, d), float("nan"), dtype=dtype, device="cuda")
-    ops.silu_and_mul(out, x)
-    torch.cuda.synchronize()
-    g, u = x.double().chunk(2, dim=-1)
-    close(out, g / (1 + torch.exp(-g)) * u, dtype, "silu_and_mul")
+def rope_cache(max_pos: int, rot: int, dtype) -> torch.Tensor:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
 
 
-# ---------------------------------------------------------------- rotary embeddings
-def rope_tables(max_pos, rot_half, dtype, base=10000.0):
-    inv = 1.0 / base ** (torch.arange(rot_half, dtype=torch.float64) / rot_half)
-    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
-    return freqs.cos().to(dtype).cuda(), freqs.sin().to(dtype).cuda()
+def eager_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on the first `rot` features: x*cos + rotate_half(x)*sin."""
+    xr = x[..., :rot]
+    rotated = torch.cat([-xr[..., rot // 2:], xr[..., : rot // 2]], dim=-1)
+    c, s = torch.cat([cos, cos], -1)[:, None, :], torch.cat([sin, sin], -1)[:, None, :]
+    return torch.cat([xr * c + rotated * s, x[..., rot:]], dim=-1)
 
 
-def rope_ref64(x, positions, cos, sin):
-    """float64 rotation of x [T, H, D] (the dtype tables read as float64)."""
-    r = cos.shape[1]
-    c = cos.double()[positions][:, None, :]
-    s = sin.double()[positions][:, None, :]
-    x = x.double()
-    out = x.clone()
-    x1, x2 = x[..., :r], x[..., r:2 * r]
-    out[..., :r] = x1 * c - x2 * s
-    out[..., r:2 * r] = x2 * c + x1 * s
-    return out
-
-
-def rope_torch(x, positions, cos, sin):
-    """PyTorch in the dtype, as the model's CPU path and HF: each product rounded, then the sum."""
-    r = cos.shape[1]
-    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    out = x.clone()
-    x1, x2 = x[..., :r], x[..., r:2 * r]
-    out[..., :r] = torch.sub(x1 * c, x2 * s)
-    out[..., r:2 * r] = torch.add(x2 * c, x1 * s)
-    return out
-
-
-ROPE_SHAPES = [  # tokens, Hq, Hkv, head_size, rotary_dim / 2
-    (1, 32, 8, 128, 64),
-    (19, 4, 2, 64, 32),
-    (7, 14, 2, 64, 16),   # partial rotary: features 32..63 untouched
-    (5, 3, 3, 6, 2),      # odd head count, tiny heads, partial
-    (40, 8, 1, 80, 40),
-]
-
-
-def qkv_views(tokens, hq, hkv, d, dtype, gen):
-    """q, k, v as strided views into one [T, (hq + 2 hkv) * d] tensor (the QKV projection)."""
-    qkv = randn((tokens, (hq + 2 * hkv) * d), dtype, gen, 2.0)
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    return qkv, q.view(tokens, hq, d), k.view(tokens, hkv, d), v.view(tokens, hkv, d)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.cuda
-@needs_cuda
-def test_rotary_embedding_in_place(gen, dtype, shape):
-    tokens, hq, hkv, d, r = shape
-    max_pos = 300
-    cos, sin = rope_tables(max_pos, r, dtype)
-    qkv, q, k, v = qkv_views(tokens, hq, hkv, d, dtype, gen)
-    positions = torch.randint(0, max_pos, (tokens,), generator=gen).cuda()
-    q0, k0, v0 = q.clone(), k.clone(), v.clone()
-    ops.rotary_embedding(positions, q, k, cos, sin)
-    torch.cuda.synchronize()
-    pos = positions.cpu()
-    close(q, rope_ref64(q0.cpu(), pos, cos.cpu(), sin.cpu()), dtype, "rotary query")
-    close(k, rope_ref64(k0.cpu(), pos, cos.cpu(), sin.cpu()), dtype, "rotary key")
-    assert torch.equal(q, rope_torch(q0, positions, cos, sin)), "query differs from PyTorch's rounding"
-    assert torch.equal(k, rope_torch(k0, positions, cos, sin)), "key differs from PyTorch's rounding"
-    assert torch.equal(v, v0)  # the rest of the QKV tensor is untouched
-    assert torch.equal(q[..., 2 * r:], q0[..., 2 * r:])
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.cuda
-@needs_cuda
-def test_rotary_embedding_and_cache(gen, dtype, shape, block_size):
-    tokens, hq, hkv, d, r = shape
-    if d not in ops.SUPPORTED_HEAD_SIZES:
-        d = 64  # the caches need a supported head size
-        r = min(r, 32)
-    if block_size not in ops.SUPPORTED_BLOCK_SIZES:
-        pytest.skip(f"block size {block_size} not supported")
-    max_pos = 500
-    cos, sin = rope_tables(max_pos, r, dtype)
-    qkv, q, k, v = qkv_views(tokens, hq, hkv, d, dtype, gen)
-    qkv_before = qkv.clone()
-    positions = torch.randint(0, max_pos, (tokens,), generator=gen).cuda()
-    num_blocks = tokens // block_size + 3
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
-    slots[tokens // 2] = -1  # padding: nothing written
-    key_cache = torch.full((num_blocks, hkv, block_size, d), float("nan"), dtype=dtype, device="cuda")
-    value_cache = torch.full_like(key_cache, float("nan"))
-    query_out = torch.full((tokens, hq, d), float("nan"), dtype=dtype, device="cuda")
-    ops.rotary_embedding_and_cache(positions, q, k, v, cos, sin, query_out, key_cache, value_cache, slots.cuda())
-    torch.cuda.synchronize()
-    assert torch.equal(qkv, qkv_before)  # inputs only read
-    assert torch.equal(query_out, rope_torch(q, positions, cos, sin))
-    close(query_out, rope_ref64(q.cpu(), positions.cpu(), cos.cpu(), sin.cpu()), dtype, "query_out")
-    k_rot = rope_torch(k, positions, cos, sin).cpu()
-    kc, vc = key_cache.cpu(), value_cache.cpu()
-    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
-    for t, s in enumerate(slots.tolist()):
-        if s < 0:
-            continue
-        b, row = divmod(s, block_size)
-        written[b, row] = True
-        assert torch.equal(kc[b, :, row], k_rot[t]), f"key of token {t} in slot {s}"
-        assert torch.equal(vc[b, :, row], v[t].cpu()), f"value of token {t} in slot {s}"
-    untouched = ~written
-    assert kc.permute(0, 2, 1, 3)[untouched].isnan().all() and vc.permute(0, 2, 1, 3)[untouched].isnan().all()
-
-
-@pytest.mark.cuda
-@needs_cuda
-def test_rotary_matches_model_tables(gen):
-    """The model's own tables (llama3 scaling, bfloat16): in-place kernel == the model's PyTorch path."""
-    from pagedllm.model_executor.config import RopeConfig
-    from pagedllm.model_executor.rotary import RotaryEmbedding
-
-    rope = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=64)
-    rot = RotaryEmbedding(rope, 128, 1024, torch.bfloat16, torch.device("cuda"))
-    _, q, k, _ = qkv_views(11, 8, 2, 128, torch.bfloat16, gen)
-    positions = torch.randint(0, 1024, (11,), generator=gen).cuda()
-    cos, sin = rot.cos_sin(positions)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [0, 1, 9, 700])
+@pytest.mark.parametrize("head_size,rot", [(64, 64), (128, 128), (80, 40)])
+def test_rotary_embedding_on_views_of_a_fused_qkv(dtype, tokens, head_size, rot, gen):
+    hq, hkv, max_pos = 9, 3, 4096
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_size, generator=gen).to(dtype)
+    q = qkv[:, : hq * head_size].view(tokens, hq, head_size)
+    k = qkv[:, hq * head_size: (hq + hkv) * head_size].view(tokens, hkv, head_size)
+    v_before = qkv[:, (hq + hkv) * head_size:].clone()
     q0, k0 = q.clone(), k.clone()
-    ops.rotary_embedding(positions, q, k, rot.cos, rot.sin)
-    ref_q = rope_torch(q0, positions, rot.cos, rot.sin)
-    assert torch.equal(q, ref_q) and torch.equal(k, rope_torch(k0, positions, rot.cos, rot.sin))
-    # the model's CUDA PyTorch path (addcmul: one rounding fewer) agrees to an ulp
-    close(q, rot.apply(q0, cos, sin).double(), torch.bfloat16, "vs RotaryEmbedding.apply")
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+    cache = rope_cache(max_pos, rot, dtype)
+    ops.rotary_embedding(positions, q, k, cache)
+    cos, sin = cache[positions, : rot // 2], cache[positions, rot // 2:]
+    for got, before in ((q, q0), (k, k0)):
+        # the exact roundings of HF's eager formula
+        assert torch.equal(got, eager_rope(before, cos, sin, rot))
+        b = before.double()
+        c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+        half = rot // 2
+        ref = b.clone()
+        ref[..., :half] = b[..., :half] * c - b[..., half:rot] * s
+        ref[..., half:rot] = b[..., half:rot] * c + b[..., :half] * s
+        torch.testing.assert_close(got.double(), ref, **TOL[dtype])
+    assert torch.equal(qkv[:, (hq + hkv) * head_size:], v_before)  # value untouched
 
 
-# ---------------------------------------------------------------- argument errors
-def test_cpu_tensors_are_refused():
-    x = torch.randn(3, 8)
+def test_layer_ops_errors_name_the_bad_value():
+    x = torch.randn(4, 8)
     w = torch.ones(8)
-    with pytest.raises(ValueError, match=r"rms_norm: input is on cpu; only CUDA kernels"):
-        ops.rms_norm(torch.empty_like(x), x, w, 1e-5)
-    with pytest.raises(ValueError, match=r"fused_add_rms_norm: input is on cpu"):
-        ops.fused_add_rms_norm(x, x.clone(), w, 1e-5)
-    with pytest.raises(ValueError, match=r"silu_and_mul: input is on cpu"):
-        ops.silu_and_mul(torch.empty(3, 4), x)
-    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
-    with pytest.raises(ValueError, match=r"rotary_embedding: query is on cpu"):
-        ops.rotary_embedding(torch.zeros(2, dtype=torch.int64), q, k, torch.ones(4, 4), torch.ones(4, 4))
-    assert not ops.layer_ops_available("cpu")
-
-
-@pytest.mark.cuda
-@needs_cuda
-def test_bad_arguments_name_the_value():
-    dev = "cuda"
-    x = torch.randn(3, 8, device=dev)
-    with pytest.raises(ValueError, match=r"weight dimension 0 \(hidden_size, must match input\) must be 8, got 7"):
-        ops.rms_norm(torch.empty_like(x), x, torch.ones(7, device=dev), 1e-5)
-    with pytest.raises(ValueError, match=r"weight must be float32, got bfloat16"):
-        ops.fused_add_rms_norm(x, x.clone(), torch.ones(8, device=dev, dtype=torch.bfloat16), 1e-5)
-    with pytest.raises(ValueError, match=r"eps must be finite and >= 0, got -1"):
-        ops.rms_norm(torch.empty_like(x), x, torch.ones(8, device=dev), -1.0)
-    with pytest.raises(ValueError, match=r"out and input overlap"):
-        ops.rms_norm(x, x, torch.ones(8, device=dev), 1e-5)
-    with pytest.raises(ValueError, match=r"input and residual overlap"):
-        ops.fused_add_rms_norm(x, x, torch.ones(8, device=dev), 1e-5)
-    with pytest.raises(ValueError, match=r"input dimension 1 must be a positive even number"):
-        ops.silu_and_mul(torch.empty(3, 3, device=dev), torch.randn(3, 7, device=dev))
-    with pytest.raises(ValueError, match=r"out dimension 1 \(d, half of input dimension 1\) must be 4, got 3"):
-        ops.silu_and_mul(torch.empty(3, 3, device=dev), x)
-    with pytest.raises(ValueError, match=r"dtype int32 is not supported"):
-        ops.silu_and_mul(torch.empty(3, 4, device=dev, dtype=torch.int32), x.int())
-    q, k = torch.randn(2, 4, 64, device=dev), torch.randn(2, 2, 64, device=dev)
-    cos = torch.ones(10, 32, device=dev)
-    pos = torch.zeros(2, dtype=torch.int64, device=dev)
-    with pytest.raises(ValueError, match=r"positions must be int64, got int32"):
-        ops.rotary_embedding(pos.int(), q, k, cos, cos)
-    with pytest.raises(ValueError, match=r"rotary_dim 2 \* 40 .* exceeds head_size 64"):
-        ops.rotary_embedding(pos, q, k, torch.ones(10, 40, device=dev), torch.ones(10, 40, device=dev))
-    with pytest.raises(ValueError, match=r"query must have contiguous features"):
-        ops.rotary_embedding(pos, q.transpose(1, 2), k, cos, cos)
-    with pytest.raises(ValueError, match=r"key dimension 2 \(head_size, must match query\) must be 64, got 32"):
-        ops.rotary_embedding(pos, q, k[..., :32].contiguous(), cos, cos)
-    kc = torch.zeros(4, 2, 16, 64, device=dev)
-    slots = torch.zeros(2, dtype=torch.int64, device=dev)
-    with pytest.raises(ValueError, match=r"query_out overlaps query"):
-        ops.rotary_embedding_and_cache(pos, q, k, k.clone(), cos, cos, q, kc, kc.clone(), slots)
-    with pytest.raises(ValueError, match=r"slot_mapping dimension 0 \(num_tokens, must match query\) must be 2"):
-        ops.rotary_embedding_and_cache(pos, q, k, k.clone(), cos, cos, torch.empty_like(q), kc, kc.clone(),
-                                       slots[:1])
-
-
-# ---------------------------------------------------------------- the model path
-MODEL_CONFIGS = {
-    "llama3": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=768,
-                   num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1000,
-                   max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=320, intermediate_size=604,
-                  num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1, vocab_size=777,
-                  max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=256, intermediate_size=512,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000,
-                  max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False),
-}
-
-
-@pytest.mark.parametrize("arch", list(MODEL_CONFIGS))
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)], ids=["float32", "bfloat16"])
-@pytest.mark.cuda
-@needs_cuda
-def test_model_fused_path_matches_pytorch_path(tmp_path, gen, arch, dtype, tol):
-    """Prefill of two sequences (chunked: 2 steps) then 3 decode steps, fused kernels vs PyTorch
-    path, same weights: logits agree relative to their largest magnitude (float32: to rounding;
-    bfloat16: a few ulps) and the argmax rows match in float32."""
-    from pagedllm.model_executor.attention import AttentionMetadata
-    from pagedllm.model_executor.config import ModelConfig
-    from pagedllm.model_executor.dummy import init_dummy_weights
-    from pagedllm.model_executor.models import LlamaForCausalLM
-
-    (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIGS[arch]))
-    cfg = ModelConfig.from_pretrained(tmp_path)
-    dev = torch.device("cuda")
-    model = LlamaForCausalLM(cfg, dtype, dev, max_positions=256)
-    init_dummy_weights(model, seed=int(torch.randint(0, 1000, (1,), generator=gen)), std=0.08)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.uniform_(0.5, 1.5)
-    assert model.fused_layer_ops
-    bs = 16
-    lens = [37, 21]
-    ids = [torch.randint(0, cfg.vocab_size, (n + 3,), generator=gen) for n in lens]
-    tables = torch.tensor([[0, 1, 2, 3], [5, 4, 7, 6]], dtype=torch.int32)
-    results = {}
-    for fused in (True, False):
-        model.fused_layer_ops = fused
-        caches = [ops.allocate_kv_cache(8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype, dev)
-                  for _ in range(cfg.num_hidden_layers)]
-        steps = [[(0, 0, 20), (1, 0, 21)], [(0, 20, 37)]] + [[(0, n, n + 1), (1, m, m + 1)]
-                                                            for n, m in zip(range(37, 40), range(21, 24))]
-        logits = []
-        for chunks in steps:
-            tok, pos, slot, qsl, seq_lens, tab = [], [], [], [0], [], []
-            for s, a, b in chunks:
-                for p in range(a, b):
-                    tok.append(int(ids[s][p]))
-                    pos.append(p)
-                    slot.append(int(tables[s, p // bs]) * bs + p % bs)
-                qsl.append(qsl[-1] + b - a)
-                seq_lens.append(b)
-                tab.append(tables[s])
-            meta = AttentionMetadata(slot_mapping=torch.tensor(slot, device=dev),
-                                     block_tables=torch.stack(tab).to(dev),
-                                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                                     query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-                                     decode_only=all(b - a == 1 for _, a, b in chunks))
-            rows = torch.arange(len(tok), device=dev)
-            logits.append(model(torch.tensor(tok, device=dev), torch.tensor(pos, device=dev), caches, meta, rows))
-        results[fused] = torch.cat(logits).cpu()
-    scale = float(results[False].abs().max())
-    diff = float((results[True] - results[False]).abs().max())
-    assert scale > 0.1 and diff < tol * scale, f"{arch} {dtype}: fused and PyTorch logits differ by {diff} (max {scale})"
-    if dtype == torch.float32:
-        assert torch.equal(results[True].argmax(-1), results[False].argmax(-1))
+    with pytest.raises(ValueError, match="float16.*supported dtypes on cpu: float32, bfloat16"):
+        ops.rms_norm(torch.empty(4, 8, dtype=torch.float16), x.half(), w.half(), 1e-6)
+    with pytest.raises(ValueError, match="weight dimension 0"):
+        ops.rms_norm(torch.empty(4, 8), x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        ops.rms_norm(torch.empty(4, 8), x, w, float("nan"))
+    with pytest.raises(ValueError, match="residual dimension 0"):
+        ops.fused_add_rms_norm(x, torch.randn(3, 8), w, 1e-6)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        ops.rms_norm(torch.empty(4, 8), torch.randn(8, 4).t(), w, 1e-6)
+    with pytest.raises(ValueError, match="even"):
+        ops.silu_and_mul(torch.empty(4, 3), torch.randn(4, 7))
+    with pytest.raises(ValueError, match="out dimension 1"):
+        ops.silu_and_mul(torch.empty(4, 3), torch.randn(4, 8))
+    q, k = torch.randn(2, 4, 64), torch.randn(2, 2, 64)
+    cache = rope_cache(16, 64, torch.float32)
+    with pytest.raises(ValueError, match=r"positions\[1\] = 16 is outside"):
+        ops.rotary_embedding(torch.tensor([0, 16]), q, k, cache)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        ops.rotary_embedding(torch.tensor([0, 1], dtype=torch.int32), q, k, cache)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        ops.rotary_embedding(torch.tensor([0, 1]), q, k, torch.zeros(16, 66))
+    with pytest.raises(ValueError, match="key dimension 2"):
+        ops.rotary_embedding(torch.tensor([0, 1]), q, torch.randn(2, 2, 32), cache)
+    assert ops.layer_ops_supported("cpu", torch.bfloat16) and not ops.layer_ops_supported("cpu", torch.float16)

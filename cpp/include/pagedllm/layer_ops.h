@@ -1,16 +1,32 @@
-// pagedllm/layer_ops.h — the elementwise pieces of a decoder layer as fused kernels: RMSNorm
-// (alone and with the residual add), SiLU-and-mul, and rotary position embeddings (alone, or
-// fused with the KV-cache write). The names and semantics are vLLM's custom ops.
+// pagedllm/layer_ops.h — the elementwise parts of a Llama-family decoder layer, each one fused
+// kernel instead of a chain of framework ops (vLLM's layernorm / activation / pos_encoding ops):
 //
-// Launchers validate every argument (throwing InvalidArgument that names the bad value) and
-// dispatch on the tensors' device. Only CUDA kernels exist today (float32, bfloat16, float16):
-// CPU tensors raise InvalidArgument saying so (the CPU model path uses PyTorch for these steps).
-// `stream` is a cudaStream_t passed as an integer (0 = legacy default stream). The CUDA kernels
-// never synchronize, so CUDA graphs can capture them. Values inside device tensors (positions,
-// slots) are NOT checked on CUDA (that would sync the stream): see each function.
+//   rms_norm            out = RMSNorm(input) * weight                   (Zhang & Sennrich 2019)
+//   fused_add_rms_norm  residual += input; input = RMSNorm(residual) * weight   (in place)
+//   silu_and_mul        out = SiLU(input[:, :I]) * input[:, I:]          (SwiGLU, Shazeer 2020)
+//   rotary_embedding    query, key rotated in place by their positions    (RoFormer, Su et al.
+//                       2021, section 3.4; GPT-NeoX "rotate half" layout, as HF Llama)
+//   rotary_embedding_and_cache  the rotation fused with reshape_and_cache (cache_ops.h): rotated
+//                       query to a new tensor, rotated key and the value into the paged caches
 //
-// Numerics follow Hugging Face transformers' Llama modules in the tensors' dtype T: every value
-// a PyTorch op would round to T is rounded to T here too; arithmetic is float32 in between.
+// Numerics: math in float32, results rounded to the tensor dtype at the points where Hugging Face
+// transformers' eager modules round (LlamaRMSNorm: normalise in fp32, cast, then multiply by the
+// weight in the model dtype; the residual add and SiLU(gate) are rounded before use; RoPE rounds
+// q*cos and rotate_half(q)*sin before adding them). With fp32 tensors the only difference from
+// HF is the summation order of the mean of squares; no multiply-add is contracted.
+//
+// Devices and dtypes (every tensor of one call has the same dtype; positions and slots: int64):
+//   CPU  (cpp/src/cpu_layer_ops.cpp): float32, bfloat16; rms_norm, fused_add_rms_norm,
+//        silu_and_mul, rotary_embedding. Rows of a [T, N] input may have any row stride (e.g. a
+//        slice of a fused projection); the last dimension must be contiguous.
+//   CUDA (cuda/rms_norm.cu, activation.cu, rotary_embedding.cu; a CUDA build): float32,
+//        bfloat16, float16; rms_norm, fused_add_rms_norm, silu_and_mul on contiguous tensors, and
+//        rotary_embedding_and_cache. Values inside device tensors (positions, slots) are not
+//        checked on CUDA (that would synchronize the stream).
+// An op called on a device it has no kernel for raises InvalidArgument saying so. Launchers
+// validate every argument and throw InvalidArgument naming the bad value; `stream` is a
+// cudaStream_t as an integer (0 = legacy default stream), ignored on the CPU. The CUDA kernels
+// never synchronize, so CUDA graphs can capture them.
 #pragma once
 
 #include <cstdint>
@@ -19,61 +35,46 @@
 
 namespace pagedllm {
 
-/// Whether this build has the CUDA kernels of this header (a CUDA build normally does).
+/// Whether this build has the CUDA kernels of this header.
 bool layer_ops_built_with_cuda();
 
-/// RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4):
-///   out[t] = T(T(input[t] * rsqrt(mean(input[t]^2) + eps)) * weight)
-///
-///   out, input  [num_tokens, hidden_size], one dtype, contiguous, distinct memory
-///   weight      [hidden_size], same dtype and device
-///   eps         >= 0, finite
-/// num_tokens = 0 is a no-op.
+/// out [T, N] = input [T, N] / sqrt(mean(input^2, -1) + eps) * weight [N]. On CUDA, out and input
+/// must not overlap.
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
               std::uintptr_t stream = 0);
 
-/// Residual add fused with RMSNorm, in place (vLLM's fused_add_rms_norm):
-///   residual = T(residual + input);  input = rms_norm(residual) * weight
-///
-///   input, residual  [num_tokens, hidden_size], one dtype, contiguous, distinct memory
-///   weight, eps      as rms_norm
+/// In place, per row: residual [T, N] = residual + input; input [T, N] = rms_norm(residual) * weight.
+/// (vLLM's fused_add_rms_norm: the residual stream and the next sublayer's input in one pass.)
 void fused_add_rms_norm(const TensorView& input, const TensorView& residual, const TensorView& weight,
                         double eps, std::uintptr_t stream = 0);
 
-/// SwiGLU's gate (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6), vLLM's silu_and_mul:
-///   out[t, i] = T(T(silu(input[t, i])) * input[t, d + i]),  silu(x) = x / (1 + exp(-x))
-///
-///   input  [num_tokens, 2 * d] (gate | up), contiguous
-///   out    [num_tokens, d], same dtype and device, contiguous
+/// out [T, I] = SiLU(input[:, :I]) * input[:, I:] for input [T, 2I]; SiLU(x) = x / (1 + e^-x).
 void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream = 0);
 
-/// Rotary position embeddings (Su et al. 2021, "RoFormer", section 3.4) in the GPT-NeoX
-/// "rotate half" layout, in place on query and key. With r = rotary_dim / 2 and, for position
-/// p = positions[t], c = cos_cache[p, i], s = sin_cache[p, i] (i < r), every head's
-///   x[i]     <- T(T(x[i] * c) - T(x[i + r] * s))
-///   x[i + r] <- T(T(x[i + r] * c) + T(x[i] * s))
-/// (HF's q * cos + rotate_half(q) * sin); features from rotary_dim on are left as they are.
-///
-///   positions  int64 [num_tokens], each in [0, max_positions) (NOT checked on CUDA)
-///   query      [num_tokens, num_heads, head_size]; key [num_tokens, num_kv_heads, head_size];
-///              any token stride (e.g. views into a fused QKV output), heads and features
-///              contiguous (stride(1) == head_size, stride(2) == 1)
-///   cos_cache, sin_cache  [max_positions, rotary_dim / 2], the query's dtype, contiguous
-///              (llama3 / linear scaling is already in the tables); rotary_dim <= head_size
+/// Rotate query [T, Hq, D] and key [T, Hkv, D] in place (any token and head strides, contiguous
+/// last dim) by positions int64 [T]: with R = cos_sin_cache.size(1) (rotary dims, even, <= D) and
+/// cos = cos_sin_cache[p, :R/2], sin = cos_sin_cache[p, R/2:], for i < R/2
+///   x[i]       = x[i] * cos[i] - x[i + R/2] * sin[i]
+///   x[i + R/2] = x[i + R/2] * cos[i] + x[i] * sin[i]
+/// and features >= R untouched. cos_sin_cache [max_position, R], contiguous, the dtype of query.
+/// A position outside [0, max_position) is an error. CPU only so far (on CUDA:
+/// rotary_embedding_and_cache).
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
-                      const TensorView& cos_cache, const TensorView& sin_cache,
-                      std::uintptr_t stream = 0);
+                      const TensorView& cos_sin_cache, std::uintptr_t stream = 0);
 
-/// rotary_embedding fused with reshape_and_cache (pagedllm/cache_ops.h): the rotated query goes
-/// to query_out, the rotated key and the value go straight into the paged caches; query, key
-/// and value are only read.
+/// The rotation of rotary_embedding (same roundings) fused with reshape_and_cache: the rotated
+/// query goes to query_out, the rotated key and the value go straight into the paged caches;
+/// query, key and value are only read. CUDA only so far.
 ///
-///   positions, query, key, cos_cache, sin_cache  as rotary_embedding
-///   value      [num_tokens, num_kv_heads, head_size], same layout rules as key
-///   query_out  [num_tokens, num_heads, head_size], contiguous, not overlapping query
-///   key_cache, value_cache  [num_blocks, num_kv_heads, block_size, head_size] (cache_ops.h)
-///   slot_mapping  int64 [num_tokens]: slot < 0 or >= num_blocks * block_size writes nothing to
-///              the caches for that token (its query is still rotated)
+///   positions  int64 [T], each in [0, max_position) (not checked on CUDA)
+///   query      [T, Hq, D]; key, value [T, Hkv, D]: any token stride (views into a fused QKV
+///              output), heads and features contiguous (stride(1) == D, stride(2) == 1)
+///   cos_cache, sin_cache  [max_position, R/2] each, contiguous, the query's dtype (the two
+///              halves of rotary_embedding's cos_sin_cache as separate tables)
+///   query_out  [T, Hq, D], contiguous, not overlapping query
+///   key_cache, value_cache  [num_blocks, Hkv, block_size, D] (pagedllm/cache_ops.h)
+///   slot_mapping  int64 [T]: a slot < 0 or >= num_blocks * block_size writes nothing to the
+///              caches for that token (its query is still rotated)
 void rotary_embedding_and_cache(const TensorView& positions, const TensorView& query,
                                 const TensorView& key, const TensorView& value,
                                 const TensorView& cos_cache, const TensorView& sin_cache,

@@ -44,7 +44,8 @@ class RotaryEmbedding:
 
     cos_sin(positions int64 [T]) -> (cos, sin), each [T, 1, rotary_dim / 2] in `dtype`, computed
     once per step and shared by every layer; apply(x [T, H, D], cos, sin) rotates the first
-    rotary_dim features of every head and returns a new tensor.
+    rotary_dim features of every head and returns a new tensor. cos_sin_cache
+    [max_positions, rotary_dim] (cos | sin) is the same table for the fused in-place kernel.
     """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device):
@@ -55,6 +56,8 @@ class RotaryEmbedding:
         self.max_positions = max_positions
         self.cos = freqs.cos().to(dtype=dtype, device=device)
         self.sin = freqs.sin().to(dtype=dtype, device=device)
+        # [max_positions, rotary_dim]: cos | sin, the table of pagedllm.ops.rotary_embedding
+        self.cos_sin_cache = torch.cat([self.cos, self.sin], dim=-1).contiguous()
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

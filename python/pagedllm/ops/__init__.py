@@ -1,11 +1,10 @@
-"""pagedllm.ops: the paged KV-cache and attention kernels and the fused layer kernels (RMSNorm,
-SiLU-and-mul, RoPE), called with torch tensors.
+"""pagedllm.ops: the paged KV-cache and attention kernels, called with torch tensors.
 
 Thin wrappers: each function makes :class:`pagedllm._C.TensorView` views of its torch tensors and
-calls the native launcher (declared in ``cpp/include/pagedllm/attention.h`` and ``cache_ops.h``),
-(and ``layer_ops.h``), which validates everything and dispatches to the CPU kernels or, for CUDA
-tensors, the CUDA ones on ``torch.cuda.current_stream()``. The layer kernels exist on CUDA only
-(:func:`layer_ops_available`); the CPU model path computes those steps with PyTorch. Bad arguments raise ``ValueError`` naming the bad value.
+calls the native launcher (declared in ``cpp/include/pagedllm/attention.h`` and ``cache_ops.h``;
+the fused layer ops of ``layer_ops.h`` are in :mod:`pagedllm.ops.layer_ops`),
+which validates everything and dispatches to the CPU kernels or, for CUDA tensors, the CUDA ones
+on ``torch.cuda.current_stream()``. Bad arguments raise ``ValueError`` naming the bad value.
 
 KV cache layout (both devices), per layer: ``key_cache`` and ``value_cache`` each
 ``[num_blocks, num_kv_heads, block_size, head_size]``, contiguous; slot ``s`` is block
@@ -33,12 +32,13 @@ __all__ = [
     "swap_blocks",
     "set_num_threads",
     "get_num_threads",
-    "layer_ops_available",
+    "layer_ops_supported",
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
     "rotary_embedding",
     "rotary_embedding_and_cache",
+    "argmax_rows",
 ]
 
 #: Tokens per KV block the kernels support (the engine accepts exactly these).
@@ -52,12 +52,20 @@ def supported_cache_dtypes(device: str | torch.device = "cpu") -> tuple[torch.dt
     return tuple(getattr(torch, name) for name in _C.supported_cache_dtypes(torch.device(device).type))
 
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+
+
 def _view(t: torch.Tensor) -> "_C.TensorView":
+    # Called several times per kernel launch: no torch.device objects, no str(dtype) on the hot path.
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
-    dev = t.device
-    return _C.TensorView(t.data_ptr(), str(t.dtype), list(t.shape), list(t.stride()), dev.type,
-                         dev.index or 0)
+    dtype = _DTYPE_NAMES.get(t.dtype) or str(t.dtype)
+    if t.is_cuda:
+        return _C.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), "cuda", t.get_device())
+    if t.is_cpu:
+        return _C.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), "cpu", 0)
+    return _C.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), t.device.type, t.device.index or 0)
 
 
 def _stream(t: torch.Tensor) -> int:
@@ -158,59 +166,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     _C.swap_blocks(_view(src), _view(dst), _view(block_mapping), stream)
 
 
-# ---- fused layer kernels (pagedllm/layer_ops.h) ----------------------------------------------
-
-def layer_ops_available(device: str | torch.device) -> bool:
-    """Whether the fused layer kernels below run on ``device`` (today: CUDA in a CUDA build)."""
-    return torch.device(device).type == "cuda" and bool(_C.layer_ops_built_with_cuda())
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., N] -> [rows, N] for a contiguous tensor (a view: in-place results land in t)."""
-    return t.view(-1, t.shape[-1]) if t.dim() != 2 and t.is_contiguous() else t
-
-
-def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """``out = RMSNorm(input) * weight`` (Zhang & Sennrich 2019), HF LlamaRMSNorm numerics:
-    ``T(T(x * rsqrt(mean(x^2) + eps)) * weight)`` with float32 statistics.
-
-    ``input``/``out`` ``[..., N]`` contiguous, one dtype (float32 / bfloat16 / float16), not
-    overlapping; ``weight`` ``[N]``. CUDA only (ValueError on CPU tensors).
-    """
-    _C.rms_norm(_view(_rows(out)), _view(_rows(input)), _view(weight), float(eps), _stream(input))
-
-
-def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """In place (vLLM's op): ``residual = T(residual + input)``, then
-    ``input = RMSNorm(residual) * weight`` as :func:`rms_norm`. Both ``[..., N]`` contiguous."""
-    _C.fused_add_rms_norm(_view(_rows(input)), _view(_rows(residual)), _view(weight), float(eps),
-                          _stream(input))
-
-
-def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
-    """``out = T(T(silu(gate)) * up)`` with ``gate, up = input.chunk(2, -1)`` (SwiGLU, Shazeer
-    2020). ``input`` ``[..., 2d]``, ``out`` ``[..., d]``, contiguous."""
-    _C.silu_and_mul(_view(_rows(out)), _view(_rows(input)), _stream(input))
-
-
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
-    """NeoX-style RoPE (Su et al. 2021) on ``query`` ``[T, Hq, D]`` and ``key`` ``[T, Hkv, D]`` in
-    place (any token stride: views into a fused QKV output work). ``positions`` int64 ``[T]``;
-    ``cos_cache``/``sin_cache`` ``[max_positions, rotary_dim / 2]`` in the query's dtype (the
-    model's tables, scaling included). Rounds as HF's ``q * cos + rotate_half(q) * sin``."""
-    _C.rotary_embedding(_view(positions), _view(query), _view(key), _view(cos_cache), _view(sin_cache),
-                        _stream(query))
-
-
-def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                               value: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-                               query_out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                               slot_mapping: torch.Tensor) -> None:
-    """:func:`rotary_embedding` fused with :func:`reshape_and_cache`: the rotated query goes to
-    ``query_out`` ``[T, Hq, D]`` (contiguous), the rotated key and ``value`` go into the caches at
-    ``slot_mapping`` (int64 ``[T]``; a slot < 0 writes nothing). ``query``/``key``/``value`` are
-    only read and may be strided views into one QKV tensor."""
-    _C.rotary_embedding_and_cache(_view(positions), _view(query), _view(key), _view(value), _view(cos_cache),
-                                  _view(sin_cache), _view(query_out), _view(key_cache), _view(value_cache),
-                                  _view(slot_mapping), _stream(query))
+from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
+    fused_add_rms_norm,
+    layer_ops_supported,
+    rms_norm,
+    rotary_embedding,
+    rotary_embedding_and_cache,
+    silu_and_mul,
+)
+from pagedllm.ops.sampling_ops import argmax_rows  # noqa: E402

@@ -36,6 +36,7 @@ from pagedllm.model_executor.config import ModelConfig
 from pagedllm.model_executor.dummy import LOAD_FORMATS, init_dummy_weights
 from pagedllm.model_executor.loader import load_safetensors
 from pagedllm.model_executor.models import LlamaForCausalLM
+from pagedllm.worker.cpu_memory import tune_glibc_malloc
 from pagedllm.worker.cuda_graph import DecodeGraphRunner
 
 logger = logging.getLogger("pagedllm")
@@ -85,6 +86,8 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.phase_seconds: dict[str, float] = {}
         self.graphs: DecodeGraphRunner | None = None
+        if device.type == "cpu":
+            tune_glibc_malloc()
         start = time.perf_counter()
         self.model = LlamaForCausalLM(model_config, dtype, device, max_positions=max_model_len)
         if load_format == "dummy":

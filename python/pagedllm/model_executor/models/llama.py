@@ -6,13 +6,13 @@ Per layer: RMSNorm -> fused QKV projection (+ bias for Qwen2) -> [q/k RMSNorm pe
 gate_up projection -> SiLU(gate) * up (SwiGLU; Shazeer 2020) -> down projection -> residual.
 Logits are computed only for the rows that are sampled.
 
-On CUDA (when pagedllm.ops.layer_ops_available) the elementwise steps run as fused kernels, as
-vLLM's Llama: the residual stream is carried beside the hidden state and each RMSNorm adds it
-in place (fused_add_rms_norm), RoPE writes the rotated query and the rotated key and value
-straight into the paged KV cache (rotary_embedding_and_cache), and SiLU(gate) * up is one kernel
-(silu_and_mul). They round where the PyTorch modules do, so both paths compute the same values up
-to reduction order. PAGEDLLM_FUSED_LAYER_OPS=0 in the environment keeps the PyTorch path on CUDA.
-The CPU path is the PyTorch one.
+Where pagedllm.ops has the fused layer ops for the device and dtype (ops.layer_ops_supported: CPU
+float32/bfloat16, CUDA float32/bfloat16/float16) the elementwise steps are single kernels, as in
+vLLM's Llama: the residual stream is carried beside the hidden state and each RMSNorm adds it in
+place (fused_add_rms_norm), SiLU(gate) * up is one kernel, and RoPE rotates q and k in place (CPU)
+or writes the rotated query out and the rotated key and the value straight into the paged KV
+cache (CUDA: rotary_embedding_and_cache, replacing reshape_and_cache). Both paths round where the
+PyTorch modules do.
 
 Numerics follow Hugging Face transformers' modeling_llama / modeling_qwen2 / modeling_qwen3
 (RMSNorm in float32, weight multiplied in the model dtype), so fp32 logits agree with HF to
@@ -21,7 +21,6 @@ rounding. Weights come from HF checkpoints: q/k/v and gate/up are concatenated o
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
@@ -36,14 +35,23 @@ from pagedllm.model_executor.rotary import RotaryEmbedding
 
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, computed in float32
-    and cast back before the weight multiply (as HF's LlamaRMSNorm). x [..., N] -> [..., N]."""
+    and cast back before the weight multiply (as HF's LlamaRMSNorm). x [..., N] -> [..., N].
+    Where pagedllm.ops has the fused layer ops (CPU: float32, bfloat16; CUDA: also float16) one
+    kernel does it, with the same roundings."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+        self.fused = ops.layer_ops_supported(device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.is_cuda and not rows.is_contiguous():  # the CUDA kernel takes contiguous rows
+                rows = rows.contiguous()
+            return ops.rms_norm(torch.empty(rows.shape, dtype=x.dtype, device=x.device), rows, self.weight,
+                                self.eps).view(x.shape)
         dtype = x.dtype
         h = x.float()
         if h.is_cuda:  # one fused kernel instead of five (fewer nodes in a decode CUDA graph)
@@ -53,15 +61,14 @@ class RMSNorm(nn.Module):
             h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
 
-    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fused kernels (CUDA): residual None -> (norm(x), x); else residual += x in place and
-        -> (norm(residual) written into x, residual). x, residual [T, N] contiguous."""
-        if residual is None:
-            out = torch.empty_like(x)
-            ops.rms_norm(out, x, self.weight, self.eps)
-            return out, x
-        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        return x, residual
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x) for x, residual [T, N]; the fused op works in place
+        (x and residual are overwritten), HF's order of roundings either way."""
+        if self.fused:
+            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self.forward(residual), residual
 
 
 class PackedLinear(nn.Module):
@@ -113,50 +120,29 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = _linear(2 * cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
+        self.fused = ops.layer_ops_supported(device, dtype)
         self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        rotary: RotaryEmbedding,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """hidden [T, hidden_size] -> [T, hidden_size] (residual stream after this layer)."""
-        T = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = rotary.apply(q, cos, sin)
-        k = rotary.apply(k, cos, sin)
-        attn = self.attn.forward(q, k, v.contiguous(), kv_cache, meta)
-        hidden = hidden + self.o_proj(attn.view(T, self.q_size))
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
-        gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
-
-    def forward_fused(
-        self,
-        hidden: torch.Tensor,
         residual: torch.Tensor | None,
         positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         rotary: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer with the fused kernels (CUDA). hidden [T, hidden_size] (this layer's
-        input before the residual add), residual [T, hidden_size] or None for the first layer ->
-        (hidden, residual) for the next layer; residual + hidden is the residual stream."""
+        """(hidden, residual) [T, hidden_size] -> (this layer's MLP output, the residual stream
+        before it); residual None for the first layer. The stream after the layer is their sum,
+        added by the next norm (HF's `hidden = residual + hidden`, same rounding)."""
         T = hidden.shape[0]
-        hidden, residual = self.input_layernorm.forward_fused(hidden, residual)
-        qkv = self.qkv_proj(hidden)
+        if residual is None:
+            residual = hidden
+            h = self.input_layernorm(hidden)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -164,16 +150,29 @@ class DecoderLayer(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        query = torch.empty((T, self.num_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
-        key_cache, value_cache = kv_cache
-        ops.rotary_embedding_and_cache(positions, q, k, v, rotary.cos, rotary.sin, query, key_cache, value_cache,
-                                       meta.slot_mapping)
-        attn = self.attn.attend(query, kv_cache, meta)
+        if cos_sin is not None:
+            q = rotary.apply(q, *cos_sin)
+            k = rotary.apply(k, *cos_sin)
+            attn = self.attn.forward(q, k, v.contiguous(), kv_cache, meta)
+        elif q.is_cuda:
+            # fused (CUDA): the rotated query to a new tensor, the rotated key and v into the cache
+            query = torch.empty((T, self.num_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
+            key_cache, value_cache = kv_cache
+            ops.rotary_embedding_and_cache(positions, q, k, v, rotary.cos, rotary.sin, query, key_cache,
+                                           value_cache, meta.slot_mapping)
+            attn = self.attn.attend(query, kv_cache, meta)
+        else:
+            # fused (CPU): rotate q and k in place; the CPU kernels read q, k, v as views of qkv
+            ops.rotary_embedding(positions, q, k, rotary.cos_sin_cache)
+            attn = self.attn.forward(q, k, v, kv_cache, meta)
         hidden = self.o_proj(attn.view(T, self.q_size))
-        hidden, residual = self.post_attention_layernorm.forward_fused(hidden, residual)
-        gate_up = self.gate_up_proj(hidden)
-        act = torch.empty((T, self.intermediate_size), dtype=gate_up.dtype, device=gate_up.device)
-        ops.silu_and_mul(act, gate_up)
+        h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        gate_up = self.gate_up_proj(h)
+        if self.fused:
+            act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device), gate_up)
+        else:
+            gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
+            act = F.silu(gate) * up
         return self.down_proj(act), residual
 
 
@@ -197,12 +196,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
             self.lm_head_weight = self.lm_head.weight
         self.packed_lm_head: PackedLinear | None = None  # set by pack_weights()
+        self.fused = ops.layer_ops_supported(device, dtype)
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
         )
-        #: the fused CUDA kernels run the elementwise steps (see the module docstring)
-        self.fused_layer_ops = (ops.layer_ops_available(device)
-                                and os.environ.get("PAGEDLLM_FUSED_LAYER_OPS", "1") != "0")
 
     @torch.inference_mode()
     def forward(
@@ -214,25 +211,24 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.fused_layer_ops:
-            residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden, residual = layer.forward_fused(hidden, residual, positions, self.rotary, kv_cache, meta)
-            hidden = hidden.index_select(0, logits_indices)
-            if residual is None:  # no layers
-                return self.compute_logits(hidden)
-            hidden, _ = self.norm.forward_fused(hidden, residual.index_select(0, logits_indices))
-            return F.linear(hidden, self.lm_head_weight).float()
-        cos, sin = self.rotary.cos_sin(positions)
+        cos_sin = None if self.fused else self.rotary.cos_sin(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, self.rotary, kv_cache, meta)
-        return self.compute_logits(hidden.index_select(0, logits_indices))
+            hidden, residual = layer(hidden, residual, positions, cos_sin, self.rotary, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.compute_logits(hidden.index_select(0, logits_indices))
+        normed, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
+                                           residual.index_select(0, logits_indices))
+        return self._lm_head(normed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden_size] (pre final norm) -> float32 logits [R, vocab_size]."""
+        """hidden [R, hidden_size] (the residual stream, pre final norm) -> float32 logits [R, vocab_size]."""
+        return self._lm_head(self.norm(hidden))
+
+    def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(self.norm(hidden)).float()
-        return F.linear(self.norm(hidden), self.lm_head_weight).float()
+            return self.packed_lm_head(normed).float()
+        return F.linear(normed, self.lm_head_weight).float()
 
     def pack_weights(self) -> bool:
         """After load_weights: on CPU in bfloat16, replace every projection (and the LM head) by a

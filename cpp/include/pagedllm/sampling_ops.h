@@ -1,0 +1,20 @@
+// pagedllm/sampling_ops.h — kernels of the sampler's hot path.
+//
+//   argmax_rows  out[r] = the index of the largest of logits[r, :vocab] (the first one on a tie,
+//                as torch.argmax); NaN is never chosen over a number.
+//
+// dtypes: logits float32 or bfloat16 on the CPU (any row stride, contiguous last dimension);
+// out int64 [R], contiguous. Launchers validate and throw InvalidArgument naming the bad value;
+// CUDA tensors are refused (the CUDA sampler uses torch.argmax).
+#pragma once
+
+#include <cstdint>
+
+#include "pagedllm/tensor_view.h"
+
+namespace pagedllm {
+
+/// out int64 [R] = argmax(logits [R, V][:, :vocab], -1); vocab in [1, V] (0 = all of V).
+void argmax_rows(const TensorView& out, const TensorView& logits, int64_t vocab = 0, std::uintptr_t stream = 0);
+
+}  // namespace pagedllm

@@ -1,0 +1,71 @@
+"""Fused elementwise ops of a decoder layer (``cpp/include/pagedllm/layer_ops.h``), called with
+torch tensors: RMSNorm, RMSNorm with the residual add, SiLU-and-mul, rotary embedding (in place,
+or fused with the paged KV-cache write).
+
+Math in float32 with results rounded where Hugging Face transformers' eager modules round (see
+the header), so a model using them matches HF. CPU: float32 and bfloat16 (strided rows accepted);
+CUDA: float32, bfloat16 and float16 on contiguous tensors, launched on
+``torch.cuda.current_stream()`` (``layer_ops_supported`` says which device and dtype have them).
+``rotary_embedding`` has a CPU kernel only and ``rotary_embedding_and_cache`` a CUDA kernel only
+so far. Bad arguments raise ``ValueError`` naming the bad value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm import _C
+from pagedllm.ops import _stream, _view  # defined before pagedllm.ops imports this module
+
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
+_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def layer_ops_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the fused layer ops (rms_norm, fused_add_rms_norm, silu_and_mul, and the rotary
+    embedding in its device's form) run on ``device`` in ``dtype``."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return dtype in _CPU_DTYPES
+    return kind == "cuda" and dtype in _CUDA_DTYPES and bool(_C.layer_ops_built_with_cuda())
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``out [T, N] = x [T, N] / sqrt(mean(x^2) + eps) * weight [N]``; returns ``out``."""
+    _C.rms_norm(_view(out), _view(x), _view(weight), float(eps), _stream(x))
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual += x`` then ``x = rms_norm(residual) * weight`` (both ``[T, N]``)."""
+    _C.fused_add_rms_norm(_view(x), _view(residual), _view(weight), float(eps), _stream(x))
+
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out [T, I] = silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``; returns ``out``."""
+    _C.silu_and_mul(_view(out), _view(x), _stream(x))
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> None:
+    """Rotate ``query [T, Hq, D]`` and ``key [T, Hkv, D]`` in place (GPT-NeoX "rotate half"
+    layout) by ``positions`` (int64 ``[T]``). ``cos_sin_cache [max_position, R]``: cos of the R/2
+    frequencies, then their sin, in the query's dtype; features ``>= R`` are left as they are.
+    CPU only so far (on CUDA: :func:`rotary_embedding_and_cache`)."""
+    _C.rotary_embedding(_view(positions), _view(query), _view(key), _view(cos_sin_cache))
+
+
+def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                               query_out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor) -> None:
+    """:func:`rotary_embedding`'s rotation fused with ``reshape_and_cache``: the rotated query goes
+    to ``query_out [T, Hq, D]`` (contiguous), the rotated key and ``value`` go into the paged
+    caches at ``slot_mapping`` (int64 ``[T]``; a slot < 0 writes nothing). ``query``, ``key``,
+    ``value`` are only read and may be strided views into one QKV tensor (heads contiguous).
+    ``cos_cache``/``sin_cache`` ``[max_position, R/2]``: the two halves of ``cos_sin_cache`` as
+    separate tables. CUDA only so far."""
+    _C.rotary_embedding_and_cache(_view(positions), _view(query), _view(key), _view(value), _view(cos_cache),
+                                  _view(sin_cache), _view(query_out), _view(key_cache), _view(value_cache),
+                                  _view(slot_mapping), _stream(query))
