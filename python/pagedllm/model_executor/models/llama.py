@@ -140,13 +140,14 @@ class DecoderLayer(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        if cos_sin is None:  # fused: rotate q and k in place (views of qkv, or the normed copies)
+        if cos_sin is None:
+            # fused (CPU): rotate q and k in place; the CPU kernels read q, k, v as views of qkv
             ops.rotary_embedding(positions, q, k, rotary.cos_sin_cache)
-            q, k = q.contiguous(), k.contiguous()
         else:
             q = rotary.apply(q, *cos_sin)
             k = rotary.apply(k, *cos_sin)
-        attn = self.attn.forward(q, k, v.contiguous(), kv_cache, meta)
+            v = v.contiguous()
+        attn = self.attn.forward(q, k, v, kv_cache, meta)
         hidden = self.o_proj(attn.view(T, self.q_size))
         h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         gate_up = self.gate_up_proj(h)
