@@ -58,7 +58,7 @@ void check_query_out(const char* op, const TensorView& out, const TensorView& qu
   check_same_device(op, "out", out, "key_cache", key_cache);
   check_dtype(op, "query", query, key_cache.dtype);
   check_dtype(op, "out", out, key_cache.dtype);
-  check_contiguous(op, "query", query);
+  detail::check_token_rows(op, "query", query);
   check_contiguous(op, "out", out);
   for (int d = 0; d < 3; ++d)
     PAGEDLLM_CHECK(out.size(d) == query.size(d), op, ": out shape ", out.describe(),

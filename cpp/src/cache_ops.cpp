@@ -71,8 +71,8 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   check_same_device(op, "key", key, "key_cache", key_cache);
   check_same_device(op, "value", value, "key_cache", key_cache);
   check_same_device(op, "slot_mapping", slot_mapping, "key_cache", key_cache);
-  check_contiguous(op, "key", key);
-  check_contiguous(op, "value", value);
+  detail::check_token_rows(op, "key", key);
+  detail::check_token_rows(op, "value", value);
   check_contiguous(op, "slot_mapping", slot_mapping);
   for (int d = 0; d < 3; ++d)
     PAGEDLLM_CHECK(value.size(d) == key.size(d), op, ": value shape ", value.describe(),

@@ -76,7 +76,7 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
       const int64_t lo = start + split * part;
       const int64_t hi = std::min<int64_t>(len, lo + part);
       for (int g = 0; g < G; ++g) {
-        load_query<T, D>(qp + (b * Hq + kvh * G + g) * D, scale, w.q.data() + g * D, w.qb.data() + g * D);
+        load_query<T, D>(qp + b * query.stride(0) + (kvh * G + g) * D, scale, w.q.data() + g * D, w.qb.data() + g * D);
         w.pos[g] = static_cast<int32_t>(p);
       }
       reset_rows(w, G, D);
@@ -173,7 +173,7 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
       for (int64_t i = tile.q0; i < tile.q1; ++i)
         for (int g = 0; g < G; ++g) {
           const int r = static_cast<int>(i - tile.q0) * G + g;
-          load_query<T, D>(qp + ((qsl[b] + i) * Hq + kvh * G + g) * D, scale, w.q.data() + r * D,
+          load_query<T, D>(qp + (qsl[b] + i) * query.stride(0) + (kvh * G + g) * D, scale, w.q.data() + r * D,
                            w.qb.data() + r * D);
           w.pos[r] = static_cast<int32_t>(first_pos + i);
         }

@@ -26,11 +26,14 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
     const int64_t slot = slots[t];
     if (slot < 0) continue;  // padding token
     const int64_t block = slot / bs, row = slot % bs;
+    // [Hkv, D] of a token is contiguous; tokens may be strided (views of a fused QKV)
+    const char* kt = k + static_cast<size_t>(t * key.stride(0)) * elem;
+    const char* vt = v + static_cast<size_t>(t * value.stride(0)) * elem;
     for (int64_t h = 0; h < Hkv; ++h) {
-      const size_t src = static_cast<size_t>(t * Hkv + h) * row_bytes;
+      const size_t src = static_cast<size_t>(h) * row_bytes;
       const size_t dst = static_cast<size_t>((block * Hkv + h) * bs + row) * row_bytes;
-      std::memcpy(kc + dst, k + src, row_bytes);
-      std::memcpy(vc + dst, v + src, row_bytes);
+      std::memcpy(kc + dst, kt + src, row_bytes);
+      std::memcpy(vc + dst, vt + src, row_bytes);
     }
   }
 }

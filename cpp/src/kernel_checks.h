@@ -44,6 +44,20 @@ inline void check_contiguous(const char* op, const char* name, const TensorView&
                  " with non-contiguous strides");
 }
 
+/// A [tokens, heads, head_size] tensor whose (heads, head_size) part is contiguous; on the CPU
+/// the token stride may be anything (e.g. q, k, v as views of one fused QKV projection), CUDA
+/// kernels take contiguous tensors only.
+inline void check_token_rows(const char* op, const char* name, const TensorView& t) {
+  if (t.device != DeviceType::kCPU) {
+    PAGEDLLM_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous on cuda, got ", t.describe(),
+                   " with non-contiguous strides");
+    return;
+  }
+  const bool inner = (t.size(2) <= 1 || t.stride(2) == 1) && (t.size(1) <= 1 || t.stride(1) == t.size(2));
+  PAGEDLLM_CHECK(inner, op, ": ", name, " must have contiguous [num_heads, head_size] rows (any token stride), got ",
+                 t.describe());
+}
+
 inline void check_ndim(const char* op, const char* name, const TensorView& t, int ndim,
                        const char* layout) {
   PAGEDLLM_CHECK(t.ndim == ndim, op, ": ", name, " must be ", ndim, "-D ", layout, ", got ",

@@ -236,6 +236,41 @@ def test_prefill_decode_rows_equal_decode_kernel(device, dtype, gen):
 # ----------------------------------------------------------------------------- errors (CPU)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernels_take_q_k_v_as_views_of_a_fused_qkv(dtype, gen):
+    """On the CPU q (both kernels) and k, v (reshape_and_cache) may be token-strided views of one
+    [T, (Hq + 2 Hkv) D] projection: results equal those of contiguous copies, bit for bit."""
+    T, Hq, Hkv, D, bs = 6, 8, 2, 64, 16
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=gen).to(dtype)
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D: (Hq + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    slots = torch.tensor([3, 17, 40, 41, 63, 5], dtype=torch.int64)
+    caches = []
+    for kk, vv in ((k, v), (k.contiguous(), v.contiguous())):
+        kc, vc = ops.allocate_kv_cache(4, bs, Hkv, D, dtype)
+        ops.reshape_and_cache(kk, vv, kc, vc, slots)
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    kc, vc = caches[0]
+    tables = torch.tensor([[0, 1, 2, 3]] * T, dtype=torch.int32)
+    lens = torch.tensor([4, 18, 41, 42, 64, 6], dtype=torch.int32)
+    outs = []
+    for qq in (q, q.contiguous()):
+        out = poisoned((T, Hq, D), dtype, "cpu")
+        ops.paged_attention(out, qq, kc, vc, tables, lens, 0.125)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    qsl = torch.tensor([0, 2, 6], dtype=torch.int32)
+    outs = []
+    for qq in (q, q.contiguous()):
+        out = poisoned((T, Hq, D), dtype, "cpu")
+        ops.paged_prefill_attention(out, qq, kc, vc, tables[:2], torch.tensor([30, 64], dtype=torch.int32), qsl, 0.125)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 def _decode_args(dtype=torch.float32, B=2, Hq=4, Hkv=2, D=64, block_size=16, num_blocks=8):
     kc = torch.zeros(num_blocks, Hkv, block_size, D, dtype=dtype)
     vc = torch.zeros_like(kc)
@@ -287,7 +322,7 @@ def test_unsupported_block_and_head_sizes_are_named():
     ("seq_lens_2d", ["seq_lens must be 1-D"]),
     ("seq_lens_batch", ["seq_lens dimension 0", "must be 2", "got 3"]),
     ("gqa_ratio", ["num_heads 5", "num_kv_heads 2"]),
-    ("non_contiguous", ["query must be contiguous"]),
+    ("non_contiguous", ["query must have contiguous [num_heads, head_size] rows"]),
     ("seq_len_too_long", ["seq_lens[1] = 33", "[0, 32]"]),
     ("negative_seq_len", ["seq_lens[0] = -1"]),
     ("block_id_out_of_range", ["block_tables[1][1] = 99", "[0, 8)"]),

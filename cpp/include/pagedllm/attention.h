@@ -79,7 +79,8 @@ int get_num_threads();
 ///   scale        softmax scale (usually 1/sqrt(D)), finite
 ///
 /// The query of sequence b sits at position seq_lens[b] - 1. Query head h reads KV head
-/// h / (Hq / Hkv). All tensors contiguous and on one device (block_tables and seq_lens too).
+/// h / (Hq / Hkv). All tensors on one device (block_tables and seq_lens too) and contiguous, except
+/// that on the CPU the query may have any token stride (its [Hq, D] rows contiguous).
 /// B = 0 is a no-op. `stream` is a cudaStream_t as an integer, ignored on CPU.
 /// Throws InvalidArgument naming the bad value for a wrong dtype, device, shape, head size,
 /// block size, contiguity or option; on CPU also for out-of-range seq_lens / block ids.

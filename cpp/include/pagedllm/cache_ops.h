@@ -23,7 +23,8 @@ std::array<int64_t, 4> kv_cache_shape(int64_t num_blocks, int64_t block_size, in
 
 /// Write this step's keys and values into the cache (vLLM's reshape_and_cache).
 ///
-///   key, value    [T, Hkv, D]   the cache's dtype and device, contiguous
+///   key, value    [T, Hkv, D]   the cache's dtype and device, contiguous (on the CPU: any token
+///                               stride, [Hkv, D] rows contiguous: views of a fused QKV)
 ///   key_cache, value_cache  [num_blocks, Hkv, block_size, D]
 ///   slot_mapping  int64 [T]     slot of each token, same device; slot < 0 skips the token
 ///                               (padding); slot >= num_blocks * block_size is an error (checked
