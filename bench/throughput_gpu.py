@@ -194,7 +194,7 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
         "num_preemptions": metrics.get("pagedllm:num_preemptions"), "num_steps": metrics.get("pagedllm:num_steps"),
         "batch1_ttft_s": ttft, "batch1_s_per_token": b1, "profiled_step_s": step_s,
         "batch1_profiled_step_s": b1_step_s, "batch1_gpu_kernel_s_per_step": b1_gpu_s,
-        "fused_layer_ops": bool(runner.model.fused_layer_ops),
+        "fused_layer_ops": bool(runner.model.fused),
         "async_output_processing": bool(engine.async_output_processing),
     }
     llm.shutdown()
