@@ -3,7 +3,7 @@
 // the (block, kv head) K/V tiles of its context [lo, hi) once with the online softmax of
 // FlashAttention (Dao et al. 2022, section 3.1: running max m, running sum l, rescaled
 // accumulator acc), in fp32. Two variants: attend_blocks (few rows: decode) and, with AVX-512,
-// attend_blocks_rows16 (>= 16 rows: prefill tiles). Used by cpu_attention.cpp only.
+// attend_blocks_rows16 (>= 16 rows: prefill tiles; rows in vector lanes for QK, softmax and PV). Used by cpu_attention.cpp only.
 #pragma once
 
 #include <algorithm>
@@ -36,7 +36,7 @@ struct Context {
 /// Per-thread scratch, sized for up to `rows` query rows (rounded up to 16 for the row-tiled
 /// prefill path, whose transposed query qt, probabilities pt and fp32 K chunk kf live here too).
 struct Workspace {
-  std::vector<float> q, acc, m, l, s, vf, qt, pt, kf;
+  std::vector<float> q, acc, m, l, s, vf, qt, pt, kf, acct;
   std::vector<bf16> qb;
   std::vector<int32_t> pos;
   Workspace(int rows, int head_size, int block_size) {
@@ -53,6 +53,7 @@ struct Workspace {
       qt.resize(r16 * d);
       pt.resize(16 * 16);
       kf.resize(16 * d);
+      acct.resize(r16 * d);
     }
   }
 };
@@ -194,7 +195,8 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
 /// attend_blocks for many rows (prefill tiles), transposed: query rows sit in the 16 lanes of a
 /// vector, so S^T[t][rows] = sum_d K[t][d] * Q^T[d][rows] needs no horizontal reduction
 /// (broadcast K element times a column of Q^T; a bf16 chunk is widened to fp32 once), and the online
-/// softmax (max, exp, sum, mask) runs vertically over 16 rows at once. PV stays row-wise.
+/// softmax (max, exp, sum, mask) runs vertically over 16 rows at once. PV too, on a transposed accumulator
+/// acc^T [D][16 rows] written back to w.acc at the end.
 template <typename T, int D>
 void attend_blocks_rows16(const Context<T>& c, const int32_t* table, int64_t kvh, int64_t lo,
                           int64_t hi, int R, float /*scale: already in w.q*/, Workspace& w) {
@@ -208,9 +210,9 @@ void attend_blocks_rows16(const Context<T>& c, const int32_t* table, int64_t kvh
   for (int r = 0; r < NG * 16; ++r)  // transpose the query tile once per work item
     for (int d = 0; d < D; ++d)
       w.qt[(size_t(r / 16) * D + d) * 16 + r % 16] = r < R ? w.q[size_t(r) * D + d] : 0.0f;
+  std::fill_n(w.acct.begin(), size_t(NG) * D * 16, 0.0f);  // acc^T: [NG][D][16 rows]
   const float cap = c.soft_cap;
   const int32_t window = c.sliding_window;
-  float corr_lanes[16];
   for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
     const int64_t base = blk * bs;
     const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
@@ -291,15 +293,26 @@ void attend_blocks_rows16(const Context<T>& c, const int32_t* table, int64_t kvh
         _mm512_storeu_ps(w.m.data() + g * 16, mnew);
         _mm512_storeu_ps(w.l.data() + g * 16,
                          _mm512_fmadd_ps(_mm512_loadu_ps(w.l.data() + g * 16), corr, sum));
-        _mm512_storeu_ps(corr_lanes, corr);
-        for (int lane = 0; lane < 16 && g * 16 + lane < R; ++lane) {
-          if (!((any >> lane) & 1)) continue;  // nothing visible: m, l, acc unchanged
-          pv_row<D>(w.acc.data() + size_t(g * 16 + lane) * D, corr_lanes[lane], w.pt.data() + lane,
-                    vp + size_t(c16) * D, u0, u1, 16);
+        // PV with the rows in the lanes too: acc^T[d][rows] = acc^T * corr + sum_t P^T[t][rows] *
+        // V[t][d]; 16 independent accumulators per pass keep both FMA ports busy (one row at a
+        // time was latency-bound). A lane that sees nothing has p = 0 and corr = 1 (or acc = 0).
+        float* at = w.acct.data() + size_t(g) * D * 16;
+        const float* vc = vp + size_t(c16) * D;
+        for (int d0 = 0; d0 < D; d0 += 16) {
+          __m512 a[16];
+          for (int j = 0; j < 16; ++j) a[j] = _mm512_mul_ps(_mm512_loadu_ps(at + (d0 + j) * 16), corr);
+          for (int t = u0; t < u1; ++t) {
+            const __m512 pv = _mm512_loadu_ps(w.pt.data() + t * 16);
+            const float* vt = vc + size_t(t) * D + d0;
+            for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(pv, _mm512_set1_ps(vt[j]), a[j]);
+          }
+          for (int j = 0; j < 16; ++j) _mm512_storeu_ps(at + (d0 + j) * 16, a[j]);
         }
       }
     }
   }
+  for (int r = 0; r < R; ++r)  // acc^T back to the rows' [R][D] layout
+    for (int d = 0; d < D; ++d) w.acc[size_t(r) * D + d] = w.acct[(size_t(r / 16) * D + d) * 16 + r % 16];
 }
 #endif
 
