@@ -6,13 +6,16 @@ vLLM's names: ``from pagedllm import LLM, SamplingParams``.
 
 import os as _os
 
-# pagedllm's CPU kernels and torch each run an OpenMP runtime (libgomp). With the default wait
-# policy, idle workers spin for milliseconds after every parallel region, so alternating torch ops
-# and pagedllm kernels (every decoder layer) makes the two runtimes' workers fight for the cores:
-# on the 2-core dev machine 30 layers of (matmul + paged_attention) took 793 ms instead of 73 ms.
-# Each runtime reads OMP_WAIT_POLICY when it loads, so this must precede `import torch` (importing
-# pagedllm first) and `_C`; an explicit user setting wins.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP wait policy (torch and pagedllm's CPU kernels share one libgomp). Between two parallel
+# regions the idle worker either spins (libgomp's default: up to 300,000 spins, milliseconds) or
+# sleeps (OMP_WAIT_POLICY=PASSIVE). Sleeping makes every region pay a futex wake-up: on the 2-core
+# dev machine a oneDNN decode GEMM took 430 us instead of 140 us and a 64-sequence decode step was
+# ~10% slower. Spinning for milliseconds makes a machine with any other busy process (a compile,
+# a second engine) stall every barrier on a descheduled thread: 2-15x slower. So, unless the user
+# chose, spin briefly (GOMP_SPINCOUNT=10000, ~0.5 ms: the gaps between the ops of a step) and then
+# sleep. libgomp reads this when it loads, so it must precede `import torch` (import pagedllm first).
+if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
+    _os.environ["GOMP_SPINCOUNT"] = "10000"
 
 from pagedllm import _C  # noqa: E402
 

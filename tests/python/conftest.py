@@ -1,7 +1,12 @@
 """pytest setup for tests/python.
 
-pagedllm is imported before any test module imports torch, so that its OMP_WAIT_POLICY=PASSIVE
-default (pagedllm/__init__.py) is in place when torch's and the kernels' OpenMP runtimes load.
+The tests run with OMP_WAIT_POLICY=PASSIVE (unless the environment says otherwise), set before
+pagedllm and torch load their OpenMP runtime: server tests run engines in subprocesses next to
+the pytest process on 2 cores, where spinning OpenMP workers would stall each other.
 """
 
-import pagedllm  # noqa: F401
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pagedllm  # noqa: F401,E402
