@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "cuda_check.h"
+#include "device_guard.h"
 
 namespace pagedllm::cuda::layer_ops {
 
@@ -62,23 +63,7 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
   return shared[0];
 }
 
-/// Makes `device` current for a launch and restores the previous device afterwards.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) PAGEDLLM_CUDA_CHECK(cudaSetDevice(device));
-    else previous_ = -1;
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
+using detail::DeviceGuard;  // device_guard.h
 
 inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
