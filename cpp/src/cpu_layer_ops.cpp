@@ -34,30 +34,12 @@ int threads_for(int64_t elements, int num_threads) {
 }
 
 /// exp(x) for any float x, relative error ~2e-7 (x > ln(FLT_MAX) gives +inf, as expf; x < -87.3
-/// gives ~1e-38). Same reduction as cpu_vec.h's exp_neg; branch-free so that it vectorizes.
+/// gives ~1e-38): cpu_vec.h's exp_reduced on the clamped argument.
 inline float exp_full(float x) {
   const bool overflow = x > 88.7228391f;
   x = x < -87.3f ? -87.3f : x;
   x = x > 88.7f ? 88.7f : x;
-  const float t = x * 1.44269504088896341f;
-  const float n = (t + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187045e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  // 2^n in two halves, so that n = 128 (x near 88.7) does not overflow the exponent field.
-  const int32_t n_int = static_cast<int32_t>(n);
-  const int32_t h = n_int >> 1;
-  const float s1 = std::bit_cast<float>((h + 127) << 23);
-  const float s2 = std::bit_cast<float>((n_int - h + 127) << 23);
-  const float result = p * s1 * s2;
-  return overflow ? std::numeric_limits<float>::infinity() : result;
+  return overflow ? std::numeric_limits<float>::infinity() : exp_reduced(x);
 }
 
 /// Round x to T and back (identity for float).
@@ -151,9 +133,12 @@ inline float inv_rms(const float* __restrict x, int64_t n, float eps) {
   return 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
 
+/// Per row: x = input (or, with a residual, residual += input, rounded, and x = that sum), then
+/// out = rms_norm(x) * weight. fused_add_rms_norm passes out = input (in place): the row is read
+/// into x before out is written.
 template <typename T>
-void rms_norm_impl(const TensorView& out, const TensorView& input, const TensorView& weight, float eps,
-                   int nt) {
+void rms_norm_impl(const TensorView& out, const TensorView& input, const TensorView* residual,
+                   const TensorView& weight, float eps, int nt) {
   const int64_t rows = input.size(0), n = input.size(1);
   const T* w = weight.ptr<const T>();
 #pragma omp parallel num_threads(threads_for(rows * n, nt))
@@ -162,48 +147,31 @@ void rms_norm_impl(const TensorView& out, const TensorView& input, const TensorV
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       const T* in = row_ptr<T>(input, r);
+      T* res = residual != nullptr ? row_ptr_mut<T>(*residual, r) : nullptr;
 #ifdef PAGEDLLM_LAYER_OPS_AVX512
       for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = tail_mask(n - i);
-        store16(x.data() + i, load16(in + i, m), m);
+        __m512 v = load16(in + i, m);
+        if (res != nullptr) {
+          v = round16<T>(_mm512_add_ps(load16(res + i, m), v));
+          store16(res + i, v, m);
+        }
+        store16(x.data() + i, v, m);
       }
 #else
+      if (res != nullptr) {
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) x[i] = to_float(in[i]);
+        for (int64_t i = 0; i < n; ++i) {
+          const T sum = from_float<T>(to_float(res[i]) + to_float(in[i]));
+          res[i] = sum;
+          x[i] = to_float(sum);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) x[i] = to_float(in[i]);
+      }
 #endif
       normalize_row<T>(x.data(), inv_rms(x.data(), n, eps), w, row_ptr_mut<T>(out, r), n);
-    }
-  }
-}
-
-template <typename T>
-void fused_add_rms_norm_impl(const TensorView& input, const TensorView& residual, const TensorView& weight,
-                             float eps, int nt) {
-  const int64_t rows = input.size(0), n = input.size(1);
-  const T* w = weight.ptr<const T>();
-#pragma omp parallel num_threads(threads_for(rows * n, nt))
-  {
-    std::vector<float> x(n);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      T* in = row_ptr_mut<T>(input, r);
-      T* res = row_ptr_mut<T>(residual, r);
-#ifdef PAGEDLLM_LAYER_OPS_AVX512
-      for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = tail_mask(n - i);
-        const __m512 sum = round16<T>(_mm512_add_ps(load16(res + i, m), load16(in + i, m)));
-        store16(res + i, sum, m);
-        store16(x.data() + i, sum, m);
-      }
-#else
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const T sum = from_float<T>(to_float(res[i]) + to_float(in[i]));
-        res[i] = sum;
-        x[i] = to_float(sum);
-      }
-#endif
-      normalize_row<T>(x.data(), inv_rms(x.data(), n, eps), w, in, n);
     }
   }
 }
@@ -291,13 +259,13 @@ void by_dtype(DType dtype, F&& f) {
 
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, float eps,
               int num_threads) {
-  by_dtype(input.dtype, [&]<typename T>() { rms_norm_impl<T>(out, input, weight, eps, num_threads); });
+  by_dtype(input.dtype, [&]<typename T>() { rms_norm_impl<T>(out, input, nullptr, weight, eps, num_threads); });
 }
 
 void fused_add_rms_norm(const TensorView& input, const TensorView& residual, const TensorView& weight,
                         float eps, int num_threads) {
   by_dtype(input.dtype,
-           [&]<typename T>() { fused_add_rms_norm_impl<T>(input, residual, weight, eps, num_threads); });
+           [&]<typename T>() { rms_norm_impl<T>(input, input, &residual, weight, eps, num_threads); });
 }
 
 void silu_and_mul(const TensorView& out, const TensorView& input, int num_threads) {

@@ -37,12 +37,11 @@ inline void to_float_row(const T* __restrict src, float* __restrict dst, int n) 
   for (int i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
-/// exp(x) for x <= 0 (softmax arguments), relative error ~2e-7; x < -87 gives ~0 (never NaN).
-/// Cody-Waite reduction x = n*ln2 + r, |r| <= ln2/2, degree-7 Taylor polynomial of e^r, then
-/// scaling by 2^n through the exponent bits. Branch-free, so loops over it vectorize.
-inline float exp_neg(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 0.0f ? 0.0f : x;
+/// exp(x) for x in [-87.3, 88.7] (callers clamp), relative error ~2e-7: Cody-Waite reduction
+/// x = n*ln2 + r, |r| <= ln2/2, degree-7 Taylor polynomial of e^r, then scaling by 2^n through
+/// the exponent bits, in two halves so that n = 128 does not overflow the exponent field (each
+/// half is a power of two, so the scaling is exact). Branch-free, so loops over it vectorize.
+inline float exp_reduced(float x) {
   const float t = x * 1.44269504088896341f;
   const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
   float r = x - n * 0.693145751953125f;
@@ -55,8 +54,18 @@ inline float exp_neg(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  return p * std::bit_cast<float>(e);
+  const int32_t n_int = static_cast<int32_t>(n);
+  const int32_t h = n_int >> 1;
+  const float s1 = std::bit_cast<float>((h + 127) << 23);
+  const float s2 = std::bit_cast<float>((n_int - h + 127) << 23);
+  return p * s1 * s2;
+}
+
+/// exp(x) for x <= 0 (softmax arguments), relative error ~2e-7; x < -87 gives ~0 (never NaN).
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 0.0f ? 0.0f : x;
+  return exp_reduced(x);
 }
 
 /// tanh(x) = 1 - 2 / (exp(2x) + 1), for the logit soft-cap; exact enough (~1e-7) for fp32.

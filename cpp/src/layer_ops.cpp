@@ -56,6 +56,24 @@ void check_eps(const char* op, double eps) {
   PAGEDLLM_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
 }
 
+/// The arguments of both norms: input [T, N] and `other` (out or residual) [T, N] of one float
+/// dtype and device, weight [N] contiguous, eps finite and >= 0.
+void check_norm_args(const char* op, const TensorView& input, const char* other_name, const TensorView& other,
+                     const TensorView& weight, double eps) {
+  check_float(op, "input", input);
+  check_rows(op, "input", input, input.dtype, "[num_tokens, hidden_size]");
+  check_rows(op, other_name, other, input.dtype, "[num_tokens, hidden_size]");
+  check_ndim(op, "weight", weight, 1, "[hidden_size]");
+  check_dtype(op, "weight", weight, input.dtype);
+  check_contiguous(op, "weight", weight);
+  check_same_device(op, other_name, other, "input", input);
+  check_same_device(op, "weight", weight, "input", input);
+  check_dim(op, other_name, other, 0, input.size(0), "num_tokens, must match input");
+  check_dim(op, other_name, other, 1, input.size(1), "hidden_size, must match input");
+  check_dim(op, "weight", weight, 0, input.size(1), "hidden_size, must match input");
+  check_eps(op, eps);
+}
+
 bool overlaps(const TensorView& a, const TensorView& b) {
   const char* a0 = static_cast<const char*>(a.data);
   const char* b0 = static_cast<const char*>(b.data);
@@ -95,18 +113,7 @@ bool layer_ops_built_with_cuda() {
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
               std::uintptr_t stream) {
   const char* op = "rms_norm";
-  check_float(op, "input", input);
-  check_rows(op, "input", input, input.dtype, "[num_tokens, hidden_size]");
-  check_rows(op, "out", out, input.dtype, "[num_tokens, hidden_size]");
-  check_ndim(op, "weight", weight, 1, "[hidden_size]");
-  check_dtype(op, "weight", weight, input.dtype);
-  check_contiguous(op, "weight", weight);
-  check_same_device(op, "out", out, "input", input);
-  check_same_device(op, "weight", weight, "input", input);
-  check_dim(op, "out", out, 0, input.size(0), "num_tokens, must match input");
-  check_dim(op, "out", out, 1, input.size(1), "hidden_size, must match input");
-  check_dim(op, "weight", weight, 0, input.size(1), "hidden_size, must match input");
-  check_eps(op, eps);
+  check_norm_args(op, input, "out", out, weight, eps);
   if (input.numel() == 0) return;
   if (input.device == DeviceType::kCPU) {
     cpu::rms_norm(out, input, weight, static_cast<float>(eps), get_num_threads());
@@ -126,18 +133,7 @@ void rms_norm(const TensorView& out, const TensorView& input, const TensorView& 
 void fused_add_rms_norm(const TensorView& input, const TensorView& residual, const TensorView& weight,
                         double eps, std::uintptr_t stream) {
   const char* op = "fused_add_rms_norm";
-  check_float(op, "input", input);
-  check_rows(op, "input", input, input.dtype, "[num_tokens, hidden_size]");
-  check_rows(op, "residual", residual, input.dtype, "[num_tokens, hidden_size]");
-  check_ndim(op, "weight", weight, 1, "[hidden_size]");
-  check_dtype(op, "weight", weight, input.dtype);
-  check_contiguous(op, "weight", weight);
-  check_same_device(op, "residual", residual, "input", input);
-  check_same_device(op, "weight", weight, "input", input);
-  check_dim(op, "residual", residual, 0, input.size(0), "num_tokens, must match input");
-  check_dim(op, "residual", residual, 1, input.size(1), "hidden_size, must match input");
-  check_dim(op, "weight", weight, 0, input.size(1), "hidden_size, must match input");
-  check_eps(op, eps);
+  check_norm_args(op, input, "residual", residual, weight, eps);
   if (input.numel() == 0) return;
   if (input.device == DeviceType::kCPU) {
     cpu::fused_add_rms_norm(input, residual, weight, static_cast<float>(eps), get_num_threads());
