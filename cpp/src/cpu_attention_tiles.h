@@ -58,36 +58,6 @@ struct Workspace {
   }
 };
 
-/// Element offset of the (block table[blk], kv head kvh) tile in either cache.
-template <typename T, int D>
-inline int64_t tile_offset(const Context<T>& c, const int32_t* table, int64_t blk, int64_t kvh) {
-  return (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * c.block_size * D;
-}
-
-/// Blocks are scattered, so the hardware prefetcher cannot run ahead across tiles: start fetching
-/// the next tile's K and V while the current one is computed.
-template <typename T, int D>
-inline void prefetch_tile(const Context<T>& c, int64_t tile) {
-  const char* nk = reinterpret_cast<const char*>(c.key_cache + tile);
-  const char* nv = reinterpret_cast<const char*>(c.value_cache + tile);
-  for (size_t off = 0; off < size_t(c.block_size) * D * sizeof(T); off += 64) {
-    __builtin_prefetch(nk + off);
-    __builtin_prefetch(nv + off);
-  }
-}
-
-/// The value tile as float32 rows ([block_size][D]; rows [t0, t1) valid): the cache itself for
-/// float32, rows [t0, t1) widened into w.vf for bfloat16.
-template <typename T, int D>
-inline const float* value_tile_f32(const Context<T>& c, int64_t tile, int t0, int t1, Workspace& w) {
-  if constexpr (std::is_same_v<T, float>) {
-    return c.value_cache + tile;
-  } else {
-    to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
-    return w.vf.data();
-  }
-}
-
 /// Online-softmax attention of R query rows (w.q: [R][D] fp32, already multiplied by `scale`;
 /// for bf16 also w.qb: the unscaled bf16 rows; w.pos[r]: the row's position) over the context
 /// tokens [lo, hi) of one sequence (`table`: its block-table row) and KV head `kvh`, updating
@@ -110,10 +80,26 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
     const int64_t base = blk * bs;  // position of row 0 of this block
     const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
     const int t1 = static_cast<int>(std::min<int64_t>(hi, base + bs) - base);
-    const int64_t tile = tile_offset<T, D>(c, table, blk, kvh);
+    const int64_t tile = (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * bs * D;
     const T* kt = c.key_cache + tile;
-    if ((blk + 1) * bs < hi) prefetch_tile<T, D>(c, tile_offset<T, D>(c, table, blk + 1, kvh));
-    const float* vp = value_tile_f32<T, D>(c, tile, t0, t1, w);
+    if ((blk + 1) * bs < hi) {
+      // Blocks are scattered, so the hardware prefetcher cannot run ahead across tiles: fetch
+      // the next (block, kv head) K and V tiles while this one is computed.
+      const int64_t next = (static_cast<int64_t>(table[blk + 1]) * c.num_kv_heads + kvh) * bs * D;
+      const char* nk = reinterpret_cast<const char*>(c.key_cache + next);
+      const char* nv = reinterpret_cast<const char*>(c.value_cache + next);
+      for (size_t off = 0; off < size_t(bs) * D * sizeof(T); off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
+    const float* vp;
+    if constexpr (std::is_same_v<T, float>) {
+      vp = c.value_cache + tile;
+    } else {
+      to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
+      vp = w.vf.data();
+    }
     // Scores S = Q K^T for this block, 16 tokens at a time (bs is a multiple of 16); a chunk's
     // K rows stay in L1 for all R rows. Rows outside [t0, t1) are computed but never used.
     for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16)
@@ -231,10 +217,24 @@ void attend_blocks_rows16(const Context<T>& c, const int32_t* table, int64_t kvh
     const int64_t base = blk * bs;
     const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
     const int t1 = static_cast<int>(std::min<int64_t>(hi, base + bs) - base);
-    const int64_t tile = tile_offset<T, D>(c, table, blk, kvh);
+    const int64_t tile = (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * bs * D;
     const T* kt = c.key_cache + tile;
-    if ((blk + 1) * bs < hi) prefetch_tile<T, D>(c, tile_offset<T, D>(c, table, blk + 1, kvh));
-    const float* vp = value_tile_f32<T, D>(c, tile, t0, t1, w);
+    if ((blk + 1) * bs < hi) {
+      const int64_t next = (static_cast<int64_t>(table[blk + 1]) * c.num_kv_heads + kvh) * bs * D;
+      const char* nk = reinterpret_cast<const char*>(c.key_cache + next);
+      const char* nv = reinterpret_cast<const char*>(c.value_cache + next);
+      for (size_t off = 0; off < size_t(bs) * D * sizeof(T); off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
+    const float* vp;
+    if constexpr (std::is_same_v<T, float>) {
+      vp = c.value_cache + tile;
+    } else {
+      to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
+      vp = w.vf.data();
+    }
     for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16) {
       const int u0 = std::max(t0, c16) - c16, u1 = std::min(t1, c16 + 16) - c16;
       const float* kf16;  // the chunk's 16 K rows in fp32 (converted once for all row groups)
