@@ -144,9 +144,11 @@ def test_missing_tensor_is_named(tiny, tmp_path):
         load_pagedllm(tmp_path)
 
 
-def test_packed_bf16_projections_give_identical_logits(tiny):
-    from pagedllm.model_executor.models.llama import PackedLinear, can_pack_linear
+def test_packed_bf16_projections_give_identical_logits(tiny, monkeypatch):
+    """oneDNN's packed layout (the fallback where AMX is missing) is bit-identical to F.linear."""
+    from pagedllm.model_executor.models.llama import AmxLinear, PackedLinear, can_pack_linear
 
+    monkeypatch.setattr(AmxLinear, "applies", staticmethod(lambda weight: False))
     _, folder = tiny("qwen2")  # has q/k/v biases
     model = load_pagedllm(folder, torch.bfloat16)
     seq = torch.randint(3, 1024, (30,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -158,3 +160,34 @@ def test_packed_bf16_projections_give_identical_logits(tiny):
     again = PagedHarness(model, 1, 32).step([(0, seq)])
     assert torch.equal(plain, again)
     assert not load_pagedllm(folder, torch.float32).pack_weights()  # fp32 stays on F.linear
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_amx_bf16_projections_close_to_f_linear_and_hf(tiny, arch):
+    """The AMX projections (the CPU bf16 default where the CPU has AMX) sum in another order than
+    oneDNN: logits within bfloat16 rounding of F.linear's, and as close to HF as those."""
+    from pagedllm import ops
+    from pagedllm.model_executor.models.llama import AmxLinear
+
+    if not ops.amx_linear_supported():
+        pytest.skip("no AMX-BF16 here: pack_weights uses oneDNN (test above)")
+    hf, folder = tiny(arch)
+    model = load_pagedllm(folder, torch.bfloat16)
+    seq = torch.randint(3, 1024, (37,), generator=torch.Generator().manual_seed(11)).tolist()
+    plain = PagedHarness(model, 1, 48).step([(0, seq)])
+    assert model.pack_weights()
+    assert isinstance(model.layers[0].qkv_proj, AmxLinear) and isinstance(model.layers[1].down_proj, AmxLinear)
+    assert isinstance(model.packed_lm_head, AmxLinear)
+    amx = PagedHarness(model, 1, 48).step([(0, seq)])
+    assert (amx - plain).abs().max().item() < 0.1
+    assert (amx.argmax(-1) == plain.argmax(-1)).float().mean().item() > 0.9
+    hf_bf16 = hf.to(torch.bfloat16)
+    try:
+        with torch.no_grad():
+            ref = hf_bf16(torch.tensor([seq])).logits[0].float()
+    finally:
+        hf.to(torch.float32)
+    # bf16 logits of magnitude ~5 agree to a few 1e-2; the AMX path is no further from HF than
+    # F.linear's beyond that
+    assert (amx - ref).abs().max().item() <= (plain - ref).abs().max().item() + 0.1
+    assert (amx.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9

@@ -39,6 +39,9 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "argmax_rows",
+    "amx_linear_supported",
+    "amx_pack_linear_weight",
+    "amx_linear",
 ]
 
 #: Tokens per KV block the kernels support (the engine accepts exactly these).
@@ -175,3 +178,4 @@ from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
     silu_and_mul,
 )
 from pagedllm.ops.sampling_ops import argmax_rows  # noqa: E402
+from pagedllm.ops.cpu_linear import amx_linear, amx_linear_supported, amx_pack_linear_weight  # noqa: E402

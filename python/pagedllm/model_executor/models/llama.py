@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm import ops
+from pagedllm import _C, ops
 from pagedllm.model_executor.attention import Attention, AttentionMetadata
 from pagedllm.model_executor.config import ModelConfig
 from pagedllm.model_executor.rotary import RotaryEmbedding
@@ -84,6 +84,30 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class AmxLinear(nn.Module):
+    """y = x W^T + b on the CPU in bfloat16 with pagedllm's AMX kernel (pagedllm.ops.amx_linear):
+    W is packed once into AMX tiles and streamed once per call, with no oneDNN dispatch; needs
+    in/out features that are multiples of 32. x [T, in] (contiguous rows) -> [T, out]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.packed = ops.amx_pack_linear_weight(weight.detach())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        # the static operands' native views, made once (a view costs ~2 us per call)
+        self._packed_view = ops._view(self.packed)
+        self._bias_view = None if self.bias is None else ops._view(self.bias)
+
+    @staticmethod
+    def applies(weight: torch.Tensor) -> bool:
+        return weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and ops.amx_linear_supported()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        _C.amx_linear(ops._view(out), ops._view(x), self._packed_view, self._bias_view)
+        return out
 
 
 def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
@@ -231,15 +255,19 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(normed, self.lm_head_weight).float()
 
     def pack_weights(self) -> bool:
-        """After load_weights: on CPU in bfloat16, replace every projection (and the LM head) by a
-        PackedLinear (oneDNN blocked layout, same results, faster). Returns whether it did."""
+        """After load_weights: on CPU in bfloat16, replace every projection (and the LM head) by an
+        AmxLinear (pagedllm's AMX kernel) where the machine has AMX and the shape allows, else by a
+        PackedLinear (oneDNN blocked layout, same results as F.linear). Returns whether it did."""
         if not can_pack_linear(self.dtype, self.device):
             return False
+        def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+            return AmxLinear(weight, bias) if AmxLinear.applies(weight) else PackedLinear(weight, bias)
+
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 lin = getattr(layer, name)
-                setattr(layer, name, PackedLinear(lin.weight, lin.bias))
-        self.packed_lm_head = PackedLinear(self.lm_head_weight, None)
+                setattr(layer, name, pack(lin.weight, lin.bias))
+        self.packed_lm_head = pack(self.lm_head_weight, None)
         return True
 
     # ---- weights ---------------------------------------------------------------------------

@@ -1,0 +1,46 @@
+// pagedllm/cpu_linear.h — the dense projections of a decoder layer on the CPU with Intel AMX.
+//
+//   amx_pack_linear_weight  packed = weight [N, K] (nn.Linear layout) re-laid out as AMX B tiles
+//   amx_linear              out [M, N] = x [M, K] @ weight^T (+ bias), from the packed weight
+//
+// Why: at decode batch sizes (M of 1-256 tokens) a projection is bound by reading its weight once
+// from DRAM; oneDNN's matmul primitive adds ~50-100 us of dispatch per call and reads the weight at
+// about half the machine's bandwidth. This kernel streams the packed weight exactly once per call
+// (all M rows are computed while a weight tile is in L1) with the accumulation in AMX tiles.
+//
+// Packed layout (bfloat16, N % 32 == 0, K % 32 == 0): [N / 32][K / 32][2][16][32]. For the
+// column pair-block p (output columns 32p .. 32p+31), the K-block kb (inputs 32kb .. 32kb+31) and
+// the half h, the 16 x 32 tile holds in row r, element 2n + j: weight[32p + 16h + n][32kb + 2r + j]
+// — the "VNNI" B operand of TDPBF16PS (Intel SDM vol. 2, TDPBF16PS; Intel Optimization Reference
+// Manual ch. 20, "Intel AMX"). A thread's share of the weight is therefore one sequential stream.
+//
+// dtypes: x, weight, packed, out bfloat16; bias float32 or bfloat16 [N] (optional); accumulation in
+// float32, out rounded to nearest even once (as torch.nn.functional.linear in bfloat16). x and out
+// must have a contiguous last dimension (any row stride). CPU only. Launchers validate and throw
+// InvalidArgument naming the bad value; amx_linear_supported() says whether this machine (CPU and
+// OS permission for the tile state) and this build can run the kernel at all.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "pagedllm/tensor_view.h"
+
+namespace pagedllm {
+
+/// Whether the AMX kernels can run here (AMX-BF16 in the build and the CPU, the OS grants the
+/// tile state). When false, amx_pack_linear_weight and amx_linear throw.
+bool amx_linear_supported();
+
+/// Shape the packed weight of an [N, K] weight takes: {N / 32, K / 32, 2, 16, 32}. Throws when N or
+/// K is not a positive multiple of 32.
+std::vector<int64_t> amx_packed_weight_shape(int64_t N, int64_t K);
+
+/// packed bf16 amx_packed_weight_shape(N, K), contiguous  <-  weight bf16 [N, K], contiguous rows.
+void amx_pack_linear_weight(const TensorView& packed, const TensorView& weight);
+
+/// out bf16 [M, N] = x bf16 [M, K] @ weight^T + bias, weight given packed [N/32, K/32, 2, 16, 32];
+/// bias: nullptr or a float32/bfloat16 [N] view. M = 0 does nothing.
+void amx_linear(const TensorView& out, const TensorView& x, const TensorView& packed, const TensorView* bias);
+
+}  // namespace pagedllm

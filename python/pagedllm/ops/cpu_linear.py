@@ -1,0 +1,42 @@
+"""Dense projections on the CPU with Intel AMX (``cpp/include/pagedllm/cpu_linear.h``), called
+with torch tensors.
+
+``amx_pack_linear_weight`` re-lays an ``nn.Linear`` weight ``[N, K]`` (bfloat16, N and K
+multiples of 32) out as AMX tiles once; ``amx_linear`` then computes ``x @ weight.T + bias``
+streaming that weight exactly once per call, float32 accumulation, the result rounded to
+bfloat16 once (as ``torch.nn.functional.linear``). ``amx_linear_supported()`` says whether this
+machine and build can run them. Bad arguments raise ``ValueError`` naming the bad value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm import _C
+from pagedllm.ops import _view  # defined before pagedllm.ops imports this module
+
+
+def amx_linear_supported() -> bool:
+    """Whether the AMX projection kernels run here (AMX-BF16 CPU, OS tile permission, build)."""
+    return bool(_C.amx_linear_supported())
+
+
+def amx_pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 ``[N / 32, K / 32, 2, 16, 32]``: ``weight`` ``[N, K]`` (bfloat16, CPU) as AMX B
+    tiles (layout in ``cpu_linear.h``). Raises ValueError when N or K is not a multiple of 32."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"amx_pack_linear_weight: weight must be a 2-D tensor [out_features, in_features], "
+                         f"got {getattr(weight, 'shape', type(weight).__name__)}")
+    packed = torch.empty(_C.amx_packed_weight_shape(weight.shape[0], weight.shape[1]), dtype=weight.dtype)
+    _C.amx_pack_linear_weight(_view(packed), _view(weight))
+    return packed
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out [M, N] = x [M, K] @ weight.T (+ bias [N])`` from ``packed = amx_pack_linear_weight(weight)``;
+    bfloat16 x and out (contiguous last dimension), float32 or bfloat16 bias. Returns ``out``."""
+    if out is None:
+        out = torch.empty((x.shape[0], packed.shape[0] * 32), dtype=x.dtype)
+    _C.amx_linear(_view(out), _view(x), _view(packed), None if bias is None else _view(bias))
+    return out

@@ -1,0 +1,95 @@
+"""pagedllm.ops.amx_linear (the CPU projections in bfloat16 with Intel AMX) against a float64
+reference on fresh random inputs, and its argument errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import pagedllm.ops as ops
+
+pytestmark = pytest.mark.skipif(not ops.amx_linear_supported(),
+                                reason="this CPU/OS has no AMX-BF16 (the model falls back to oneDNN)")
+
+
+@pytest.fixture
+def gen():
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ weight.double().T
+    return y if bias is None else y + bias.double()
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, k: int) -> None:
+    # one bfloat16 rounding of the result (2^-8 relative) plus float32 accumulation over k terms
+    tol = ref.abs() * 2.0**-8 + 1e-5 * k ** 0.5
+    err = (out.double() - ref).abs()
+    assert out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    assert (err <= tol).all(), f"max error {err.max().item():.3g} at {divmod(int(err.argmax()), ref.shape[1])}"
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 31, 32, 33, 64, 100, 257, 300])
+@pytest.mark.parametrize("k,n", [(32, 32), (576, 960), (96, 64), (1536, 576)])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_amx_linear_matches_float64(m, k, n, bias_dtype, gen):
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    bias = None if bias_dtype is None else torch.randn(n, generator=gen).to(bias_dtype)
+    packed = ops.amx_pack_linear_weight(weight)
+    assert tuple(packed.shape) == (n // 32, k // 32, 2, 16, 32)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    assert ops.amx_linear(x, packed, bias, out=out) is out
+    check_close(out, reference(x, weight, bias), k)
+
+
+def test_amx_linear_strided_rows_and_f_linear(gen):
+    """x and out with a row stride larger than their width; the result within one rounding of
+    torch.nn.functional.linear in bfloat16 (which rounds the same float32 sums)."""
+    m, k, n = 40, 128, 96
+    wide_x = torch.randn(m, k + 40, generator=gen).bfloat16()
+    x = wide_x[:, 8:8 + k]
+    weight = (torch.randn(n, k, generator=gen) / 8).bfloat16()
+    wide_out = torch.full((m, n + 64), float("nan"), dtype=torch.bfloat16)
+    out = wide_out[:, 32:32 + n]
+    ops.amx_linear(x, ops.amx_pack_linear_weight(weight), out=out)
+    check_close(out, reference(x, weight, None), k)
+    assert torch.isnan(wide_out[:, :32].float()).all() and torch.isnan(wide_out[:, 32 + n:].float()).all()
+    torch_out = torch.nn.functional.linear(x, weight)
+    assert ((out.float() - torch_out.float()).abs() <= torch_out.float().abs() * 2.0**-7 + 1e-3).all()
+
+
+def test_amx_linear_empty_batch(gen):
+    weight = torch.randn(64, 64, generator=gen).bfloat16()
+    out = ops.amx_linear(torch.empty(0, 64, dtype=torch.bfloat16), ops.amx_pack_linear_weight(weight))
+    assert out.shape == (0, 64)
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (64, 40), (0, 64)])
+def test_pack_rejects_shapes_not_multiple_of_32(shape):
+    with pytest.raises(ValueError, match=r"multiples of 32"):
+        ops.amx_pack_linear_weight(torch.zeros(shape, dtype=torch.bfloat16))
+
+
+def test_amx_linear_argument_errors(gen):
+    weight = torch.randn(64, 96, generator=gen).bfloat16()
+    packed = ops.amx_pack_linear_weight(weight)
+    x = torch.randn(3, 96, generator=gen).bfloat16()
+    with pytest.raises(ValueError, match=r"amx_pack_linear_weight: weight .*float32"):
+        ops.amx_pack_linear_weight(weight.float())
+    with pytest.raises(ValueError, match=r"amx_linear: x .*float32"):
+        ops.amx_linear(x.float(), packed)
+    with pytest.raises(ValueError, match=r"amx_linear: x .*dimension 1.*64.*96|amx_linear: x .*in_features"):
+        ops.amx_linear(torch.randn(3, 64).bfloat16(), packed)
+    with pytest.raises(ValueError, match=r"amx_linear: out .*num_tokens"):
+        ops.amx_linear(x, packed, out=torch.empty(4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"amx_linear: bias must be .*\[64\]"):
+        ops.amx_linear(x, packed, torch.zeros(63))
+    with pytest.raises(ValueError, match=r"amx_linear: x and out must have a contiguous last dimension"):
+        ops.amx_linear(torch.randn(96, 3).bfloat16().T, packed)
