@@ -4,10 +4,12 @@
 // accumulators, tmm0-3), the x rows as two A tiles (tmm4-5), the packed weight as two B tiles
 // (tmm6-7): per 32-wide K step, 4 tile loads feed 4 TDPBF16PS. Threads split the column
 // pair-blocks; each thread walks its pair-blocks in packed order (one sequential weight stream,
-// software-prefetched a few KB ahead) and, for each pair-block, all row chunks of the current row
-// block, so the weight is read from DRAM once per call however large M is (up to the row block of
-// kRowBlock rows; a prefill re-reads it from the caches once per row block). A last chunk of fewer
-// than 32 rows is computed from a zero-padded copy; chunks of at most 16 rows skip tmm5.
+// software-prefetched 8 KB ahead). Rows go in row blocks of kRowBlock; within one, a pair-block's
+// weight is taken kKBlock K steps (32 KB) at a time and every 32-row chunk of the row block
+// multiplies that K block while it is in L1 (the chunks' float32 sums wait in a 32 KB buffer
+// between K blocks). So at decode sizes (M <= 256) the weight is read from DRAM exactly once per
+// call. A last chunk of fewer than 32 rows is computed from a zero-padded copy; chunks of at most
+// 16 rows skip tmm5.
 #include "pagedllm/cpu_linear.h"
 
 #include <omp.h>
@@ -36,6 +38,7 @@ namespace {
 
 constexpr int64_t kTile = 32;       // output columns per pair-block, inputs per K step, rows per chunk
 constexpr int64_t kRowBlock = 256;  // rows per row block (the x block stays in L2 while the weight streams)
+constexpr int64_t kKBlock = 16;     // K steps per K block (a pair-block's 32 KB of weight stays in L1)
 
 #if PAGEDLLM_HAVE_AMX
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: request permission for a dynamic xstate feature
@@ -80,20 +83,31 @@ inline void store_block(float (*acc)[kTile], int64_t rows, cpu::bf16* out, int64
   }
 }
 
-/// One 32-row chunk (rows <= 32 valid; a = its first row, lda in elements) times pair-block w
-/// (K / 32 steps of two 1 KB tiles) -> out. prefetch: the weight bytes to pull ahead of the stream.
+/// One 32-row chunk (rows <= 32 valid; a = its first row, lda in elements) times K steps
+/// [kb0, kb1) of pair-block w (two 1 KB tiles per step), accumulated into acc (started from zero
+/// when first). prefetch: pull the weight stream kPrefetchAhead bytes ahead into L1.
 template <bool kTwoRowTiles>
-inline void chunk_times_pair(const cpu::bf16* a, int64_t lda, const cpu::bf16* w, int64_t ksteps,
-                             const char* prefetch_end, bool prefetch, float (*acc)[kTile]) {
+inline void chunk_times_pair(const cpu::bf16* a, int64_t lda, const cpu::bf16* w, int64_t kb0, int64_t kb1,
+                             bool first, const char* prefetch_end, bool prefetch, float (*acc)[kTile]) {
   constexpr int64_t kPrefetchAhead = 8192;
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (kTwoRowTiles) {
-    _tile_zero(2);
-    _tile_zero(3);
+  constexpr int64_t kAccStride = kTile * 4;
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (kTwoRowTiles) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, &acc[0][0], kAccStride);
+    _tile_loadd(1, &acc[0][16], kAccStride);
+    if constexpr (kTwoRowTiles) {
+      _tile_loadd(2, &acc[16][0], kAccStride);
+      _tile_loadd(3, &acc[16][16], kAccStride);
+    }
   }
   const int64_t a_stride = lda * 2;
-  for (int64_t kb = 0; kb < ksteps; ++kb) {
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
     const cpu::bf16* wt = w + kb * 2 * 512;
     if (prefetch) {
       const char* p = reinterpret_cast<const char*>(wt) + kPrefetchAhead;
@@ -111,11 +125,11 @@ inline void chunk_times_pair(const cpu::bf16* a, int64_t lda, const cpu::bf16* w
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, &acc[0][0], kTile * 4);
-  _tile_stored(1, &acc[0][16], kTile * 4);
+  _tile_stored(0, &acc[0][0], kAccStride);
+  _tile_stored(1, &acc[0][16], kAccStride);
   if constexpr (kTwoRowTiles) {
-    _tile_stored(2, &acc[16][0], kTile * 4);
-    _tile_stored(3, &acc[16][16], kTile * 4);
+    _tile_stored(2, &acc[16][0], kAccStride);
+    _tile_stored(3, &acc[16][16], kAccStride);
   }
 }
 #endif  // PAGEDLLM_HAVE_AMX
@@ -228,25 +242,35 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
 #pragma omp parallel num_threads(threads)
   {
     load_tile_config();
-    alignas(64) float acc[kTile][kTile];
+    // float32 accumulators of the row block's chunks for one pair-block (32 KB), kept across
+    // K blocks: a pair-block's K block of weight (kKBlock steps, 32 KB) stays in L1 while every
+    // chunk of the row block uses it.
+    std::vector<float> acc_buf(kRowBlock * kTile + 16);
+    auto* acc_all = reinterpret_cast<float (*)[kTile]>(
+        acc_buf.data() + ((64 - reinterpret_cast<std::uintptr_t>(acc_buf.data()) % 64) % 64) / sizeof(float));
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
 #pragma omp for schedule(static) nowait
       for (int64_t pb = 0; pb < pairs; ++pb) {
         const cpu::bf16* wp = w + pb * pair_elems;
-        const float* bp = b ? b + pb * kTile : nullptr;
-        for (int64_t mc = m0; mc < m1; mc += kTile) {
-          const int64_t rows = std::min(kTile, m1 - mc);
-          const bool padded = mc >= full_rows;
-          const cpu::bf16* a = padded ? tail.data() : xa + mc * ldx;
-          const int64_t lda = padded ? K : ldx;
-          const bool prefetch = mc == m0;  // later chunks find the pair-block in L1/L2
-          if (rows > 16)
-            chunk_times_pair<true>(a, lda, wp, ksteps, w_end, prefetch, acc);
-          else
-            chunk_times_pair<false>(a, lda, wp, ksteps, w_end, prefetch, acc);
-          store_block(acc, rows, o + mc * ldo + pb * kTile, ldo, bp);
+        for (int64_t kb0 = 0; kb0 < ksteps; kb0 += kKBlock) {
+          const int64_t kb1 = std::min(ksteps, kb0 + kKBlock);
+          for (int64_t mc = m0; mc < m1; mc += kTile) {
+            const int64_t rows = std::min(kTile, m1 - mc);
+            const bool padded = mc >= full_rows;
+            const cpu::bf16* a = padded ? tail.data() : xa + mc * ldx;
+            const int64_t lda = padded ? K : ldx;
+            const bool prefetch = mc == m0;  // later chunks find the K block in L1/L2
+            float(*acc)[kTile] = acc_all + (mc - m0);
+            if (rows > 16)
+              chunk_times_pair<true>(a, lda, wp, kb0, kb1, kb0 == 0, w_end, prefetch, acc);
+            else
+              chunk_times_pair<false>(a, lda, wp, kb0, kb1, kb0 == 0, w_end, prefetch, acc);
+          }
         }
+        const float* bp = b ? b + pb * kTile : nullptr;
+        for (int64_t mc = m0; mc < m1; mc += kTile)
+          store_block(acc_all + (mc - m0), std::min(kTile, m1 - mc), o + mc * ldo + pb * kTile, ldo, bp);
       }
     }
     _tile_release();
