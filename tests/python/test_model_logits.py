@@ -174,8 +174,12 @@ def test_amx_bf16_projections_close_to_f_linear_and_hf(tiny, arch):
     hf, folder = tiny(arch)
     model = load_pagedllm(folder, torch.bfloat16)
     seq = torch.randint(3, 1024, (37,), generator=torch.Generator().manual_seed(11)).tolist()
+    long_seq = torch.randint(3, 1024, (AmxLinear.MAX_TOKENS + 22,), generator=torch.Generator().manual_seed(12)).tolist()
     plain = PagedHarness(model, 1, 48).step([(0, seq)])
+    plain_long = PagedHarness(model, 1, len(long_seq)).step([(0, long_seq)])
     assert model.pack_weights()
+    # batches above MAX_TOKENS (prefill) take oneDNN's packed path: bit-identical to F.linear
+    assert torch.equal(PagedHarness(model, 1, len(long_seq)).step([(0, long_seq)]), plain_long)
     assert isinstance(model.layers[0].qkv_proj, AmxLinear) and isinstance(model.layers[1].down_proj, AmxLinear)
     assert isinstance(model.packed_lm_head, AmxLinear)
     amx = PagedHarness(model, 1, 48).step([(0, seq)])

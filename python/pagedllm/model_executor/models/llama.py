@@ -87,15 +87,22 @@ class PackedLinear(nn.Module):
 
 
 class AmxLinear(nn.Module):
-    """y = x W^T + b on the CPU in bfloat16 with pagedllm's AMX kernel (pagedllm.ops.amx_linear):
-    W is packed once into AMX tiles and streamed once per call, with no oneDNN dispatch; needs
-    in/out features that are multiples of 32. x [T, in] (contiguous rows) -> [T, out]."""
+    """y = x W^T + b on the CPU in bfloat16. Decode-sized batches (at most MAX_TOKENS rows) run
+    pagedllm's AMX kernel (pagedllm.ops.amx_linear: W packed once into AMX tiles and streamed once
+    per call, no oneDNN dispatch); larger ones (prefill) oneDNN's PackedLinear, which measured
+    faster there. Needs in/out features that are multiples of 32. x [T, in] (contiguous rows) ->
+    [T, out]. Holds both packings, so pack_weights uses it only for models whose projections are
+    small (MAX_WEIGHT_BYTES in all), as models run on a CPU are."""
+
+    MAX_TOKENS = 128
+    MAX_WEIGHT_BYTES = 2 << 30
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features = weight.shape[0]
         self.packed = ops.amx_pack_linear_weight(weight.detach())
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.prefill = PackedLinear(weight, bias)
         # the static operands' native views, made once (a view costs ~2 us per call)
         self._packed_view = ops._view(self.packed)
         self._bias_view = None if self.bias is None else ops._view(self.bias)
@@ -105,6 +112,8 @@ class AmxLinear(nn.Module):
         return weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and ops.amx_linear_supported()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.MAX_TOKENS:
+            return self.prefill(x)
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
         _C.amx_linear(ops._view(out), ops._view(x), self._packed_view, self._bias_view)
         return out
@@ -256,12 +265,19 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self) -> bool:
         """After load_weights: on CPU in bfloat16, replace every projection (and the LM head) by an
-        AmxLinear (pagedllm's AMX kernel) where the machine has AMX and the shape allows, else by a
+        AmxLinear (pagedllm's AMX kernel for decode batches, oneDNN for prefill) where the machine
+        has AMX, the shapes allow and the projections are small enough to hold twice, else by a
         PackedLinear (oneDNN blocked layout, same results as F.linear). Returns whether it did."""
         if not can_pack_linear(self.dtype, self.device):
             return False
+        projections = [getattr(layer, name).weight for layer in self.layers
+                       for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + [self.lm_head_weight]
+        small = sum(w.numel() * w.element_size() for w in projections) <= AmxLinear.MAX_WEIGHT_BYTES
+
         def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-            return AmxLinear(weight, bias) if AmxLinear.applies(weight) else PackedLinear(weight, bias)
+            if small and AmxLinear.applies(weight):
+                return AmxLinear(weight, bias)
+            return PackedLinear(weight, bias)
 
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
