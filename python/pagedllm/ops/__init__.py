@@ -39,6 +39,11 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "argmax_rows",
+    "GEMV_MAX_TOKENS",
+    "gemv",
+    "gemv_supported",
+    "pdl_enabled",
+    "set_pdl_enabled",
 ]
 
 #: Tokens per KV block the kernels support (the engine accepts exactly these).
@@ -175,3 +180,4 @@ from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
     silu_and_mul,
 )
 from pagedllm.ops.sampling_ops import argmax_rows  # noqa: E402
+from pagedllm.ops.gemv import GEMV_MAX_TOKENS, gemv, gemv_supported, pdl_enabled, set_pdl_enabled  # noqa: E402
