@@ -163,29 +163,44 @@ def bench_chain(ops, bw: float, layers: int = 32) -> dict:
             ops.fused_add_rms_norm(hidden, res, w["n1"], 1e-5)
             if mode == "cublas":
                 qkv = F.linear(hidden, w["qkv"])
+                if attention_cycles:
+                    torch.cuda._sleep(attention_cycles)
                 o = F.linear(qkv[:, :h].contiguous(), w["o"])
             else:
                 qkv = ops.gemv(hidden, w["qkv"])
+                if mode.endswith("prefetch_o"):
+                    ops.l2_prefetch(w["o"])
+                if attention_cycles:
+                    torch.cuda._sleep(attention_cycles)
                 o = ops.gemv(qkv[:, :h], w["o"])
             ops.fused_add_rms_norm(o, res, w["n2"], 1e-5)
             if mode == "cublas":
                 gu = F.linear(o, w["gate_up"])
                 hidden = F.linear(ops.silu_and_mul(torch.empty(1, inter, device="cuda", dtype=torch.bfloat16), gu),
                                   w["down"])
-            elif mode.endswith("unfused_silu"):
+            elif mode.endswith("fused_silu"):
+                gu = ops.gemv(o, w["gate_up"])
+                hidden = ops.gemv(gu, w["down"], silu_and_mul=True)
+            else:
                 gu = ops.gemv(o, w["gate_up"])
                 hidden = ops.gemv(ops.silu_and_mul(torch.empty(1, inter, device="cuda", dtype=torch.bfloat16), gu),
                                   w["down"])
-            else:
-                gu = ops.gemv(o, w["gate_up"])
-                hidden = ops.gemv(gu, w["down"], silu_and_mul=True)
         return F.linear(hidden, head) if mode == "cublas" else ops.gemv(hidden, head)
 
     res = {"weight_bytes": weight_bytes, "floor_ms": weight_bytes / bw * 1e3}
-    for mode, pdl in (("cublas", True), ("gemv_no_pdl", False), ("gemv", True), ("gemv_unfused_silu", True)):
+    # without attention, then with a 16 us spin kernel in its place (torch.cuda._sleep; one decode
+    # attention of ~300 tokens measured ~16 us per layer in the engine profile)
+    attention_cycles = 0
+    for mode, pdl in (("cublas", True), ("gemv_no_pdl", False), ("gemv", True), ("gemv_fused_silu", True)):
         ops.set_pdl_enabled(pdl)
         t = time_graph(lambda i: step(mode), 1, reps=7)
         res[mode] = {"ms_per_token": t * 1e3, "x_floor": t / (weight_bytes / bw)}
+    attention_cycles = 31700  # 16 us at the H200's 1,980 MHz SM clock
+    res["sleep_cycles_per_layer"] = attention_cycles
+    for mode, pdl in (("cublas", True), ("gemv", True), ("gemv_prefetch_o", True)):
+        ops.set_pdl_enabled(pdl)
+        t = time_graph(lambda i: step(mode), 1, reps=7)
+        res[mode + "+sleep16us"] = {"ms_per_token": t * 1e3, "x_floor": t / (weight_bytes / bw)}
     ops.set_pdl_enabled(True)
     print(json.dumps({"chain": res}), flush=True)
     del W, head

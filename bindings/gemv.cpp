@@ -41,4 +41,7 @@ PAGEDLLM_BINDING(gemv, m) {
       "out [M, N] = input [M, K] @ weight [N, K]^T (+ bias); silu_and_mul: input [M, 2K] and the "
       "product uses SiLU(input[:, :K]) * input[:, K:]. variant/warps/splits/prefetch: GemvConfig "
       "tuning overrides (0 / -1: automatic).");
+  m.def("l2_prefetch", &pagedllm::l2_prefetch, py::arg("tensor"), py::arg("stream") = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "Ask the L2 cache to fetch a contiguous CUDA tensor's bytes (asynchronous hint, sm_90).");
 }

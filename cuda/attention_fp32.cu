@@ -144,6 +144,9 @@ __global__ void __launch_bounds__(kReduceThreads) splitk_reduce_kernel(const Att
   // has completed and its partials are visible. Without the launch attribute this is a no-op.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  // ... and let the next kernel (the O projection's GEMV, itself a programmatic dependent) launch
+  // and start streaming its weights while this one runs.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
   extern __shared__ float smem[];  // [kReduceThreads * 4] group sums, then [num_splits] weights
   float* s_acc = smem;

@@ -179,7 +179,6 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
       row0 + static_cast<int>(threadIdx.x) < p.N)
     prefetch_l2(w + static_cast<int64_t>(row0 + threadIdx.x) * p.K + k_begin,
                 static_cast<uint32_t>(k_end - k_begin) * sizeof(T));
-  detail::pdl_wait();
 
   const T* wrow[TILES][2];
 #pragma unroll
@@ -193,22 +192,29 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   float acc[TILES][4];
 #pragma unroll
   for (int i = 0; i < TILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  // Software pipeline over groups (register double buffer): the loads of group j + 1 are issued
-  // before the MMAs of group j, so a warp always has a group's loads in flight (without it the
+  // Software pipeline over groups (register double buffer): group j + 2 is loaded while group j
+  // is multiplied, so a warp always has one or two groups' loads in flight (without it the
   // compiler places each MMA right after its own loads and the warp waits for every group).
   const int stride = num_warps * 32 * U;
-  auto load = [&](Frag<TILES, U, kSilu>& f, int kg) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  auto load_weights = [&](Frag<TILES, U, kSilu>& f, int kg) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kg + u * 32 + t * 8;
       const bool ok = k < k_end;
-      const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
       for (int i = 0; i < TILES; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) f.w[i][h][u] = ok ? load_w<T, kVec>(wrow[i][h], k, k_end) : zero;
-      f.x[u] = ok && has_x ? load_act<T, kVec>(xrow, k, k_end) : zero;
-      if constexpr (kSilu) f.up[u] = ok && has_x ? load_act<T, kVec>(xrow + p.K, k, k_end) : zero;
+    }
+  };
+  auto load_input = [&](Frag<TILES, U, kSilu>& f, int kg) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kg + u * 32 + t * 8;
+      const bool ok = k < k_end && has_x;
+      f.x[u] = ok ? load_act<T, kVec>(xrow, k, k_end) : zero;
+      if constexpr (kSilu) f.up[u] = ok ? load_act<T, kVec>(xrow + p.K, k, k_end) : zero;
     }
   };
   auto compute = [&](const Frag<TILES, U, kSilu>& f) {
@@ -225,14 +231,26 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   };
   Frag<TILES, U, kSilu> fa, fb;
   int kg = k_begin + warp * 32 * U;
-  if (kg < k_end) load(fa, kg);
+  // The first two groups' weights are requested before waiting for the previous kernel (they do
+  // not depend on it); x only after.
+  if (kg < k_end) load_weights(fa, kg);
+  if (kg + stride < k_end) load_weights(fb, kg + stride);
+  detail::pdl_wait();
+  if (kg < k_end) load_input(fa, kg);
+  if (kg + stride < k_end) load_input(fb, kg + stride);
   while (kg < k_end) {
-    if (kg + stride < k_end) load(fb, kg + stride);
     compute(fa);
+    if (kg + 2 * stride < k_end) {
+      load_weights(fa, kg + 2 * stride);
+      load_input(fa, kg + 2 * stride);
+    }
     kg += stride;
     if (kg >= k_end) break;
-    if (kg + stride < k_end) load(fa, kg + stride);
     compute(fb);
+    if (kg + 2 * stride < k_end) {
+      load_weights(fb, kg + 2 * stride);
+      load_input(fb, kg + 2 * stride);
+    }
     kg += stride;
   }
 
@@ -316,7 +334,29 @@ void dispatch(GemvParams p, int variant, int warps, bool vec, cudaStream_t strea
 
 bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
 
+constexpr int64_t kPrefetchChunk = 16 << 10;  // bytes per prefetch instruction
+
+/// Thread i prefetches [begin + i * chunk, ...) into L2. Waits for the previous grid before it
+/// exits (cuda/pdl.cuh: keeps the completion order transitive for the kernels after it).
+__global__ void l2_prefetch_kernel(const char* begin, int64_t bytes) {
+  detail::pdl_launch_dependents();
+  const int64_t off = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPrefetchChunk;
+  if (off < bytes) prefetch_l2(begin + off, static_cast<uint32_t>(min(kPrefetchChunk, bytes - off)));
+  detail::pdl_wait();
+}
+
 }  // namespace
+
+void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(data);
+  const std::uintptr_t first = (addr + 15) / 16 * 16, last = (addr + bytes) / 16 * 16;
+  if (last <= first) return;
+  const int64_t n = static_cast<int64_t>(last - first);
+  const int64_t threads = (n + kPrefetchChunk - 1) / kPrefetchChunk;
+  const int block = 128;
+  detail::launch_pdl(l2_prefetch_kernel, dim3(static_cast<unsigned>((threads + block - 1) / block)), dim3(block), 0,
+                     reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const char*>(first), n);
+}
 
 void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
           bool silu, const GemvConfig& config, std::uintptr_t stream) {
@@ -333,23 +373,23 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
   p.ldx = input.size(0) > 1 ? input.stride(0) : input.size(1);
   const bool vec = p.K % 8 == 0 && p.ldx % 8 == 0 && aligned16(input.data) && aligned16(weight.data);
   const bool hopper = detail::current_device_major() >= 9;
-  // Automatic choices (bench/gemv.py measures the alternatives on the H200).
-  int variant = config.variant > 0 ? config.variant : (p.K >= 2048 ? 1 : 3);
-  if (!vec) variant = 3;
+  // Automatic choices, from bench/gemv.py --sweep on the H200 (results/2026-11-29-h200-gemv-run1.json):
+  // 16-row tiles with 4 chunks per group and 8 warps were best or within a few % on every Llama-3-8B
+  // and Qwen2-0.5B shape at M = 1 and 8; the L2 prefetch lost except on the smallest matrices; a
+  // cluster K split paid only when the row tiles alone leave SMs idle (Qwen2 down: N = 896).
+  const int variant = !vec ? 3 : config.variant > 0 ? config.variant : 1;
   const int U = variant == 1 ? 4 : 2, rows = variant == 2 ? 32 : 16;
-  const int groups = (p.K + 32 * U - 1) / (32 * U);
-  int warps = config.warps;
-  if (warps <= 0) warps = groups >= 8 ? 8 : 4;
+  const int warps = config.warps > 0 ? config.warps : 8;
   int splits = config.splits;
   const int64_t tiles = (static_cast<int64_t>(p.N) + rows - 1) / rows;
   if (splits <= 0) {
     splits = 1;
-    while (splits < 8 && tiles * splits < 2 * sm_count() && p.K / (2 * splits) >= 32 * U * 4) splits *= 2;
+    while (splits < 8 && tiles * splits < sm_count() && p.K / (2 * splits) >= 32 * U * 8) splits *= 2;
   }
   if (!hopper) splits = 1;  // clusters need sm_90
   p.splits = splits;
   p.k_per_split = ((p.K + splits - 1) / splits + 31) / 32 * 32;
-  p.prefetch = config.prefetch >= 0 ? config.prefetch : (hopper ? 1 : 0);
+  p.prefetch = config.prefetch >= 0 ? config.prefetch : 0;
   const bool pdl = detail::pdl_enabled_for_current_device();
   if (input.dtype == DType::kBFloat16) {
     if (silu) dispatch<__nv_bfloat16, true>(p, variant, warps, vec, s, pdl);

@@ -16,4 +16,7 @@ namespace pagedllm::cuda {
 void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
           bool silu, const GemvConfig& config, std::uintptr_t stream);
 
+/// cp.async.bulk.prefetch.L2 over [data, data + bytes) (16-byte aligned pieces inside it).
+void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream);
+
 }  // namespace pagedllm::cuda

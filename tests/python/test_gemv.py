@@ -44,7 +44,7 @@ def rand(shape, dtype, gen, scale=1.0, offset=0):
 
 
 def reference(x, w, bias):
-    y = x.double() @ w.double().T
+    y = x.double() @ w.double().T  # on the GPU, float64
     if bias is not None:
         y = y + bias.double()
     return y
@@ -60,7 +60,7 @@ def unravel(idx, shape):
 
 def check(y, x, w, bias, dtype, what):
     torch.cuda.synchronize()
-    ref = reference(x, w, bias)
+    ref = reference(x, w, bias)  # float64 on the GPU
     ulp = {torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
     # |error| <= half an ulp of the result (rounding) + fp32 accumulation error over K terms
     mag = x.double().abs() @ w.double().abs().T
@@ -185,6 +185,23 @@ def test_graph_capture_chain_matches_eager(gen, pdl):
         ops.set_pdl_enabled(before)
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_l2_prefetch_leaves_data_and_order(gen):
+    """l2_prefetch reads nothing into registers and writes nothing; a GEMV right after it (same
+    stream, PDL on) still sees the input written just before."""
+    w = rand((4096, 1024), torch.bfloat16, gen, 0.05)
+    before = w.clone()
+    x = torch.zeros(1, 1024, dtype=torch.bfloat16, device="cuda")
+    src = rand((1, 1024), torch.bfloat16, gen)
+    x.copy_(src)
+    ops.l2_prefetch(w)
+    y = ops.gemv(x, w)
+    ops.l2_prefetch(w[1:3])  # unaligned start: rounded inward
+    check(y, src, w, None, torch.bfloat16, "gemv after l2_prefetch")
+    assert torch.equal(w, before)
+
+
 # ---------------------------------------------------------------- refusals
 def test_gemv_refuses_cpu_tensors():
     x = torch.randn(1, 16, dtype=torch.bfloat16)
@@ -195,6 +212,8 @@ def test_gemv_refuses_cpu_tensors():
     with pytest.raises(ValueError, match="CUDA only"):
         _C.gemv(ops._view(out), ops._view(x), ops._view(w))
     assert not ops.gemv_supported("cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA tensors only"):
+        ops.l2_prefetch(w)
 
 
 @pytest.mark.cuda
@@ -213,7 +232,7 @@ def test_gemv_argument_errors():
     with pytest.raises(ValueError, match="bias"):
         ops.gemv(torch.zeros(1, 16, dtype=torch.bfloat16, device=dev), w,
                  torch.zeros(7, dtype=torch.bfloat16, device=dev))
-    with pytest.raises(ValueError, match="weight dtype"):
+    with pytest.raises(ValueError, match="weight must be bfloat16"):
         ops.gemv(torch.zeros(1, 16, dtype=torch.bfloat16, device=dev), w.half())
     with pytest.raises(ValueError, match="weight must be contiguous"):
         ops.gemv(torch.zeros(1, 8, dtype=torch.bfloat16, device=dev), w.T)

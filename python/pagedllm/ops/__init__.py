@@ -42,6 +42,7 @@ __all__ = [
     "GEMV_MAX_TOKENS",
     "gemv",
     "gemv_supported",
+    "l2_prefetch",
     "pdl_enabled",
     "set_pdl_enabled",
 ]
@@ -180,4 +181,11 @@ from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
     silu_and_mul,
 )
 from pagedllm.ops.sampling_ops import argmax_rows  # noqa: E402
-from pagedllm.ops.gemv import GEMV_MAX_TOKENS, gemv, gemv_supported, pdl_enabled, set_pdl_enabled  # noqa: E402
+from pagedllm.ops.gemv import (  # noqa: E402
+    GEMV_MAX_TOKENS,
+    gemv,
+    gemv_supported,
+    l2_prefetch,
+    pdl_enabled,
+    set_pdl_enabled,
+)

@@ -16,9 +16,11 @@ PyTorch modules do.
 
 On CUDA in bfloat16/float16, steps with at most `gemv_max_tokens` tokens (decode at small batch;
 the crossover against cuBLAS measured by bench/gemv.py) run every projection and the LM head
-through pagedllm.ops.gemv, a bandwidth-bound GEMV, with SiLU(gate) * up folded into the down
-projection's input; larger steps and the CPU use F.linear. Same fp32 accumulation and one rounding,
-so results agree with F.linear within the dtype's rounding.
+through pagedllm.ops.gemv, a bandwidth-bound GEMV (launched as a programmatic dependent: it
+starts streaming its weight while the kernel before it finishes); the O projection's weight is
+prefetched into L2 (ops.l2_prefetch) while the rotary embedding and decode attention run, which
+leave HBM idle at small batch. Larger steps and the CPU use F.linear. Same fp32 accumulation and
+one rounding, so results agree with F.linear within the dtype's rounding.
 
 Numerics follow Hugging Face transformers' modeling_llama / modeling_qwen2 / modeling_qwen3
 (RMSNorm in float32, weight multiplied in the model dtype), so fp32 logits agree with HF to
@@ -122,6 +124,16 @@ def gemv_max_tokens(device: torch.device, dtype: torch.dtype) -> int:
 GEMV_CROSSOVER_TOKENS = 8
 
 
+def _l2_prefetch_fits(weight: torch.Tensor) -> bool:
+    """Whether prefetching `weight` into L2 ahead of its GEMV is worth it: a CUDA tensor of at most
+    75% of the L2 (the rest keeps activations and the KV blocks being read); PAGEDLLM_L2_PREFETCH=0
+    turns it off."""
+    if not weight.is_cuda or os.environ.get("PAGEDLLM_L2_PREFETCH", "1") == "0":
+        return False
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    return weight.numel() * weight.element_size() <= 0.75 * l2
+
+
 def _project(layer: nn.Linear, x: torch.Tensor, gemv: bool) -> torch.Tensor:
     return ops.gemv(x, layer.weight, layer.bias) if gemv else layer(x)
 
@@ -149,6 +161,7 @@ class DecoderLayer(nn.Module):
         self.fused = ops.layer_ops_supported(device, dtype)
         self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
         self.gemv_max_tokens = gemv_max_tokens(device, dtype)
+        self.prefetch_o = None  # decided on the first GEMV step (the weight is loaded by then)
 
     def forward(
         self,
@@ -171,6 +184,11 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_and_norm(hidden, residual)
         qkv = _project(self.qkv_proj, h, gemv)
+        if gemv:
+            if self.prefetch_o is None:
+                self.prefetch_o = _l2_prefetch_fits(self.o_proj.weight)
+            if self.prefetch_o:  # pulled into L2 while rotary + attention leave HBM idle
+                ops.l2_prefetch(self.o_proj.weight)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -196,14 +214,14 @@ class DecoderLayer(nn.Module):
         hidden = _project(self.o_proj, attn.view(T, self.q_size), gemv)
         h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         gate_up = _project(self.gate_up_proj, h, gemv)
-        if gemv:  # SiLU(gate) * up computed while the down projection reads its input
-            return ops.gemv(gate_up, self.down_proj.weight, self.down_proj.bias, silu_and_mul=True), residual
         if self.fused:
             act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device), gate_up)
         else:
             gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act), residual
+        # (ops.gemv(gate_up, ..., silu_and_mul=True) folds the SiLU into the down projection, but
+        # measured slower on the H200: bench/gpu_engine_notes.md, "GEMV".)
+        return _project(self.down_proj, act, gemv), residual
 
 
 class LlamaForCausalLM(nn.Module):
