@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:?set OUT}
 NAME=${NAME:-gemv}
-TESTS=${TESTS:-tests/python/test_gemv.py tests/python/test_layer_ops_cuda.py tests/python/test_gpu_engine.py}
+TESTS=${TESTS:-tests/python/test_gemv.py tests/python/test_layer_ops_cuda.py tests/python/test_gpu_engine.py tests/python/test_attention_kernels.py}
 export CUDAARCHS=90a PYTHONUNBUFFERED=1
 export PAGEDLLM_COMMIT=$(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
 t0=$(date +%s)
@@ -27,7 +27,7 @@ echo "gemv bench: rc=$? $(( $(date +%s) - t0 )) s"
 grep -E "chain|silu_down|Error|error" "$OUT/gemv.log" | head -20
 if [ -z "${SKIP_ENGINE:-}" ]; then
   t0=$(date +%s)
-  timeout "${BENCH_TIMEOUT:-240}" python3 bench/throughput_gpu.py --shapes llama3-8b --skip-hf --name "throughput_gpu-$NAME" \
+  timeout "${BENCH_TIMEOUT:-240}" python3 bench/throughput_gpu.py --shapes llama3-8b --skip-hf --name "$NAME-throughput_gpu" \
     --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "engine bench: rc=$? $(( $(date +%s) - t0 )) s"
   grep -E "output_tok_s|batch1|fraction|Error|error" "$OUT/bench.log" | head -20
