@@ -373,13 +373,17 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
   p.ldx = input.size(0) > 1 ? input.stride(0) : input.size(1);
   const bool vec = p.K % 8 == 0 && p.ldx % 8 == 0 && aligned16(input.data) && aligned16(weight.data);
   const bool hopper = detail::current_device_major() >= 9;
-  // Automatic choices, from bench/gemv.py --sweep on the H200 (results/2026-11-29-h200-gemv-run1.json):
-  // 16-row tiles with 4 chunks per group and 8 warps were best or within a few % on every Llama-3-8B
-  // and Qwen2-0.5B shape at M = 1 and 8; the L2 prefetch lost except on the smallest matrices; a
-  // cluster K split paid only when the row tiles alone leave SMs idle (Qwen2 down: N = 896).
-  const int variant = !vec ? 3 : config.variant > 0 ? config.variant : 1;
+  // Automatic choices, from bench/gemv.py --sweep on the H200 (results/2026-11-29-h200-gemv-run1.json
+  // and -run2.json): 16-row tiles with 4 chunks per group and 8 warps were best or within a few %
+  // on every Llama-3-8B shape at M = 1 and 8; with short rows (K < 2048) and many row tiles (Qwen2
+  // gate_up, LM head) 2 chunks and 4 warps read 10-30% faster; the L2 prefetch lost except on the
+  // smallest matrices; a cluster K split paid only when the row tiles alone leave SMs idle (Qwen2
+  // down: N = 896).
+  const int64_t tiles16 = (static_cast<int64_t>(p.N) + 15) / 16;
+  const bool short_rows = p.K < 2048 && tiles16 >= 4 * static_cast<int64_t>(sm_count());
+  const int variant = !vec ? 3 : config.variant > 0 ? config.variant : short_rows ? 3 : 1;
   const int U = variant == 1 ? 4 : 2, rows = variant == 2 ? 32 : 16;
-  const int warps = config.warps > 0 ? config.warps : 8;
+  const int warps = config.warps > 0 ? config.warps : short_rows ? 4 : 8;
   int splits = config.splits;
   const int64_t tiles = (static_cast<int64_t>(p.N) + rows - 1) / rows;
   if (splits <= 0) {

@@ -17,9 +17,8 @@ PyTorch modules do.
 On CUDA in bfloat16/float16, steps with at most `gemv_max_tokens` tokens (decode at small batch;
 the crossover against cuBLAS measured by bench/gemv.py) run every projection and the LM head
 through pagedllm.ops.gemv, a bandwidth-bound GEMV (launched as a programmatic dependent: it
-starts streaming its weight while the kernel before it finishes); the O projection's weight is
-prefetched into L2 (ops.l2_prefetch) while the rotary embedding and decode attention run, which
-leave HBM idle at small batch. Larger steps and the CPU use F.linear. Same fp32 accumulation and
+starts streaming its weight while the kernel before it finishes). Larger steps and the CPU use
+F.linear. Same fp32 accumulation and
 one rounding, so results agree with F.linear within the dtype's rounding.
 
 Numerics follow Hugging Face transformers' modeling_llama / modeling_qwen2 / modeling_qwen3
@@ -125,10 +124,11 @@ GEMV_CROSSOVER_TOKENS = 8
 
 
 def _l2_prefetch_fits(weight: torch.Tensor) -> bool:
-    """Whether prefetching `weight` into L2 ahead of its GEMV is worth it: a CUDA tensor of at most
-    75% of the L2 (the rest keeps activations and the KV blocks being read); PAGEDLLM_L2_PREFETCH=0
-    turns it off."""
-    if not weight.is_cuda or os.environ.get("PAGEDLLM_L2_PREFETCH", "1") == "0":
+    """Whether to prefetch `weight` (the O projection's) into L2 while rotary + attention run: only
+    when PAGEDLLM_L2_PREFETCH=1 (off by default: on the H200 it measured 0.18 ms per token slower
+    in bench/gemv.py's layer chain, bench/gpu_engine_notes.md "GEMV"), and for a CUDA tensor of at
+    most 75% of the L2."""
+    if not weight.is_cuda or os.environ.get("PAGEDLLM_L2_PREFETCH", "0") != "1":
         return False
     l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
     return weight.numel() * weight.element_size() <= 0.75 * l2
@@ -177,7 +177,7 @@ class DecoderLayer(nn.Module):
         before it); residual None for the first layer. The stream after the layer is their sum,
         added by the next norm (HF's `hidden = residual + hidden`, same rounding)."""
         T = hidden.shape[0]
-        gemv = T <= self.gemv_max_tokens
+        gemv = 0 < T <= self.gemv_max_tokens
         if residual is None:
             residual = hidden
             h = self.input_layernorm(hidden)
@@ -187,7 +187,7 @@ class DecoderLayer(nn.Module):
         if gemv:
             if self.prefetch_o is None:
                 self.prefetch_o = _l2_prefetch_fits(self.o_proj.weight)
-            if self.prefetch_o:  # pulled into L2 while rotary + attention leave HBM idle
+            if self.prefetch_o:  # into L2 while rotary + attention leave HBM idle (opt-in)
                 ops.l2_prefetch(self.o_proj.weight)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -277,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
     def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
             return self.packed_lm_head(normed).float()
-        if normed.shape[0] <= self.gemv_max_tokens:
+        if 0 < normed.shape[0] <= self.gemv_max_tokens:
             return ops.gemv(normed, self.lm_head_weight).float()
         return F.linear(normed, self.lm_head_weight).float()
 
