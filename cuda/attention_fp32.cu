@@ -142,9 +142,7 @@ template <typename T>
 __global__ void __launch_bounds__(kReduceThreads) splitk_reduce_kernel(const AttnParams p, int D) {
   // Launched as a programmatic dependent of the decode kernel (when enabled): wait here until it
   // has completed and its partials are visible. Without the launch attribute this is a no-op.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  pdl_wait();
   extern __shared__ float smem[];  // [kReduceThreads * 4] group sums, then [num_splits] weights
   float* s_acc = smem;
   float* s_w = smem + kReduceThreads * 4;
@@ -223,28 +221,12 @@ void launch_splitk_reduce(DType dtype, int head_size, const AttnParams& p, cudaS
     case DType::kFloat16: kernel = splitk_reduce_kernel<__half>; break;
     default: throw std::runtime_error(std::string("CUDA split-K reduce: unsupported dtype ") + dtype_name(dtype));
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.num_rows) * p.num_heads));
-  config.blockDim = dim3(kReduceThreads);
-  config.dynamicSmemBytes = (kReduceThreads * 4 + static_cast<size_t>(p.num_splits)) * sizeof(float);
-  config.stream = stream;
   // Programmatic dependent launch (sm_90): the reduction's launch overlaps the decode kernel's
-  // tail; griddepcontrol.wait in the kernel keeps the data dependency. PAGEDLLM_NO_PDL=1 turns
-  // it off (read once).
-  static const bool pdl = [] {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-      return false;
-    return major >= 9 && std::getenv("PAGEDLLM_NO_PDL") == nullptr;
-  }();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = pdl ? 1 : 0;
-  PAGEDLLM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, head_size));
-  PAGEDLLM_CUDA_CHECK_LAUNCH();
+  // tail; pdl_wait() in the kernel keeps the data dependency. PAGEDLLM_NO_PDL=1 turns it off.
+  static std::atomic<uint64_t> smem_raised{0};
+  const size_t smem = (kReduceThreads * 4 + static_cast<size_t>(p.num_splits)) * sizeof(float);
+  launch_pdl(kernel, dim3(static_cast<unsigned>(static_cast<int64_t>(p.num_rows) * p.num_heads)),
+             dim3(kReduceThreads), smem, stream, smem_raised, true, p, head_size);
 }
 
 }  // namespace pagedllm::cuda::detail

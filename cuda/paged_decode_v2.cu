@@ -97,9 +97,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Let a programmatic dependent (the split-K reduction) be scheduled now; it waits for this
   // grid's completion itself (griddepcontrol.wait). No-op without a dependent launch.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  pdl_launch_dependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   unsigned char* smem = smem_raw;
