@@ -143,6 +143,7 @@ __global__ void __launch_bounds__(kReduceThreads) splitk_reduce_kernel(const Att
   // Launched as a programmatic dependent of the decode kernel (when enabled): wait here until it
   // has completed and its partials are visible. Without the launch attribute this is a no-op.
   pdl_wait();
+  pdl_launch_dependents();  // a dependent decode (overlap_prior_kernel) may start its loads
   extern __shared__ float smem[];  // [kReduceThreads * 4] group sums, then [num_splits] weights
   float* s_acc = smem;
   float* s_w = smem + kReduceThreads * 4;
@@ -196,6 +197,99 @@ __global__ void __launch_bounds__(kReduceThreads) splitk_reduce_kernel(const Att
   }
 }
 
+constexpr int kReduceRowsPerCta = 8;  // one warp per row
+
+/// One WARP per (sequence, query head) row, 8 rows per CTA, no shared memory or CTA barrier:
+/// lanes take the partitions 32 at a time for the max and the weights, then each lane sums its
+/// float4 columns (lane, lane + 32, ...) over all partitions with the weights broadcast by
+/// shuffle (independent loads, unrolled). Empty partitions hold zeros and weight 0.
+template <typename T, int D>
+__global__ void __launch_bounds__(32 * kReduceRowsPerCta) splitk_reduce_warp_kernel(const AttnParams p) {
+  pdl_wait();  // as splitk_reduce_kernel
+  pdl_launch_dependents();
+  constexpr int kCols = D / 4;                   // float4 columns
+  constexpr int kPerLane = (kCols + 31) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kReduceRowsPerCta + threadIdx.x / 32;
+  if (row >= static_cast<int64_t>(p.num_rows) * p.num_heads) return;
+  const int S = p.num_splits;
+  const float* pm = p.partial_max + row * S;
+  const float* ps = p.partial_sum + row * S;
+  float mmax = neg_inf();
+  for (int s = lane; s < S; s += 32) mmax = fmaxf(mmax, pm[s]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mmax = fmaxf(mmax, __shfl_xor_sync(0xffffffffu, mmax, o));
+  const float base = mmax == neg_inf() ? 0.f : mmax;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_out + row * S * D);
+  float4 acc[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float total = 0.f;
+  for (int s0 = 0; s0 < S; s0 += 32) {
+    const int s = s0 + lane;
+    const float w = s < S ? ps[s] * exp2f(pm[s] - base) : 0.f;  // -inf max (empty): weight 0
+    total += w;
+    const int n = min(32, S - s0);
+#pragma unroll 4
+    for (int i = 0; i < n; ++i) {
+      const float wi = __shfl_sync(0xffffffffu, w, i);
+      const float4* src = po + static_cast<int64_t>(s0 + i) * kCols;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int c = lane + 32 * j;
+        if (c < kCols) {
+          const float4 v = src[c];
+          acc[j].x += wi * v.x;
+          acc[j].y += wi * v.y;
+          acc[j].z += wi * v.z;
+          acc[j].w += wi * v.w;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  T* out = static_cast<T*>(p.out) + row * D;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int c = lane + 32 * j;
+    if (c < kCols) {
+      store(out + 4 * c, acc[j].x * inv);
+      store(out + 4 * c + 1, acc[j].y * inv);
+      store(out + 4 * c + 2, acc[j].z * inv);
+      store(out + 4 * c + 3, acc[j].w * inv);
+    }
+  }
+}
+
+/// PAGEDLLM_REDUCE=cta selects the CTA-per-row reduction (for benchmarking; read once).
+bool reduce_per_cta() {
+  static const bool on = [] {
+    const char* v = std::getenv("PAGEDLLM_REDUCE");
+    return v != nullptr && std::string(v) == "cta";
+  }();
+  return on;
+}
+
+template <typename T>
+void launch_reduce_typed(int head_size, const AttnParams& p, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(p.num_rows) * p.num_heads;
+  if (reduce_per_cta()) {
+    static std::atomic<uint64_t> smem_raised{0};
+    const size_t smem = (kReduceThreads * 4 + static_cast<size_t>(p.num_splits)) * sizeof(float);
+    launch_pdl(splitk_reduce_kernel<T>, dim3(static_cast<unsigned>(rows)), dim3(kReduceThreads), smem, stream,
+               smem_raised, true, p, head_size);
+    return;
+  }
+  dispatch_head_size(head_size, "CUDA split-K reduce", [&](auto d) {
+    static std::atomic<uint64_t> smem_raised{0};
+    const auto ctas = static_cast<unsigned>((rows + kReduceRowsPerCta - 1) / kReduceRowsPerCta);
+    launch_pdl(splitk_reduce_warp_kernel<T, decltype(d)::value>, dim3(ctas), dim3(32 * kReduceRowsPerCta), 0,
+               stream, smem_raised, true, p);
+  });
+}
+
 template <int D>
 int fp32_units() {
   static std::atomic<int> cached{0};
@@ -214,19 +308,14 @@ void launch_attention_fp32(int head_size, const AttnParams& p, cudaStream_t stre
 }
 
 void launch_splitk_reduce(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {
-  void (*kernel)(AttnParams, int) = nullptr;
-  switch (dtype) {
-    case DType::kFloat32: kernel = splitk_reduce_kernel<float>; break;
-    case DType::kBFloat16: kernel = splitk_reduce_kernel<__nv_bfloat16>; break;
-    case DType::kFloat16: kernel = splitk_reduce_kernel<__half>; break;
-    default: throw std::runtime_error(std::string("CUDA split-K reduce: unsupported dtype ") + dtype_name(dtype));
-  }
   // Programmatic dependent launch (sm_90): the reduction's launch overlaps the decode kernel's
   // tail; pdl_wait() in the kernel keeps the data dependency. PAGEDLLM_NO_PDL=1 turns it off.
-  static std::atomic<uint64_t> smem_raised{0};
-  const size_t smem = (kReduceThreads * 4 + static_cast<size_t>(p.num_splits)) * sizeof(float);
-  launch_pdl(kernel, dim3(static_cast<unsigned>(static_cast<int64_t>(p.num_rows) * p.num_heads)),
-             dim3(kReduceThreads), smem, stream, smem_raised, true, p, head_size);
+  switch (dtype) {
+    case DType::kFloat32: return launch_reduce_typed<float>(head_size, p, stream);
+    case DType::kBFloat16: return launch_reduce_typed<__nv_bfloat16>(head_size, p, stream);
+    case DType::kFloat16: return launch_reduce_typed<__half>(head_size, p, stream);
+    default: throw std::runtime_error(std::string("CUDA split-K reduce: unsupported dtype ") + dtype_name(dtype));
+  }
 }
 
 }  // namespace pagedllm::cuda::detail

@@ -51,11 +51,16 @@ struct DecodeV2Cfg {
   static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr size_t kSmemBytes =
       kWarps * kWarpBytes + (kSwizzled ? 1024 + kWarps * kStages * sizeof(uint64_t) : 0);
+  // CTA items: the warps' softmax states are merged through [kWarps][16] maxima, [kWarps][16]
+  // sums and [kWarps][rows][D] accumulators (rows = min(16, group)) after the rings and barriers.
+  static constexpr size_t kMergeOffset = kWarps * kWarpBytes + (kSwizzled ? kWarps * kStages * sizeof(uint64_t) : 0);
+  static constexpr size_t merge_bytes(int rows) { return (kWarps * 32 + size_t(kWarps) * rows * D) * sizeof(float); }
   static_assert(!kSwizzled || D % 64 == 0, "TMA boxes need head_size % 64 == 0");
 };
 
 struct DecodeItem {
   int seq, kv_head, h0, nrows, split, start, end, ntiles;
+  bool has_last;  // the item's range holds the sequence's last position (seq_len - 1)
   const int32_t* bt;
 };
 
@@ -75,19 +80,33 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   int start = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
   int end = seq_len;
   if (splits > 1) {
-    start = max(start, it.split * p.partition_tokens);
-    end = min(end, (it.split + 1) * p.partition_tokens);
+    if (p.even_splits) {  // equal whole tiles of this sequence's own range [start, seq_len)
+      const int lo = start & ~15;
+      const int per = ((end - lo + 15) / 16 + splits - 1) / splits * 16;
+      const int s0 = lo + it.split * per;
+      start = max(start, s0);
+      end = min(end, s0 + per);
+    } else {
+      start = max(start, it.split * p.partition_tokens);
+      end = min(end, (it.split + 1) * p.partition_tokens);
+    }
   }
   it.start = start;
   it.end = end;
   it.ntiles = end > start ? (end - start + 15) / 16 : 0;
+  it.has_last = it.ntiles > 0 && end == seq_len;
   it.bt = p.block_tables + static_cast<int64_t>(it.seq) * p.max_blocks_per_seq;
   return it;
 }
 
-template <typename T, int D, int W_, int NS, int PF, int LOAD>
+/// CTA == false: a work item per warp (items first, first + W, ... for W warps in the grid).
+/// CTA == true: a work item per CTA (items blockIdx.x, + gridDim.x, ...); warp w takes the item's
+/// tiles w, w + kWarps, ... through its own ring, and the warps' states are merged in shared
+/// memory at the end of each item (one CTA barrier pair per item, no split-K reduction needed for
+/// a single partition). merge_rows = min(16, group) (CTA only).
+template <typename T, int D, int W_, int NS, int PF, int LOAD, bool CTA>
 __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnParams p, int num_items,
-                                                                  int head_chunks,
+                                                                  int head_chunks, int merge_rows,
                                                                   const __grid_constant__ TmaMaps maps) {
   using C = DecodeV2Cfg<T, D, W_, NS, LOAD>;
   constexpr int KSTEPS = D / 16;
@@ -96,8 +115,19 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Let a programmatic dependent (the split-K reduction) be scheduled now; it waits for this
-  // grid's completion itself (griddepcontrol.wait). No-op without a dependent launch.
+  // grid's completion itself (pdl_wait). No-op without a dependent launch.
   pdl_launch_dependents();
+  // Launched as a programmatic dependent (p.overlap_prior): seq_lens, block tables and the K/V of
+  // positions < seq_len - 1 may be read before pdl_wait(); the query, the last position's K/V and
+  // the outputs only after it. Otherwise wait at once (a no-op for a plain launch).
+  bool waited = !p.overlap_prior;
+  if (waited) pdl_wait();
+  if constexpr (kTma) {
+    if (threadIdx.x == 0) {  // fetch the two descriptors into the TMA unit's cache early
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.k)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.v)) : "memory");
+    }
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   unsigned char* smem = smem_raw;
@@ -124,19 +154,22 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
       return reinterpret_cast<T*>(ring + slot * C::kStageBytes) + (kv * C::kTile + r) * C::kRow + c;
     }
   };
-  const int W = gridDim.x * C::kWarps;
-  const int first = blockIdx.x * C::kWarps + warp;
+  // Items first, first + istride, ...; within an item this warp takes tiles k0, k0 + kstep, ...
+  const int istride = CTA ? gridDim.x : gridDim.x * C::kWarps;
+  const int first = CTA ? blockIdx.x : blockIdx.x * C::kWarps + warp;
+  const int k0 = CTA ? warp : 0;
+  constexpr int kstep = CTA ? C::kWarps : 1;
   const T* kc = static_cast<const T*>(p.key_cache);
   const T* vc = static_cast<const T*>(p.value_cache);
 
   // ---- issue cursor: the next (item, tile) whose K/V go into the ring
-  int ii = first, ik = 0, slot_issue = 0;
+  int ii = first, ik = k0, slot_issue = 0;
   DecodeItem iitem{};
   if (ii < num_items) iitem = decode_item(p, ii, head_chunks);
   auto skip_exhausted = [&]() {
     while (ii < num_items && ik >= iitem.ntiles) {
-      ii += W;
-      ik = 0;
+      ii += istride;
+      ik = k0;
       if (ii < num_items) iitem = decode_item(p, ii, head_chunks);
     }
   };
@@ -144,6 +177,10 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   auto issue_next = [&]() {
     if (ii < num_items) {
       const int t0 = iitem.start + ik * C::kTile;
+      if (!waited && iitem.has_last && t0 + C::kTile >= iitem.end) {  // holds position seq_len - 1
+        pdl_wait();
+        waited = true;
+      }
       const int row0 = t0 & (p.block_size - 1);
       if (row0 + C::kTile <= p.block_size && t0 + C::kTile <= iitem.end) {
         // The whole tile lies in one block (the common case): one block-table lookup, and the
@@ -186,7 +223,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
       slot_issue = slot_issue + 1 == S ? 0 : slot_issue + 1;
-      ++ik;
+      ik += kstep;
       skip_exhausted();
     }
     cp_async_commit();  // one group per call (possibly empty) keeps wait_group counting exact
@@ -195,15 +232,69 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue_next();
 
+  // CTA items: merge the warps' (max, sum, accumulator) states of rows 0 .. nrows-1 (as
+  // paged_decode.cu) and write the output or the partition's partials.
+  auto merge_warps_and_store = [&](const DecodeItem& it, const float(&m)[2], const float(&l)[2],
+                                   const float(&acc)[D / 8][4], int mrows) {
+    float* s_m = reinterpret_cast<float*>(smem + C::kMergeOffset);  // [kWarps][16]
+    float* s_l = s_m + C::kWarps * 16;                                // [kWarps][16]
+    float* s_o = s_l + C::kWarps * 16;                                // [kWarps][mrows][D]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = g + 8 * r;
+      if (row >= it.nrows) continue;
+      float* o = s_o + (warp * mrows + row) * D + 2 * t;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) *reinterpret_cast<float2*>(o + 8 * n) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+      if (t == 0) {
+        s_m[warp * 16 + row] = m[r];
+        s_l[warp * 16 + row] = l[r];
+      }
+    }
+    __syncthreads();
+    const int64_t row0 = static_cast<int64_t>(it.seq) * p.num_heads + it.h0;
+    for (int idx = threadIdx.x; idx < it.nrows * D; idx += C::kThreads) {
+      const int r = idx / D, d = idx % D;
+      float mmax = neg_inf();
+#pragma unroll
+      for (int w = 0; w < C::kWarps; ++w) mmax = fmaxf(mmax, s_m[w * 16 + r]);
+      float lsum = 0.f, o = 0.f;
+      if (mmax != neg_inf()) {
+#pragma unroll
+        for (int w = 0; w < C::kWarps; ++w) {
+          const float f = exp2f(s_m[w * 16 + r] - mmax);
+          lsum += f * s_l[w * 16 + r];
+          o += f * s_o[(w * mrows + r) * D + d];
+        }
+      }
+      const int64_t row = row0 + r;
+      if (p.num_splits == 1) {
+        static_cast<T*>(p.out)[row * D + d] = TypeTraits<T>::from_float(lsum > 0.f ? o / lsum : 0.f);
+      } else {
+        const int64_t prow = row * p.num_splits + it.split;
+        p.partial_out[prow * D + d] = lsum > 0.f ? o / lsum : 0.f;
+        if (d == 0) {
+          p.partial_max[prow] = mmax;
+          p.partial_sum[prow] = lsum;
+        }
+      }
+    }
+    __syncthreads();  // the merge buffers are reused by the next item
+  };
+
   const int b_row = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;  // K (non-trans)
   const int v_row = (lane % 8) + ((lane / 8) % 2) * 8, v_col = (lane / 16) * 8;   // V (trans)
   int slot = 0;
 
-  for (int ci = first; ci < num_items; ci += W) {
+  for (int ci = first; ci < num_items; ci += istride) {
     const DecodeItem it = decode_item(p, ci, head_chunks);
 
     // Q rows h0 .. h0+nrows-1 straight into the A fragments (rows >= nrows are zero).
     uint32_t qf[KSTEPS][4];
+    if (!waited) {
+      pdl_wait();
+      waited = true;
+    }
     {
       const T* q = static_cast<const T*>(p.query) + (static_cast<int64_t>(it.seq) * p.num_heads + it.h0) * D;
       const bool lo = g < it.nrows, hi = g + 8 < it.nrows;
@@ -222,7 +313,8 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
-    for (int k = 0; k < it.ntiles; ++k) {
+    const int my_tiles = !CTA ? it.ntiles : it.ntiles > k0 ? (it.ntiles - k0 + kstep - 1) / kstep : 0;
+    for (int k = 0; k < my_tiles; ++k) {
       issue_next();
       cp_async_wait<S - 1>();
       if constexpr (kTma) {
@@ -232,7 +324,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
       __syncwarp();
-      const int t0 = it.start + k * C::kTile;
+      const int t0 = it.start + (k0 + k * kstep) * C::kTile;
 
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
       mma_qk<T, KSTEPS, 2>(
@@ -256,27 +348,31 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 
     // ---- this item's rows: the output (one partition) or the flash-decoding partials
     row_sums(l);
+    if constexpr (CTA) {
+      merge_warps_and_store(it, m, l, acc, merge_rows);
+    } else {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = g + 8 * r;
-      if (row >= it.nrows) continue;
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-      const int64_t grow = static_cast<int64_t>(it.seq) * p.num_heads + it.h0 + row;
-      if (p.num_splits == 1) {
-        T* dst = static_cast<T*>(p.out) + grow * D + 2 * t;
+      for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        if (row >= it.nrows) continue;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const int64_t grow = static_cast<int64_t>(it.seq) * p.num_heads + it.h0 + row;
+        if (p.num_splits == 1) {
+          T* dst = static_cast<T*>(p.out) + grow * D + 2 * t;
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-          *reinterpret_cast<uint32_t*>(dst + 8 * n) =
-              TypeTraits<T>::pack(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-      } else {
-        const int64_t prow = grow * p.num_splits + it.split;
-        float* dst = p.partial_out + prow * D + 2 * t;
+          for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<uint32_t*>(dst + 8 * n) =
+                TypeTraits<T>::pack(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+        } else {
+          const int64_t prow = grow * p.num_splits + it.split;
+          float* dst = p.partial_out + prow * D + 2 * t;
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-          *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-        if (t == 0) {
-          p.partial_max[prow] = m[r];
-          p.partial_sum[prow] = l[r];
+          for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+          if (t == 0) {
+            p.partial_max[prow] = m[r];
+            p.partial_sum[prow] = l[r];
+          }
         }
       }
     }
@@ -328,34 +424,55 @@ CUtensorMap cache_map(const void* cache, int64_t rows) {
 /// tile loads LOAD. 4 x 3 with the 128-byte hint won on the H200 in run 3 (270 us at 64 x 4096
 /// against 274-286 us for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row copies);
 /// 4 x 5 and cp.async without the zero-fill operand lost in run 4 (see bench/cuda_kernels_notes.md).
-template <typename T, int D, int W = 4, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync>
+template <typename T, int D, int W = kDecodeV2Warps, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync>
 struct V2 {
   using C = DecodeV2Cfg<T, D, W, NS, LOAD>;
-  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD>; }
+  template <bool CTA>
+  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD, CTA>; }
+  static constexpr size_t kMaxSmem = C::kSmemBytes + C::merge_bytes(16);
 
-  // Concurrent warps of the grid: resident CTAs x warps per CTA (cached per instantiation).
-  static int units() {
-    static std::atomic<int> cached{0};
-    static std::atomic<uint64_t> smem_raised{0};
-    return resident_ctas(cached, kernel(), C::kThreads, C::kSmemBytes, smem_raised) * C::kWarps;
+  static size_t smem_bytes(bool cta, int merge_rows) { return C::kSmemBytes + (cta ? C::merge_bytes(merge_rows) : 0); }
+
+  // Raise both kernels' shared-memory limit once per device, to the largest size either takes.
+  static void raise_smem() {
+    static std::atomic<uint64_t> warp_bits{0}, cta_bits{0};
+    set_max_dynamic_smem(reinterpret_cast<const void*>(kernel<false>()), kMaxSmem, warp_bits);
+    set_max_dynamic_smem(reinterpret_cast<const void*>(kernel<true>()), kMaxSmem, cta_bits);
   }
 
-  static void launch(const AttnParams& p, cudaStream_t stream) {
-    const int units_ = units();  // also raises the smem limit
+  // Concurrent work units: warps (warp items) or CTAs (CTA items, whose merge buffers hold
+  // merge_rows = min(16, group) rows), cached per instantiation and row count.
+  static int units(bool cta, int merge_rows) {
+    static std::atomic<int> cached[2][17] = {};
+    raise_smem();
+    std::atomic<uint64_t> none{~uint64_t{0}};  // marks the limit as raised already
+    const int r = std::clamp(merge_rows, 1, 16);
+    if (cta) return resident_ctas(cached[1][r], kernel<true>(), C::kThreads, smem_bytes(true, r), none);
+    return resident_ctas(cached[0][0], kernel<false>(), C::kThreads, smem_bytes(false, 0), none) * C::kWarps;
+  }
+
+  static void launch(const AttnParams& p, bool cta, cudaStream_t stream) {
+    const int merge_rows = std::min(16, p.group);
+    const int units_ = units(cta, merge_rows);
     const int head_chunks = (p.group + 15) / 16;
     const int64_t items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * head_chunks * p.num_splits;
     if (items > (int64_t{1} << 31) - 1)
       throw std::runtime_error("CUDA decode: too many work items (" + std::to_string(items) + ")");
-    const int64_t warps = std::min<int64_t>(units_, items);
-    const unsigned ctas = static_cast<unsigned>((warps + C::kWarps - 1) / C::kWarps);
+    const int64_t used = std::min<int64_t>(units_, items);
+    const unsigned ctas = static_cast<unsigned>(cta ? used : (used + C::kWarps - 1) / C::kWarps);
     TmaMaps maps{};
     if constexpr (LOAD == kLoadTma) {
       maps.k = cache_map<T, D>(p.key_cache, p.cache_rows);
       maps.v = cache_map<T, D>(p.value_cache, p.cache_rows);
     }
-    static std::atomic<uint64_t> smem_raised{0};
-    launch_checked(kernel(), ctas, C::kThreads, C::kSmemBytes, stream, smem_raised, p, static_cast<int>(items),
-                   head_chunks, maps);
+    std::atomic<uint64_t> none{~uint64_t{0}};
+    const size_t smem = smem_bytes(cta, merge_rows);
+    if (cta)
+      launch_pdl(kernel<true>(), ctas, C::kThreads, smem, stream, none, p.overlap_prior != 0, p,
+                 static_cast<int>(items), head_chunks, merge_rows, maps);
+    else
+      launch_pdl(kernel<false>(), ctas, C::kThreads, smem, stream, none, p.overlap_prior != 0, p,
+                 static_cast<int>(items), head_chunks, merge_rows, maps);
   }
 };
 
@@ -387,17 +504,18 @@ bool decode_v2_supports(DType dtype, int head_size) {
   return (dtype == DType::kBFloat16 || dtype == DType::kFloat16) && head_size <= 128;
 }
 
-int decode_v2_units(DType dtype, int head_size) {
+int decode_v2_units(DType dtype, int head_size, bool cta_items, int group) {
   return dispatch_mma_dtype(dtype, "CUDA decode v2", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return with_config<T>(head_size, nullptr, [&](auto cfg) { return decltype(cfg)::units(); });
+    return with_config<T>(head_size, nullptr,
+                          [&](auto cfg) { return decltype(cfg)::units(cta_items, std::min(16, group)); });
   });
 }
 
-void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {
+void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, bool cta_items, cudaStream_t stream) {
   dispatch_mma_dtype(dtype, "CUDA decode v2", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    with_config<T>(head_size, &p, [&](auto cfg) { decltype(cfg)::launch(p, stream); });
+    with_config<T>(head_size, &p, [&](auto cfg) { decltype(cfg)::launch(p, cta_items, stream); });
   });
 }
 

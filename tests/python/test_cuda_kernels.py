@@ -263,6 +263,118 @@ def test_prefill_matches_decode(gen):
     check(b, ref, torch.bfloat16, "prefill with decode rows")
 
 
+# ------------------------------------------------------------------------------------ PDL overlap
+def _decode_step_inputs(ctx, hq, hkv, d, block_size, dtype, gen):
+    """A decode step as in the engine: the paged cache holds positions < seq_len - 1 of every
+    sequence and NaN in the slot of its last position, which rotary_embedding_and_cache (a kernel
+    that lets its dependents start early) is to fill."""
+    ks, vs, kc, vc, bt, seq_lens = make_paged(ctx, hkv, d, block_size, dtype, gen=gen)
+    last = torch.tensor([n - 1 for n in ctx], device=DEV)
+    rows = torch.arange(len(ctx), device=DEV)
+    slots = bt[rows, last // block_size].long() * block_size + last % block_size
+    _poison_slots(kc, vc, slots)
+    return ks, vs, kc, vc, bt, seq_lens, last, slots
+
+
+def _poison_slots(kc, vc, slots):
+    bs = kc.shape[2]
+    kc[slots // bs, :, slots % bs] = float("nan")
+    vc[slots // bs, :, slots % bs] = float("nan")
+
+
+def _slot_rows(cache, slots):
+    """Rows [n, Hkv, D] of the cache slots (block * block_size + offset)."""
+    nb, hkv, bs, d = cache.shape
+    return cache.permute(0, 2, 1, 3).reshape(nb * bs, hkv, d)[slots]
+
+
+@pytest.mark.parametrize("split_k", (0, 4, -1))
+def test_decode_overlap_prior_kernel_after_rotary(split_k, gen):
+    """overlap_prior_kernel=True right after rotary_embedding_and_cache (which triggers its
+    dependents at its start, so the decode kernel runs while it writes the last position's K/V):
+    eager and CUDA-graph results match the float64 reference on the K/V the rotary kernel wrote
+    (a decode kernel reading that slot too early sees NaN), and graph replays equal the eager
+    call bit for bit."""
+    dtype, hq, hkv, d, bs = torch.bfloat16, 32, 8, 128, 16
+    ctx = [300, 1, 17, 4096, 64, 1000]
+    ks, vs, kc, vc, bt, seq_lens, last, slots = _decode_step_inputs(ctx, hq, hkv, d, bs, dtype, gen)
+    b = len(ctx)
+    half = d // 2
+    inv = 1.0 / (10000 ** (torch.arange(half, device=DEV, dtype=torch.float64) / half))
+    ang = torch.arange(4096, device=DEV, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen, device=DEV).to(dtype)
+    q = qkv[:, :hq * d].view(b, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
+    query = torch.empty(b, hq, d, dtype=dtype, device=DEV)
+
+    def step(out):
+        ops.rotary_embedding_and_cache(last, q, k, v, cos, sin, query, kc, vc, slots)
+        ops.paged_attention(out, query, kc, vc, bt, seq_lens, d ** -0.5, split_k=split_k,
+                            overlap_prior_kernel=True)
+
+    def reference():
+        kw, vw = _slot_rows(kc, slots).double(), _slot_rows(vc, slots).double()
+        return torch.stack([ref_rows(query[i:i + 1].double(), torch.cat([ks[i][:-1], kw[i:i + 1]]),
+                                     torch.cat([vs[i][:-1], vw[i:i + 1]]), [ctx[i] - 1], d ** -0.5)[0]
+                            for i in range(b)])
+
+    def poison():  # the last slots back to NaN before each step
+        _poison_slots(kc, vc, slots)
+
+    eager = torch.full((b, hq, d), float("nan"), dtype=dtype, device=DEV)
+    poison()
+    step(eager)
+    torch.cuda.synchronize()
+    assert not torch.isnan(_slot_rows(kc, slots)).any()
+    check(eager, reference(), dtype, f"eager decode after rotary, overlap_prior_kernel, split_k={split_k}")
+
+    out = torch.full_like(eager, float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(out)
+    for _ in range(3):
+        poison()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), "graph replay differs from the eager call"
+    # new inputs: the graph reads the captured buffers
+    qkv.copy_(torch.randn(b, (hq + 2 * hkv) * d, generator=gen, device=DEV).to(dtype))
+    poison()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, reference(), dtype, f"graph decode after rotary, overlap_prior_kernel, split_k={split_k}")
+
+
+def test_decode_overlap_prior_kernel_matches_plain(gen):
+    """The same decode with and without overlap_prior_kernel, every head size and both
+    tensor-core dtypes and block sizes: identical outputs (the option only moves the wait)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in HEAD_SIZES:
+            for bs in (16, 32):
+                ctx = [1, 33, 300, 2000]
+                ks, vs, kc, vc, bt, seq_lens = make_paged(ctx, 2, d, bs, dtype, gen=gen)
+                q = torch.randn(len(ctx), 8, d, generator=gen, device=DEV).to(dtype)
+                for split_k in (0, 3, -1):
+                    a = torch.full_like(q, float("nan"))
+                    c = torch.full_like(q, float("nan"))
+                    ops.paged_attention(a, q, kc, vc, bt, seq_lens, 0.1, split_k=split_k)
+                    ops.paged_attention(c, q, kc, vc, bt, seq_lens, 0.1, split_k=split_k, overlap_prior_kernel=True)
+                    torch.cuda.synchronize()
+                    assert torch.equal(a, c), f"{dtype} d={d} bs={bs} split_k={split_k}"
+                    ref = torch.stack([ref_rows(q[i:i + 1].double(), ks[i], vs[i], [ctx[i] - 1], 0.1)[0]
+                                       for i in range(len(ctx))])
+                    check(c, ref, dtype, f"overlap decode {dtype} d={d} bs={bs} split_k={split_k}")
+
+
 # ------------------------------------------------------------------------------------ streams, graphs
 def test_cuda_graph_capture_and_side_stream(gen):
     """Decode (split-K with its stream-ordered workspace) and prefill captured in a CUDA graph on a
