@@ -93,9 +93,9 @@ def num_sets(bytes_per_call: int) -> int:
     return max(1, min(256, math.ceil(4 * l2 / bytes_per_call)))
 
 
-def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=None, overlap=False) -> dict:
+def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=None) -> dict:
     """width: block-table width in blocks (default: just the context), as the engine's
-    ceil(max_model_len / block_size); overlap: overlap_prior_kernel=True."""
+    ceil(max_model_len / block_size)."""
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     nsets = num_sets(kv_bytes)
     blocks_per_seq = math.ceil(ctx / BS)
@@ -116,8 +116,7 @@ def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=Non
 
     def ours(i):
         j = i % nsets
-        return lambda: ops.paged_attention(outs[j], qs[j], kc, vc, bts[j], seq_lens, scale, split_k=split_k,
-                                           overlap_prior_kernel=overlap)
+        return lambda: ops.paged_attention(outs[j], qs[j], kc, vc, bts[j], seq_lens, scale, split_k=split_k)
 
     t_ours = graph_time_us([ours(i) for i in range(reps)])
     t_ours_eager = eager_time_us(ours(0))
@@ -151,7 +150,7 @@ def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=Non
     torch.cuda.empty_cache()
     return {
         "batch": batch, "context": ctx, "split_k": "auto" if split_k is None else split_k,
-        "block_table_width": bts.shape[2], "overlap_prior_kernel": overlap,
+        "block_table_width": bts.shape[2],
         "block_ids": "sequential" if sequential else "shuffled",
         "kv_bytes": kv_bytes, "buffer_sets": nsets,
         "ours_us": round(t_ours, 2), "ours_TBps": round(kv_bytes / t_ours / 1e6, 3),
@@ -225,9 +224,9 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. a variant)")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--cases", default="",
-                    help="decode cases instead of the default grid: BxCTX[:sSPLIT][:seq][:wWIDTH][:ov], "
-                         "comma-separated (e.g. 1x4096,1x4096:s16,64x4096:s2,1x300:w32:ov); wWIDTH: block-table "
-                         "width in blocks; ov: overlap_prior_kernel=True")
+                    help="decode cases instead of the default grid: BxCTX[:sSPLIT][:seq][:wWIDTH], "
+                         "comma-separated (e.g. 1x4096,1x4096:s16,64x4096:s2,1x300:w32); wWIDTH: block-table "
+                         "width in blocks")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -251,8 +250,6 @@ def main() -> None:
                     kw["sequential"] = True
                 elif extra.startswith("w"):
                     kw["width"] = int(extra[1:])
-                elif extra == "ov":
-                    kw["overlap"] = True
             doc["decode"].append(bench_decode(**kw))
             print(json.dumps(doc["decode"][-1]), file=sys.stderr, flush=True)
     elif not args.prefill_only:

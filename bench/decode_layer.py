@@ -4,13 +4,12 @@ The Llama-3-8B attention block of one decode token, for L layers in one CUDA gra
 projection (x [1, 4096] @ W_qkv^T, 50 MB of bf16 weights per layer, which also pushes the
 previous layer's data out of L2 as in the engine), rotary_embedding_and_cache (writes this
 token's K/V into the layer's paged cache), paged decode attention over a context of CTX tokens
-(block size 16, block-table width ceil(max_model_len / 16)), then the o projection. Three graphs:
-  none     the same without attention (the o projection reads the rotated query instead)
-  plain    paged_attention as a plain launch
-  overlap  paged_attention(overlap_prior_kernel=True): the decode kernel starts while the rotary
-           kernel finishes (programmatic dependent launch)
+(block size 16, block-table width ceil(max_model_len / 16)), then the o projection. Two graphs:
+  none       the same without attention (the o projection reads the rotated query instead)
+  attention  with paged_attention
 Attention's cost per layer = (graph time - graph time of `none`) / L: what it adds to a token,
-launch gaps included. Median of 20 replays (CUDA events).
+launch gaps included. Median of 20 replays (CUDA events); `none` is timed first and last, and the
+smaller time is used.
 
     python3 bench/decode_layer.py [--ctx 300] [--max-model-len 512] [--layers 32] [--out DIR]
 Prints one JSON document (and writes DIR/<date>-<gpu>-decode-layer.json with --out).
@@ -103,13 +102,12 @@ def main() -> None:
                 ops.rotary_embedding_and_cache(pos, q, k, v, cos, sin, query, kc, vc, slot)
                 src = query
                 if mode != "none":
-                    ops.paged_attention(attn, query, kc, vc, bt, seq_lens, D ** -0.5,
-                                        overlap_prior_kernel=mode == "overlap")
+                    ops.paged_attention(attn, query, kc, vc, bt, seq_lens, D ** -0.5)
                     src = attn
                 torch.mm(src.view(1, HQ * D), w_o[layer].t(), out=y)
         return f
 
-    times = {m: graph_time_us(step(m)) for m in ("none", "plain", "overlap")}
+    times = {m: graph_time_us(step(m)) for m in ("none", "attention")}
     times["none"] = min(times["none"], graph_time_us(step("none")))  # again last: the spread
     doc = {
         "bench": "decode_layer", "commit": git_commit(), "date": datetime.date.today().isoformat(),
@@ -118,7 +116,7 @@ def main() -> None:
         "shape": {"hidden": HIDDEN, "num_heads": HQ, "num_kv_heads": HKV, "head_size": D, "block_size": BS,
                   "dtype": "bfloat16", "context": ctx, "block_table_width": width, "layers": L},
         "graph_us": {m: round(t, 1) for m, t in times.items()},
-        "attention_us_per_layer": {m: round((times[m] - times["none"]) / L, 2) for m in ("plain", "overlap")},
+        "attention_us_per_layer": round((times["attention"] - times["none"]) / L, 2),
     }
     text = json.dumps(doc, indent=1)
     print(text)

@@ -54,10 +54,6 @@ struct AttnParams {
   // set) into num_splits partitions of equal whole 16-token tiles, instead of fixed partitions of
   // partition_tokens (which follow the block-table width); partition_tokens is then unused.
   int even_splits = 0;
-  // Decode v2 only: launched as a programmatic dependent of the previous kernel; seq_lens,
-  // block_tables and the K/V of positions < seq_len - 1 are read before waiting for it
-  // (AttentionOptions::overlap_prior_kernel).
-  int overlap_prior = 0;
 };
 
 template <typename T>

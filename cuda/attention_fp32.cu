@@ -143,7 +143,6 @@ __global__ void __launch_bounds__(kReduceThreads) splitk_reduce_kernel(const Att
   // Launched as a programmatic dependent of the decode kernel (when enabled): wait here until it
   // has completed and its partials are visible. Without the launch attribute this is a no-op.
   pdl_wait();
-  pdl_launch_dependents();  // a dependent decode (overlap_prior_kernel) may start its loads
   extern __shared__ float smem[];  // [kReduceThreads * 4] group sums, then [num_splits] weights
   float* s_acc = smem;
   float* s_w = smem + kReduceThreads * 4;
@@ -206,7 +205,6 @@ constexpr int kReduceRowsPerCta = 8;  // one warp per row
 template <typename T, int D>
 __global__ void __launch_bounds__(32 * kReduceRowsPerCta) splitk_reduce_warp_kernel(const AttnParams p) {
   pdl_wait();  // as splitk_reduce_kernel
-  pdl_launch_dependents();
   constexpr int kCols = D / 4;                   // float4 columns
   constexpr int kPerLane = (kCols + 31) / 32;
   const int lane = threadIdx.x % 32;
@@ -263,19 +261,26 @@ __global__ void __launch_bounds__(32 * kReduceRowsPerCta) splitk_reduce_warp_ker
   }
 }
 
-/// PAGEDLLM_REDUCE=cta selects the CTA-per-row reduction (for benchmarking; read once).
-bool reduce_per_cta() {
-  static const bool on = [] {
+/// Which reduction: one warp per row for at most kWarpReduceMaxSplits partitions (its lanes walk
+/// the partitions in sequence, so a long walk is a latency chain), one CTA per row beyond (its
+/// split groups walk them in parallel). H200, run 5: warp rows 2 us faster at 64 x 4096 (2
+/// splits), CTA rows 2 us faster at 1 x 4096 (32 splits). PAGEDLLM_REDUCE=cta or =warp forces one
+/// (for benchmarking; read once).
+constexpr int kWarpReduceMaxSplits = 8;
+bool reduce_per_cta(int num_splits) {
+  static const int forced = [] {
     const char* v = std::getenv("PAGEDLLM_REDUCE");
-    return v != nullptr && std::string(v) == "cta";
+    if (v == nullptr) return 0;
+    return std::string(v) == "cta" ? 1 : std::string(v) == "warp" ? 2 : 0;
   }();
-  return on;
+  if (forced != 0) return forced == 1;
+  return num_splits > kWarpReduceMaxSplits;
 }
 
 template <typename T>
 void launch_reduce_typed(int head_size, const AttnParams& p, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(p.num_rows) * p.num_heads;
-  if (reduce_per_cta()) {
+  if (reduce_per_cta(p.num_splits)) {
     static std::atomic<uint64_t> smem_raised{0};
     const size_t smem = (kReduceThreads * 4 + static_cast<size_t>(p.num_splits)) * sizeof(float);
     launch_pdl(splitk_reduce_kernel<T>, dim3(static_cast<unsigned>(rows)), dim3(kReduceThreads), smem, stream,

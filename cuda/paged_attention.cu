@@ -114,17 +114,22 @@ bool even_splits_enabled() {
 /// Cost of a decode kernel with `s` splits in a wave-aware model: with `units` work units running
 /// at once (warps for v2 warp items, CTAs otherwise) and base = the work items of one partition,
 /// S splits give ceil(base * S / units) waves, each as long as the longest partition (in rounds
-/// of `tokens_per_round` tokens) plus a fixed per-item cost; a split also costs the reduction.
-/// Partitions are kept >= `min_partition` tokens (returned in s_max).
+/// of `tokens_per_round` tokens) plus a fixed per-item cost; a split also costs the reduction,
+/// 1 + S / 8 rounds for v2 (it reads S partials per row), 1 round for the others. Partitions are kept >= `min_partition` tokens
+/// (returned in s_max). Fitted to run 5 on the H200 (bench/cuda_kernels_notes.md): CTA items at
+/// 8 x 4,096 (39.6 against 42.0 us on warps) and 1 x 4,096, warp items with 2 splits at
+/// 64 x 4,096 (258.8 against 261.5 us for CTA items without a split).
 struct CostModel {
   int64_t base = 1, units = 1, tokens_per_round = 16, fixed = 1, min_partition = 64;
+  double reduce_per_split = 0;  // v2 kernels: 1/8 (the fit below); others: the reduction is 1 round
 
   double cost(const AttnParams& p, int64_t s) const {
     const int64_t max_blocks = p.max_blocks_per_seq;
     const int64_t part_tokens = (max_blocks + s - 1) / s * p.block_size;
     const int64_t waves = (base * s + units - 1) / units;
-    const int64_t rounds = (part_tokens + tokens_per_round - 1) / tokens_per_round + fixed + (s > 1 ? 1 : 0);
-    return static_cast<double>(waves) * static_cast<double>(rounds);
+    const double rounds = static_cast<double>((part_tokens + tokens_per_round - 1) / tokens_per_round + fixed) +
+                          (s > 1 ? 1.0 + reduce_per_split * static_cast<double>(s) : 0.0);
+    return static_cast<double>(waves) * rounds;
   }
   int64_t s_max(const AttnParams& p) const {
     const int64_t max_ctx = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
@@ -136,9 +141,9 @@ CostModel cost_model(DecodeKernel kind, DType dtype, int head_size, const AttnPa
   const int64_t chunks = (p.group + 15) / 16;
   const int64_t items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * chunks;
   switch (kind) {
-    case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, false, p.group), 16, 1, 64};
+    case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, false, p.group), 16, 1, 64, 0.125};
     case DecodeKernel::kV2Cta:
-      return {items, decode_v2_units(dtype, head_size, true, p.group), 16 * kDecodeV2Warps, 2, 64};
+      return {items, decode_v2_units(dtype, head_size, true, p.group), 16 * kDecodeV2Warps, 2, 64, 0.125};
     case DecodeKernel::kV1: return {items, decode_v1_units(dtype, head_size), 64, 1, 128};
     default: return {static_cast<int64_t>(p.num_seqs) * p.num_heads, attention_fp32_units(head_size), 4, 1, 64};
   }
@@ -242,7 +247,6 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     // v2 partitions each sequence's own context evenly (every partition busy at any length).
     p.even_splits = v2 && even_splits_enabled() ? 1 : 0;
   }
-  p.overlap_prior = v2 && options.overlap_prior_kernel ? 1 : 0;
   auto launch = [&] {
     switch (kind) {
       case DecodeKernel::kFp32: return launch_attention_fp32(head_size, p, stream);

@@ -60,7 +60,6 @@ struct DecodeV2Cfg {
 
 struct DecodeItem {
   int seq, kv_head, h0, nrows, split, start, end, ntiles;
-  bool has_last;  // the item's range holds the sequence's last position (seq_len - 1)
   const int32_t* bt;
 };
 
@@ -94,7 +93,6 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   it.start = start;
   it.end = end;
   it.ntiles = end > start ? (end - start + 15) / 16 : 0;
-  it.has_last = it.ntiles > 0 && end == seq_len;
   it.bt = p.block_tables + static_cast<int64_t>(it.seq) * p.max_blocks_per_seq;
   return it;
 }
@@ -117,11 +115,6 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   // Let a programmatic dependent (the split-K reduction) be scheduled now; it waits for this
   // grid's completion itself (pdl_wait). No-op without a dependent launch.
   pdl_launch_dependents();
-  // Launched as a programmatic dependent (p.overlap_prior): seq_lens, block tables and the K/V of
-  // positions < seq_len - 1 may be read before pdl_wait(); the query, the last position's K/V and
-  // the outputs only after it. Otherwise wait at once (a no-op for a plain launch).
-  bool waited = !p.overlap_prior;
-  if (waited) pdl_wait();
   if constexpr (kTma) {
     if (threadIdx.x == 0) {  // fetch the two descriptors into the TMA unit's cache early
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.k)) : "memory");
@@ -177,10 +170,6 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   auto issue_next = [&]() {
     if (ii < num_items) {
       const int t0 = iitem.start + ik * C::kTile;
-      if (!waited && iitem.has_last && t0 + C::kTile >= iitem.end) {  // holds position seq_len - 1
-        pdl_wait();
-        waited = true;
-      }
       const int row0 = t0 & (p.block_size - 1);
       if (row0 + C::kTile <= p.block_size && t0 + C::kTile <= iitem.end) {
         // The whole tile lies in one block (the common case): one block-table lookup, and the
@@ -291,10 +280,6 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 
     // Q rows h0 .. h0+nrows-1 straight into the A fragments (rows >= nrows are zero).
     uint32_t qf[KSTEPS][4];
-    if (!waited) {
-      pdl_wait();
-      waited = true;
-    }
     {
       const T* q = static_cast<const T*>(p.query) + (static_cast<int64_t>(it.seq) * p.num_heads + it.h0) * D;
       const bool lo = g < it.nrows, hi = g + 8 < it.nrows;
@@ -468,11 +453,11 @@ struct V2 {
     std::atomic<uint64_t> none{~uint64_t{0}};
     const size_t smem = smem_bytes(cta, merge_rows);
     if (cta)
-      launch_pdl(kernel<true>(), ctas, C::kThreads, smem, stream, none, p.overlap_prior != 0, p,
-                 static_cast<int>(items), head_chunks, merge_rows, maps);
+      launch_checked(kernel<true>(), ctas, C::kThreads, smem, stream, none, p, static_cast<int>(items), head_chunks,
+                     merge_rows, maps);
     else
-      launch_pdl(kernel<false>(), ctas, C::kThreads, smem, stream, none, p.overlap_prior != 0, p,
-                 static_cast<int>(items), head_chunks, merge_rows, maps);
+      launch_checked(kernel<false>(), ctas, C::kThreads, smem, stream, none, p, static_cast<int>(items), head_chunks,
+                     merge_rows, maps);
   }
 };
 

@@ -68,12 +68,6 @@ __device__ __forceinline__ void rotate_heads(const T* src, T* dst, int64_t dst_h
 
 template <typename T, bool kFused>
 __global__ void rotary_kernel(const RotaryParams p) {
-  // Let a programmatic dependent launched after this kernel (the decode attention with
-  // overlap_prior_kernel, cuda/launch_utils.cuh launch_pdl) start its loads of the older K/V now;
-  // it waits for this grid's completion (griddepcontrol.wait) before reading what this writes.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
   const int64_t token = blockIdx.x;
   const int64_t pos = p.positions[token];
   const T* cos_row = static_cast<const T*>(p.cos_cache) + pos * p.rot_half;

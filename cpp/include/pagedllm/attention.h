@@ -50,15 +50,6 @@ struct AttentionOptions {
   /// too small to fill the device), 0 = single pass, k > 0 = force a k-way split (partitions of
   /// whole blocks; partitions beyond the context are empty). Ignored by the prefill launcher.
   int32_t split_k = -1;
-  /// Decode only (paged_attention), CUDA only (ignored on the CPU and by the prefill launcher).
-  /// true: the caller guarantees that the kernel launched just before this call on the stream,
-  /// and any kernel still running when it starts, writes none of seq_lens, block_tables and the
-  /// K/V of positions < seq_len - 1 (true in a decode step, where only this step's token — at
-  /// position seq_len - 1 — was just written, e.g. by reshape_and_cache). The decode kernel is
-  /// then launched as a programmatic dependent of the previous kernel (sm_90; CUDA Programming
-  /// Guide, "Programmatic Dependent Launch") and reads those while the previous kernel finishes;
-  /// it waits for it before reading the query, the last position's K/V, or writing the output.
-  bool overlap_prior_kernel = false;
 };
 
 /// Head sizes every implementation supports: {64, 80, 96, 128, 256}.

@@ -63,12 +63,9 @@ class Attention:
         key_cache, value_cache = kv_cache
         out = torch.empty_like(q)
         if meta.decode_only:
-            # Only this step's token (position seq_len - 1) was just written into the cache, by the
-            # kernel right before: the decode kernel may start loading the older K/V while that
-            # kernel finishes (programmatic dependent launch on sm_90; ignored elsewhere).
             ops.paged_attention(
                 out, q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
-                sliding_window=self.sliding_window, overlap_prior_kernel=True,
+                sliding_window=self.sliding_window,
             )
         else:
             ops.paged_prefill_attention(

@@ -120,23 +120,18 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, sliding_window: int | None = None, soft_cap: float | None = None,
-                    split_k: int | None = None, overlap_prior_kernel: bool = False) -> None:
+                    split_k: int | None = None) -> None:
     """Decode attention, one query per sequence, written into ``out`` ``[B, Hq, D]``.
 
     ``query`` ``[B, Hq, D]`` (cache dtype), ``block_tables`` int32 ``[B, M]``, ``seq_lens`` int32
     ``[B]`` (context length including the query's token). ``sliding_window``: attend to the last
     N tokens; ``soft_cap``: Gemma-2 logit soft-cap; ``split_k``: None/-1 auto, 0 single pass,
-    k > 0 force a k-way flash-decoding split. ``overlap_prior_kernel`` (CUDA, sm_90): the caller
-    guarantees that the kernel just before on the stream wrote none of ``seq_lens``,
-    ``block_tables`` and the K/V of positions < seq_len - 1 (a decode step, where only this step's
-    token was just written); the kernel then starts while that one finishes (programmatic
-    dependent launch; see ``AttentionOptions::overlap_prior_kernel`` in pagedllm/attention.h).
+    k > 0 force a k-way flash-decoding split.
     """
     _C.paged_attention(_view(out), _view(query), _view(key_cache), _view(value_cache),
                        _view(block_tables), _view(seq_lens), float(scale),
                        int(sliding_window or 0), float(soft_cap or 0.0),
-                       -1 if split_k is None else int(split_k), _stream(key_cache),
-                       bool(overlap_prior_kernel))
+                       -1 if split_k is None else int(split_k), _stream(key_cache))
 
 
 def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
