@@ -23,7 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {
     "base": {},
     "warp": {"PAGEDLLM_DECODE_MODE": "warp"},  # v2 work items on warps only (run 4's kernel)
-    "cta": {"PAGEDLLM_DECODE_MODE": "cta"},  # v2 work items on CTAs only (warps merge in smem)
+    "pair": {"PAGEDLLM_DECODE_MODE": "pair"},  # v2 work items on pairs of warps only (merge in smem)
+    "cta": {"PAGEDLLM_DECODE_MODE": "cta"},  # v2 work items on CTAs only (4 warps merge in smem)
     "noeven": {"PAGEDLLM_DECODE_EVEN": "0"},  # partitions fixed by the block-table width
     "ctareduce": {"PAGEDLLM_REDUCE": "cta"},  # run 4's CTA-per-row split-K reduction at any split count
     "nopdl": {"PAGEDLLM_NO_PDL": "1"},  # the split-K reduction without programmatic dependent launch
@@ -36,6 +37,7 @@ DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, m
     "base": "1x4096,8x4096,16x1024,64x4096,256x1024,128x2048,1x32768,1x300:w32,4x300:w32,1x300:w256,"
             "64x4096:seq",
     "warp": "1x4096,8x4096,64x4096,1x300:w32",
+    "pair": "64x4096,64x4096:s2,256x1024,8x4096",
     "cta": "1x4096:s16,1x4096:s32,64x4096",
     "noeven": "1x4096,1x300:w32,1x300:w256",
     "ctareduce": "64x4096,8x4096,1x300:w32",
@@ -53,7 +55,7 @@ DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, m
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", default="base,warp,cta,noeven,ctareduce,run4like,base2")
+    ap.add_argument("--variants", default="base,warp,pair,cta,noeven,ctareduce,run4like,base2")
     ap.add_argument("--cases", default="", help="the same cases for every variant (default: per variant)")
     ap.add_argument("--name", default="kernels-run4")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per variant")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run 5 (kern3), one device call (run twice: 5a with the first candidate, 5b with the final code) (bench/cuda_kernels_notes.md "Run 5"): build this tree in place;
 # the CUDA tests of the attention and layer-op kernels and the GPU engine with the default choices,
-# and the decode tests again under each forced choice (v2 work items on warps / on CTAs, fixed
+# and the decode tests again under each forced choice (v2 work items on warps / pairs of warps / CTAs, fixed
 # partitions + run 4's reduction, the warp-row reduction at any split count without PDL), in parallel; then the decode variants side by side
 # (bench/decode_variants.py: graph replay, SDPA in the same process) and the engine-shaped batch-1
 # layer benchmark (bench/decode_layer.py). At most 8 files come back: gpu.txt, tests.log,
@@ -26,8 +26,8 @@ mkdir -p tlog
 ( timeout 200 python3 -m pytest $K tests/python/test_attention_kernels.py tests/python/test_layer_ops_cuda.py \
     tests/python/test_cache_ops.py -m cuda $PT > tlog/default.log 2>&1; echo "rc=$?" >> tlog/default.log ) &
 ( timeout 200 python3 -m pytest tests/python/test_gpu_engine.py -m cuda $PT > tlog/engine.log 2>&1; echo "rc=$?" >> tlog/engine.log ) &
-for v in PAGEDLLM_DECODE_MODE=cta PAGEDLLM_DECODE_MODE=warp "PAGEDLLM_DECODE_EVEN=0 PAGEDLLM_REDUCE=cta" \
-         "PAGEDLLM_REDUCE=warp PAGEDLLM_NO_PDL=1"; do
+for v in PAGEDLLM_DECODE_MODE=cta PAGEDLLM_DECODE_MODE=pair PAGEDLLM_DECODE_MODE=warp \
+         "PAGEDLLM_DECODE_EVEN=0 PAGEDLLM_REDUCE=cta" "PAGEDLLM_REDUCE=warp PAGEDLLM_NO_PDL=1"; do
   n=$(echo "$v" | tr ' =' '__')
   ( env $v timeout 150 python3 -m pytest $K -m cuda $PT -k "decode or graph" > "tlog/$n.log" 2>&1; echo "rc=$?" >> "tlog/$n.log" ) &
 done

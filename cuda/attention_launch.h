@@ -18,17 +18,17 @@ namespace pagedllm::cuda::detail {
 void launch_decode_mma(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
 
 /// Decode with persistent work items (paged_decode_v2.cu): bf16 / fp16, head size <= 128.
-/// items = B * Hkv * ceil(G/16) * num_splits, each owned by one warp, or (cta_items) by one CTA
-/// whose warps share its tiles and merge in shared memory. Grid sized to decode_v2_units().
-bool decode_v2_supports(DType dtype, int head_size);
-void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, bool cta_items, cudaStream_t stream);
-
-/// Concurrent work units of each decode kernel on the current device (occupancy x SMs): warps
-/// for v2 (CTAs with cta_items; `group` = Hq / Hkv sizes its merge buffers), CTAs for the
-/// CTA-per-item kernel and the float32 kernel.
-int decode_v2_units(DType dtype, int head_size, bool cta_items, int group);
-/// Warps per CTA of the v2 kernel (the tiles one CTA item processes at once).
+/// items = B * Hkv * ceil(G/16) * num_splits, each owned by a team of warps_per_item warps
+/// (1, 2 or kDecodeV2Warps = the whole CTA) that share its tiles and merge in shared memory.
+/// Grid sized to decode_v2_units().
 constexpr int kDecodeV2Warps = 4;
+bool decode_v2_supports(DType dtype, int head_size);
+void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, int warps_per_item, cudaStream_t stream);
+
+/// Concurrent work units of each decode kernel on the current device (occupancy x SMs): teams of
+/// warps_per_item warps for v2 (`group` = Hq / Hkv sizes the merge buffers of shared items), CTAs
+/// for the CTA-per-item kernel and the float32 kernel.
+int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group);
 int decode_v1_units(DType dtype, int head_size);
 int attention_fp32_units(int head_size);
 

@@ -76,7 +76,7 @@ AttnParams common_params(const TensorView& out, const TensorView& query, const T
   return p;
 }
 
-enum class DecodeKernel { kV1, kV2, kV2Cta, kFp32 };
+enum class DecodeKernel { kV1, kV2, kV2Pair, kV2Cta, kFp32 };  // v2: 1, 2, all warps of a CTA per item
 
 /// PAGEDLLM_DECODE_KERNEL=v1 selects the CTA-per-item decode kernel for every head size (for
 /// benchmarking the two; read once).
@@ -88,14 +88,16 @@ bool force_v1() {
   return v1;
 }
 
-/// PAGEDLLM_DECODE_MODE=warp or =cta forces v2's work items onto warps or CTAs (for testing and
-/// benchmarking both; read once); otherwise the cost model chooses.
-int forced_v2_mode() {  // 0 = model, 1 = warp items, 2 = CTA items
+/// PAGEDLLM_DECODE_MODE=warp, =pair or =cta forces v2's work items onto single warps, pairs of
+/// warps or whole CTAs (for testing and benchmarking each; read once); otherwise the cost model
+/// chooses.
+int forced_v2_mode() {  // 0 = model, 1 = warp, 2 = pair, 3 = CTA items
   static const int mode = [] {
     const char* v = std::getenv("PAGEDLLM_DECODE_MODE");
     if (v == nullptr) return 0;
     if (std::string(v) == "warp") return 1;
-    if (std::string(v) == "cta") return 2;
+    if (std::string(v) == "pair") return 2;
+    if (std::string(v) == "cta") return 3;
     return 0;
   }();
   return mode;
@@ -141,9 +143,10 @@ CostModel cost_model(DecodeKernel kind, DType dtype, int head_size, const AttnPa
   const int64_t chunks = (p.group + 15) / 16;
   const int64_t items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * chunks;
   switch (kind) {
-    case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, false, p.group), 16, 1, 64, 0.125};
+    case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, 1, p.group), 16, 1, 64, 0.125};
+    case DecodeKernel::kV2Pair: return {items, decode_v2_units(dtype, head_size, 2, p.group), 32, 2, 64, 0.125};
     case DecodeKernel::kV2Cta:
-      return {items, decode_v2_units(dtype, head_size, true, p.group), 16 * kDecodeV2Warps, 2, 64, 0.125};
+      return {items, decode_v2_units(dtype, head_size, kDecodeV2Warps, p.group), 16 * kDecodeV2Warps, 2, 64, 0.125};
     case DecodeKernel::kV1: return {items, decode_v1_units(dtype, head_size), 64, 1, 128};
     default: return {static_cast<int64_t>(p.num_seqs) * p.num_heads, attention_fp32_units(head_size), 4, 1, 64};
   }
@@ -155,16 +158,20 @@ struct DecodePlan {
 };
 
 /// The kernel and flash-decoding split count. split_k > 0 or == 0 fixes the count (1 for 0);
-/// -1: the cheapest count of the cost model (the smallest on ties). v2 kernels: warp items or
-/// CTA items, whichever the model prices lower (warp items on ties) unless PAGEDLLM_DECODE_MODE
-/// forces one.
+/// -1: the cheapest count of the cost model (the smallest on ties). v2 kernels: items on warps,
+/// pairs of warps or CTAs, whichever the model prices lowest (in that order on ties) unless
+/// PAGEDLLM_DECODE_MODE forces one.
 DecodePlan plan_decode(DecodeKernel kind, DType dtype, int head_size, const AttnParams& p, int split_k) {
-  DecodeKernel kinds[2] = {kind, kind};
+  DecodeKernel kinds[3] = {kind, kind, kind};
   int num_kinds = 1;
   if (kind == DecodeKernel::kV2) {
     const int forced = forced_v2_mode();
-    if (forced == 2) kinds[0] = DecodeKernel::kV2Cta;
-    else if (forced == 0) kinds[num_kinds++] = DecodeKernel::kV2Cta;
+    if (forced == 2) kinds[0] = DecodeKernel::kV2Pair;
+    else if (forced == 3) kinds[0] = DecodeKernel::kV2Cta;
+    else if (forced == 0) {
+      kinds[num_kinds++] = DecodeKernel::kV2Pair;
+      kinds[num_kinds++] = DecodeKernel::kV2Cta;
+    }
   }
   DecodePlan best{kinds[0], 1};
   double best_cost = -1;
@@ -229,7 +236,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const int64_t max_blocks = p.max_blocks_per_seq;
   if (p.num_seqs == 0) return;
 
-  // Which decode kernel: v2 (persistent warp or CTA items) for bf16/fp16 up to d128, the
+  // Which decode kernel: v2 (persistent items on warps, warp pairs or CTAs) for bf16/fp16 up to d128, the
   // CTA-per-item kernel for d256 (or when PAGEDLLM_DECODE_KERNEL=v1), float32 on CUDA cores.
   const DecodeKernel family = dtype == DType::kFloat32                               ? DecodeKernel::kFp32
                               : decode_v2_supports(dtype, head_size) && !force_v1() ? DecodeKernel::kV2
@@ -238,7 +245,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const DecodePlan plan = plan_decode(family, dtype, head_size, p, options.split_k);
   const DecodeKernel kind = plan.kind;
   const int64_t splits = plan.splits;
-  const bool v2 = kind == DecodeKernel::kV2 || kind == DecodeKernel::kV2Cta;
+  const bool v2 = kind == DecodeKernel::kV2 || kind == DecodeKernel::kV2Pair || kind == DecodeKernel::kV2Cta;
   if (splits > 1 && max_blocks > 0) {
     const int64_t blocks_per_part = (max_blocks + splits - 1) / splits;
     p.partition_tokens = static_cast<int>(blocks_per_part * p.block_size);
@@ -250,8 +257,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   auto launch = [&] {
     switch (kind) {
       case DecodeKernel::kFp32: return launch_attention_fp32(head_size, p, stream);
-      case DecodeKernel::kV2: return launch_decode_v2(dtype, head_size, p, false, stream);
-      case DecodeKernel::kV2Cta: return launch_decode_v2(dtype, head_size, p, true, stream);
+      case DecodeKernel::kV2: return launch_decode_v2(dtype, head_size, p, 1, stream);
+      case DecodeKernel::kV2Pair: return launch_decode_v2(dtype, head_size, p, 2, stream);
+      case DecodeKernel::kV2Cta: return launch_decode_v2(dtype, head_size, p, kDecodeV2Warps, stream);
       case DecodeKernel::kV1: return launch_decode_mma(dtype, head_size, p, stream);
     }
   };
