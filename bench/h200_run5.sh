@@ -4,8 +4,8 @@
 # and the decode tests again under each forced choice (v2 work items on warps / pairs of warps / CTAs, fixed
 # partitions + run 4's reduction, the warp-row reduction at any split count without PDL), in parallel; then the decode variants side by side
 # (bench/decode_variants.py: graph replay, SDPA in the same process) and the engine-shaped batch-1
-# layer benchmark (bench/decode_layer.py). At most 8 files come back: gpu.txt, tests.log,
-# bench.log, the variants JSON, decode-layer.jsonl. (The device image lacks fastapi / openai:
+# layer benchmark (bench/decode_layer.py) and bench/kernels.py --device cuda. At most 8 files come back: gpu.txt, tests.log,
+# bench.log, the variants JSON, decode-layer.jsonl, bench/kernels.py's JSON. (The device image lacks fastapi / openai:
 # only CUDA test files are named.)
 #   OUT=/some/dir bash bench/h200_run5.sh
 set -uo pipefail
@@ -38,6 +38,9 @@ for f in tlog/*.log; do echo "== $f: $(grep -E 'passed|failed|error' "$f" | tail
 t0=$(date +%s)
 timeout 200 python3 bench/decode_variants.py --out "$OUT" --name kernels-run5 --timeout 60 >> "$OUT/bench.log" 2>&1
 echo "variants: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.log"
+t0=$(date +%s)
+timeout 90 python3 bench/kernels.py --device cuda --machine h200 --out "$OUT" > kernels-py.log 2>&1
+echo "kernels.py: $(( $(date +%s) - t0 )) s rc=$?" | tee -a "$OUT/bench.log"; tail -3 kernels-py.log >> "$OUT/bench.log"
 t0=$(date +%s)
 { timeout 40 python3 bench/decode_layer.py
   PAGEDLLM_DECODE_MODE=warp PAGEDLLM_DECODE_EVEN=0 PAGEDLLM_REDUCE=cta timeout 40 python3 bench/decode_layer.py
