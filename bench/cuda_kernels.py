@@ -244,10 +244,10 @@ def main() -> None:
             batch, ctx = (int(x) for x in parts[0].split("x"))
             kw = dict(batch=batch, ctx=ctx)
             for extra in parts[1:]:
-                if extra.startswith("s"):
-                    kw["split_k"] = int(extra[1:])
-                elif extra == "seq":
+                if extra == "seq":
                     kw["sequential"] = True
+                elif extra.startswith("s"):
+                    kw["split_k"] = int(extra[1:])
                 elif extra.startswith("w"):
                     kw["width"] = int(extra[1:])
             doc["decode"].append(bench_decode(**kw))

@@ -263,10 +263,10 @@ __global__ void __launch_bounds__(32 * kReduceRowsPerCta) splitk_reduce_warp_ker
 
 /// Which reduction: one warp per row for at most kWarpReduceMaxSplits partitions (its lanes walk
 /// the partitions in sequence, so a long walk is a latency chain), one CTA per row beyond (its
-/// split groups walk them in parallel). H200, run 5: warp rows 2 us faster at 64 x 4096 (2
-/// splits), CTA rows 2 us faster at 1 x 4096 (32 splits). PAGEDLLM_REDUCE=cta or =warp forces one
-/// (for benchmarking; read once).
-constexpr int kWarpReduceMaxSplits = 8;
+/// split groups walk them in parallel). H200, run 5: warp rows faster at 8 x 4,096 (4 splits:
+/// 40.0 against 44.1 us) and 64 x 4,096 (2 splits: 258.8 against 261.3 us), CTA rows at
+/// 1 x 4,096 (32 splits: 13.3 against 15.2 us). PAGEDLLM_REDUCE=cta or =warp forces one (for
+/// benchmarking; read once).
 bool reduce_per_cta(int num_splits) {
   static const int forced = [] {
     const char* v = std::getenv("PAGEDLLM_REDUCE");

@@ -39,6 +39,10 @@ void launch_prefill_mma(DType dtype, int head_size, const AttnParams& p, cudaStr
 /// prefill.
 void launch_attention_fp32(int head_size, const AttnParams& p, cudaStream_t stream);
 
+/// The split-K reduction takes one warp per (sequence, head) row up to this many partitions (its
+/// lanes walk them in sequence), one CTA per row beyond (8 groups of threads walk them in parallel).
+constexpr int kWarpReduceMaxSplits = 8;
+
 /// Flash-decoding reduction: out[b, h] = sum_s w_s * partial_out[b, h, s] / sum_s w_s with
 /// w_s = partial_sum * 2^(partial_max - max_s partial_max). An all-empty row is written as 0.
 void launch_splitk_reduce(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);

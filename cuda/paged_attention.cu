@@ -116,21 +116,27 @@ bool even_splits_enabled() {
 /// Cost of a decode kernel with `s` splits in a wave-aware model: with `units` work units running
 /// at once (warps for v2 warp items, CTAs otherwise) and base = the work items of one partition,
 /// S splits give ceil(base * S / units) waves, each as long as the longest partition (in rounds
-/// of `tokens_per_round` tokens) plus a fixed per-item cost; a split also costs the reduction,
-/// 1 + S / 8 rounds for v2 (it reads S partials per row), 1 round for the others. Partitions are kept >= `min_partition` tokens
-/// (returned in s_max). Fitted to run 5 on the H200 (bench/cuda_kernels_notes.md): CTA items at
-/// 8 x 4,096 (39.6 against 42.0 us on warps) and 1 x 4,096, warp items with 2 splits at
-/// 64 x 4,096 (258.8 against 261.5 us for CTA items without a split).
+/// of `tokens_per_round` tokens) plus a fixed per-item cost; a split also costs the reduction:
+/// for v2, 1 + S / 8 rounds for the warp-row reduction (S <= kWarpReduceMaxSplits; a lane walks
+/// S partials) and 2 + S / 64 for the CTA-row one (8 groups walk them); 1 round for the others.
+/// Partitions are kept >= `min_partition` tokens (returned in s_max). Fitted to runs 4 and 5 on
+/// the H200 (bench/cuda_kernels_notes.md): whole-CTA items for short contexts at batch 1
+/// (1 x 300 with a 32-block table: 7.9 us against 9.1 us with 8 warp items), warp items where
+/// the two are within noise (8 x 4,096, 64 x 4,096) or warp items measured faster (1 x 32,768,
+/// 128 splits: 42.6 us in run 4 against 45.3 us with 32 CTA items in run 5).
 struct CostModel {
   int64_t base = 1, units = 1, tokens_per_round = 16, fixed = 1, min_partition = 64;
-  double reduce_per_split = 0;  // v2 kernels: 1/8 (the fit below); others: the reduction is 1 round
+  bool v2_reduce = false;  // the v2 reduction costs above; otherwise the reduction is 1 round
 
   double cost(const AttnParams& p, int64_t s) const {
     const int64_t max_blocks = p.max_blocks_per_seq;
     const int64_t part_tokens = (max_blocks + s - 1) / s * p.block_size;
     const int64_t waves = (base * s + units - 1) / units;
-    const double rounds = static_cast<double>((part_tokens + tokens_per_round - 1) / tokens_per_round + fixed) +
-                          (s > 1 ? 1.0 + reduce_per_split * static_cast<double>(s) : 0.0);
+    double reduce = 0;
+    if (s > 1 && !v2_reduce) reduce = 1;
+    else if (s > 1) reduce = s <= kWarpReduceMaxSplits ? 1.0 + s / 8.0 : 2.0 + s / 64.0;
+    const double rounds =
+        static_cast<double>((part_tokens + tokens_per_round - 1) / tokens_per_round + fixed) + reduce;
     return static_cast<double>(waves) * rounds;
   }
   int64_t s_max(const AttnParams& p) const {
@@ -143,10 +149,11 @@ CostModel cost_model(DecodeKernel kind, DType dtype, int head_size, const AttnPa
   const int64_t chunks = (p.group + 15) / 16;
   const int64_t items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * chunks;
   switch (kind) {
-    case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, 1, p.group), 16, 1, 64, 0.125};
-    case DecodeKernel::kV2Pair: return {items, decode_v2_units(dtype, head_size, 2, p.group), 32, 2, 64, 0.125};
+    // Shared items pay a merge (barriers, shared memory) and an uneven finish of their warps.
+    case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, 1, p.group), 16, 1, 64, true};
+    case DecodeKernel::kV2Pair: return {items, decode_v2_units(dtype, head_size, 2, p.group), 32, 3, 64, true};
     case DecodeKernel::kV2Cta:
-      return {items, decode_v2_units(dtype, head_size, kDecodeV2Warps, p.group), 16 * kDecodeV2Warps, 2, 64, 0.125};
+      return {items, decode_v2_units(dtype, head_size, kDecodeV2Warps, p.group), 16 * kDecodeV2Warps, 3, 64, true};
     case DecodeKernel::kV1: return {items, decode_v1_units(dtype, head_size), 64, 1, 128};
     default: return {static_cast<int64_t>(p.num_seqs) * p.num_heads, attention_fp32_units(head_size), 4, 1, 64};
   }
