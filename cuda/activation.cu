@@ -46,7 +46,7 @@ void launch_vec(const TensorView& out, const TensorView& input, cudaStream_t str
   const int num_vecs = d / VEC;
   const unsigned chunks = static_cast<unsigned>(std::min(65535, (num_vecs + kThreads - 1) / kThreads));
   const dim3 grid(static_cast<unsigned>(out.size(0)), chunks);
-  detail::launch_pdl(silu_and_mul_kernel<T, VEC>, grid, dim3(kThreads), 0, stream, out.ptr<T>(),
+  detail::launch_dependent(silu_and_mul_kernel<T, VEC>, grid, dim3(kThreads), 0, stream, out.ptr<T>(),
                      static_cast<const T*>(input.ptr<T>()), d);
 }
 

@@ -354,7 +354,7 @@ void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream) {
   const int64_t n = static_cast<int64_t>(last - first);
   const int64_t threads = (n + kPrefetchChunk - 1) / kPrefetchChunk;
   const int block = 128;
-  detail::launch_pdl(l2_prefetch_kernel, dim3(static_cast<unsigned>((threads + block - 1) / block)), dim3(block), 0,
+  detail::launch_dependent(l2_prefetch_kernel, dim3(static_cast<unsigned>((threads + block - 1) / block)), dim3(block), 0,
                      reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const char*>(first), n);
 }
 

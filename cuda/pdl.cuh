@@ -25,23 +25,12 @@
 #include <utility>
 
 #include "cuda_check.h"
+#include "launch_utils.cuh"
 
 namespace pagedllm::cuda::detail {
 
-/// Let the next kernel in the stream (if PDL-launched) be scheduled now.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-/// Wait until the previous grid in the stream has completed and its writes are visible (no-op
-/// when this kernel was not launched as a programmatic dependent).
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
+// pdl_launch_dependents() / pdl_wait(): the device side, in launch_utils.cuh (shared with the
+// attention kernels, whose launch_pdl also follows pagedllm::cuda::pdl_enabled()).
 
 /// Whether launches on the current device should carry the PDL attribute: compute capability
 /// >= 9, PAGEDLLM_NO_PDL unset, and not turned off by set_pdl_enabled(false) (cuda/pdl.cu).
@@ -82,8 +71,8 @@ void launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cud
 
 /// launch_ex with PDL when pdl_enabled_for_current_device(), no cluster.
 template <typename... KArgs, typename... Args>
-void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                Args&&... args) {
+void launch_dependent(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      Args&&... args) {
   launch_ex(kernel, grid, block, smem, stream, pdl_enabled_for_current_device(), 1u, std::forward<Args>(args)...);
 }
 

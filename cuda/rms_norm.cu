@@ -70,11 +70,11 @@ void launch_vec(const TensorView& out, const TensorView& input, const TensorView
   const auto rows = static_cast<unsigned>(input.size(0));
   const int threads = round_up_warps(hidden / VEC, 32, 1024);
   if (residual != nullptr)
-    detail::launch_pdl(rms_norm_kernel<T, VEC, true>, dim3(rows), dim3(threads), 0, stream, out.ptr<T>(),
+    detail::launch_dependent(rms_norm_kernel<T, VEC, true>, dim3(rows), dim3(threads), 0, stream, out.ptr<T>(),
                        static_cast<const T*>(input.ptr<T>()), residual->ptr<T>(),
                        static_cast<const T*>(weight.ptr<T>()), hidden, eps);
   else
-    detail::launch_pdl(rms_norm_kernel<T, VEC, false>, dim3(rows), dim3(threads), 0, stream, out.ptr<T>(),
+    detail::launch_dependent(rms_norm_kernel<T, VEC, false>, dim3(rows), dim3(threads), 0, stream, out.ptr<T>(),
                        static_cast<const T*>(input.ptr<T>()), static_cast<T*>(nullptr),
                        static_cast<const T*>(weight.ptr<T>()), hidden, eps);
 }

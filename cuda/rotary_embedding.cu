@@ -106,8 +106,8 @@ void launch(const RotaryParams& p, int64_t num_tokens, bool fused, cudaStream_t 
   const int work = std::max(p.num_heads * p.rot_half, p.num_kv_heads * p.head_size);
   const int threads = round_up_warps(work, 64, 512);
   const auto grid = static_cast<unsigned>(num_tokens);
-  if (fused) detail::launch_pdl(rotary_kernel<T, true>, dim3(grid), dim3(threads), 0, stream, p);
-  else detail::launch_pdl(rotary_kernel<T, false>, dim3(grid), dim3(threads), 0, stream, p);
+  if (fused) detail::launch_dependent(rotary_kernel<T, true>, dim3(grid), dim3(threads), 0, stream, p);
+  else detail::launch_dependent(rotary_kernel<T, false>, dim3(grid), dim3(threads), 0, stream, p);
 }
 
 }  // namespace
