@@ -19,8 +19,10 @@
 // sums through distributed shared memory (sm_90). Rank 0 adds the bias and rounds once.
 //
 // Programmatic dependent launch (cuda/pdl.cuh): the kernel lets the next kernel launch at once,
-// L2-prefetches its weight slice (cp.async.bulk.prefetch, sm_90) — that does not depend on the
-// previous kernel — and only then waits for the previous grid before reading x.
+// issues the loads of its first two groups of weights — they do not depend on the previous
+// kernel — and only then waits for the previous grid before reading x. (Optionally, config
+// prefetch = 1, it first asks L2 for its whole weight slice with cp.async.bulk.prefetch; measured
+// slower on the H200 except on the smallest matrices, so off by default.)
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -10,8 +10,8 @@
 // that skip L1; the product on the tensor cores (mma.sync m16n8k16, fp32 accumulation) with the
 // tokens as the n = 8 dimension; K split across the warps of a CTA and, when N is small, across
 // the CTAs of a thread-block cluster (sm_90) reduced through distributed shared memory. On sm_90
-// the kernel is launched as a programmatic dependent (cuda_runtime.h: pdl_enabled): it prefetches
-// its weight slice into L2 while the previous kernel finishes, then waits for its input.
+// the kernel is launched as a programmatic dependent (cuda_runtime.h: pdl_enabled): it requests
+// its first weights while the previous kernel finishes, then waits for its input.
 //
 // Numerics: products and sums in float32 (the summation order differs from cuBLAS), bias added in
 // float32, one rounding to the output dtype — as F.linear / cuBLAS round. silu_and_mul_gemv rounds
