@@ -90,10 +90,12 @@ def eager_time_us(fn, iters=30) -> float:
 
 def num_sets(bytes_per_call: int) -> int:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    return max(1, min(32, math.ceil(4 * l2 / bytes_per_call)))
+    return max(1, min(256, math.ceil(4 * l2 / bytes_per_call)))
 
 
-def bench_decode(batch: int, ctx: int, split_k=None, sequential=False) -> dict:
+def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=None) -> dict:
+    """width: block-table width in blocks (default: just the context), as the engine's
+    ceil(max_model_len / block_size)."""
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     nsets = num_sets(kv_bytes)
     blocks_per_seq = math.ceil(ctx / BS)
@@ -102,6 +104,10 @@ def bench_decode(batch: int, ctx: int, split_k=None, sequential=False) -> dict:
     vc = torch.randn_like(kc)
     ids = torch.arange(num_blocks, device=DEV) if sequential else torch.randperm(num_blocks, device=DEV)
     perm = ids.to(torch.int32).view(nsets, batch, blocks_per_seq)
+    bts = perm
+    if width is not None and width > blocks_per_seq:  # unused entries: valid ids, never read
+        pad = perm[:, :, :1].expand(nsets, batch, width - blocks_per_seq)
+        bts = torch.cat([perm, pad], dim=2).contiguous()
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
     qs = [torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE) for _ in range(nsets)]
     outs = [torch.empty_like(q) for q in qs]
@@ -110,7 +116,7 @@ def bench_decode(batch: int, ctx: int, split_k=None, sequential=False) -> dict:
 
     def ours(i):
         j = i % nsets
-        return lambda: ops.paged_attention(outs[j], qs[j], kc, vc, perm[j], seq_lens, scale, split_k=split_k)
+        return lambda: ops.paged_attention(outs[j], qs[j], kc, vc, bts[j], seq_lens, scale, split_k=split_k)
 
     t_ours = graph_time_us([ours(i) for i in range(reps)])
     t_ours_eager = eager_time_us(ours(0))
@@ -136,7 +142,7 @@ def bench_decode(batch: int, ctx: int, split_k=None, sequential=False) -> dict:
     t_sdpa = graph_time_us([sdpa(i) for i in range(reps)])
     t_sdpa_eager = eager_time_us(sdpa(0))
     # same function: ours vs SDPA on set 0
-    ops.paged_attention(outs[0], qs[0], kc, vc, perm[0], seq_lens, scale, split_k=split_k)
+    ops.paged_attention(outs[0], qs[0], kc, vc, bts[0], seq_lens, scale, split_k=split_k)
     ref = F.scaled_dot_product_attention(qs[0].unsqueeze(2).float(), ksets[0].float(), vsets[0].float(),
                                          scale=scale, enable_gqa=True).squeeze(2)
     err = ((outs[0].float() - ref).norm() / ref.norm()).item()
@@ -144,6 +150,7 @@ def bench_decode(batch: int, ctx: int, split_k=None, sequential=False) -> dict:
     torch.cuda.empty_cache()
     return {
         "batch": batch, "context": ctx, "split_k": "auto" if split_k is None else split_k,
+        "block_table_width": bts.shape[2],
         "block_ids": "sequential" if sequential else "shuffled",
         "kv_bytes": kv_bytes, "buffer_sets": nsets,
         "ours_us": round(t_ours, 2), "ours_TBps": round(kv_bytes / t_ours / 1e6, 3),
@@ -217,8 +224,9 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. a variant)")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--cases", default="",
-                    help="decode cases instead of the default grid: BxCTX[:sSPLIT][:seq], comma-separated "
-                         "(e.g. 1x4096,1x4096:s16,64x4096:s2)")
+                    help="decode cases instead of the default grid: BxCTX[:sSPLIT][:seq][:wWIDTH], "
+                         "comma-separated (e.g. 1x4096,1x4096:s16,64x4096:s2,1x300:w32); wWIDTH: block-table "
+                         "width in blocks")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -236,10 +244,12 @@ def main() -> None:
             batch, ctx = (int(x) for x in parts[0].split("x"))
             kw = dict(batch=batch, ctx=ctx)
             for extra in parts[1:]:
-                if extra.startswith("s"):
-                    kw["split_k"] = int(extra[1:])
-                elif extra == "seq":
+                if extra == "seq":
                     kw["sequential"] = True
+                elif extra.startswith("s"):
+                    kw["split_k"] = int(extra[1:])
+                elif extra.startswith("w"):
+                    kw["width"] = int(extra[1:])
             doc["decode"].append(bench_decode(**kw))
             print(json.dumps(doc["decode"][-1]), file=sys.stderr, flush=True)
     elif not args.prefill_only:

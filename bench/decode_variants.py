@@ -3,7 +3,7 @@
 Each variant is an environment setting read once by the library (PAGEDLLM_DECODE_TMA,
 PAGEDLLM_DECODE_KERNEL), so each runs bench/cuda_kernels.py in its own process over the same decode
 cases (GQA 32/8, d128, bf16, CUDA-graph replay, inputs rotated past 4x L2, SDPA in the same
-process). The documents are merged into one JSON: DIR/<date>-h200-kernels-run4.json.
+process). The documents are merged into one JSON: DIR/<date>-h200-<name>.json (--name).
 
     python3 bench/decode_variants.py --out DIR [--variants base,cpasync,...] [--cases ...]
 """
@@ -22,15 +22,30 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {
     "base": {},
+    "warp": {"PAGEDLLM_DECODE_MODE": "warp"},  # v2 work items on warps only (run 4's kernel)
+    "pair": {"PAGEDLLM_DECODE_MODE": "pair"},  # v2 work items on pairs of warps only (merge in smem)
+    "cta": {"PAGEDLLM_DECODE_MODE": "cta"},  # v2 work items on CTAs only (4 warps merge in smem)
+    "noeven": {"PAGEDLLM_DECODE_EVEN": "0"},  # partitions fixed by the block-table width
+    "ctareduce": {"PAGEDLLM_REDUCE": "cta"},  # run 4's CTA-per-row split-K reduction at any split count
+    "nopdl": {"PAGEDLLM_NO_PDL": "1"},  # the split-K reduction without programmatic dependent launch
     "cpasync": {"PAGEDLLM_DECODE_TMA": "0"},  # d128 tiles by cp.async instead of TMA
     "v1": {"PAGEDLLM_DECODE_KERNEL": "v1"},  # the CTA-per-item decode kernel
+    "run4like": {"PAGEDLLM_DECODE_MODE": "warp", "PAGEDLLM_DECODE_EVEN": "0", "PAGEDLLM_REDUCE": "cta"},
     "base2": {},  # the default again, last: the run-to-run spread
 }
-DEFAULT_CASES = {
-    "base": "1x4096,8x4096,16x1024,64x4096,64x4096:s1,64x4096:s4,1x4096:s16,1x4096:s32",
+DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, max_model_len 512)
+    "base": "1x4096,8x4096,16x1024,64x4096,256x1024,128x2048,1x32768,1x300:w32,4x300:w32,1x300:w256,"
+            "64x4096:seq",
+    "warp": "1x4096,8x4096,64x4096,1x300:w32",
+    "pair": "64x4096,64x4096:s2,256x1024,8x4096",
+    "cta": "1x4096:s16,1x4096:s32,64x4096",
+    "noeven": "1x4096,1x300:w32,1x300:w256",
+    "ctareduce": "64x4096,8x4096,1x300:w32",
+    "nopdl": "1x4096,1x300:w32",
     "cpasync": "64x4096,1x4096",
     "v1": "1x4096,64x4096",
-    "base2": "64x4096,1x4096",
+    "run4like": "1x4096,8x4096,64x4096,1x300:w32",
+    "base2": "64x4096,1x4096,1x300:w32",
 }
 # Run 4's first device call (commit 23a08c7) also had "nz" (cp.async without the zero-fill
 # operand), "tma" (now the default), "4x5" (5-deep rings), "fused" / "fused_memset" (split-K
@@ -40,7 +55,7 @@ DEFAULT_CASES = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="base,warp,pair,cta,noeven,ctareduce,run4like,base2")
     ap.add_argument("--cases", default="", help="the same cases for every variant (default: per variant)")
     ap.add_argument("--name", default="kernels-run4")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per variant")
@@ -75,6 +90,7 @@ def main() -> None:
             continue
         for r in v["decode"]:
             case = f"{r['batch']}x{r['context']}" + ("" if r["split_k"] == "auto" else f":s{r['split_k']}")
+            case += (f":w{r['block_table_width']}" if r.get("block_table_width", 0) * 16 > r["context"] + 15 else "")
             print(f"{name:13s} {case:16s} {r['ours_us']:9.2f} {r['sdpa_us']:9.2f} {r['speed_vs_sdpa']:6.3f} "
                   f"{r['rel_l2_vs_sdpa_fp32']:8.1e}")
 

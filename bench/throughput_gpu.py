@@ -195,6 +195,8 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
         "batch1_ttft_s": ttft, "batch1_s_per_token": b1, "profiled_step_s": step_s,
         "batch1_profiled_step_s": b1_step_s, "batch1_gpu_kernel_s_per_step": b1_gpu_s,
         "fused_layer_ops": bool(runner.model.fused),
+        "gemv_max_tokens": int(getattr(runner.model, "gemv_max_tokens", 0)),
+        "pdl": bool(getattr(__import__("pagedllm")._C, "pdl_enabled", lambda: False)()),
         "async_output_processing": bool(engine.async_output_processing),
     }
     llm.shutdown()

@@ -16,4 +16,8 @@ PAGEDLLM_BINDING(cuda_runtime, m) {
       py::arg("dst_ptr"), py::arg("n"), py::arg("value"), py::arg("stream") = 0,
       "Fill n int32 values at device pointer dst_ptr with value, on `stream` (cudaStream_t as int). "
       "Raises RuntimeError('no CUDA device ...') without a GPU.");
+  m.def("pdl_enabled", &pagedllm::cuda::pdl_enabled,
+        "Whether kernels that support it use programmatic dependent launch (sm_90+; False without CUDA).");
+  m.def("set_pdl_enabled", &pagedllm::cuda::set_pdl_enabled, py::arg("enabled"),
+        "Turn programmatic dependent launch on or off for launches made afterwards.");
 }

@@ -7,6 +7,7 @@
 
 #include "layer_ops_common.cuh"
 #include "layer_ops_cuda.h"
+#include "pdl.cuh"
 
 namespace pagedllm::cuda {
 namespace {
@@ -17,6 +18,8 @@ constexpr int kThreads = 256;
 
 template <typename T, int VEC>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ input, int d) {
+  detail::pdl_launch_dependents();  // cuda/pdl.cuh
+  detail::pdl_wait();
   using V = Vec<T, VEC>;
   const int64_t token = blockIdx.x;
   const V* gate = reinterpret_cast<const V*>(input + token * 2 * d);
@@ -43,8 +46,8 @@ void launch_vec(const TensorView& out, const TensorView& input, cudaStream_t str
   const int num_vecs = d / VEC;
   const unsigned chunks = static_cast<unsigned>(std::min(65535, (num_vecs + kThreads - 1) / kThreads));
   const dim3 grid(static_cast<unsigned>(out.size(0)), chunks);
-  silu_and_mul_kernel<T, VEC><<<grid, kThreads, 0, stream>>>(out.ptr<T>(), input.ptr<T>(), d);
-  PAGEDLLM_CUDA_CHECK_LAUNCH();
+  detail::launch_dependent(silu_and_mul_kernel<T, VEC>, grid, dim3(kThreads), 0, stream, out.ptr<T>(),
+                     static_cast<const T*>(input.ptr<T>()), d);
 }
 
 template <typename T>

@@ -50,6 +50,10 @@ struct AttnParams {
   float* partial_sum = nullptr;              // [B, Hq, num_splits]
   // Rows of the cache viewed as [rows, head_size] (num_blocks * Hkv * block_size), for TMA maps.
   int64_t cache_rows = 0;
+  // Decode v2 only. even_splits: partition each sequence's own context (its window, when one is
+  // set) into num_splits partitions of equal whole 16-token tiles, instead of fixed partitions of
+  // partition_tokens (which follow the block-table width); partition_tokens is then unused.
+  int even_splits = 0;
 };
 
 template <typename T>

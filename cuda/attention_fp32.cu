@@ -142,9 +142,10 @@ template <typename T>
 __global__ void __launch_bounds__(kReduceThreads) splitk_reduce_kernel(const AttnParams p, int D) {
   // Launched as a programmatic dependent of the decode kernel (when enabled): wait here until it
   // has completed and its partials are visible. Without the launch attribute this is a no-op.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  pdl_wait();
+  // ... and let the next kernel (the O projection's GEMV, itself a programmatic dependent) launch
+  // and start streaming its weights while this one runs.
+  pdl_launch_dependents();
   extern __shared__ float smem[];  // [kReduceThreads * 4] group sums, then [num_splits] weights
   float* s_acc = smem;
   float* s_w = smem + kReduceThreads * 4;
@@ -198,6 +199,106 @@ __global__ void __launch_bounds__(kReduceThreads) splitk_reduce_kernel(const Att
   }
 }
 
+constexpr int kReduceRowsPerCta = 8;  // one warp per row
+
+/// One WARP per (sequence, query head) row, 8 rows per CTA, no shared memory or CTA barrier:
+/// lanes take the partitions 32 at a time for the max and the weights, then each lane sums its
+/// float4 columns (lane, lane + 32, ...) over all partitions with the weights broadcast by
+/// shuffle (independent loads, unrolled). Empty partitions hold zeros and weight 0.
+template <typename T, int D>
+__global__ void __launch_bounds__(32 * kReduceRowsPerCta) splitk_reduce_warp_kernel(const AttnParams p) {
+  pdl_wait();  // as splitk_reduce_kernel
+  pdl_launch_dependents();
+  constexpr int kCols = D / 4;                   // float4 columns
+  constexpr int kPerLane = (kCols + 31) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kReduceRowsPerCta + threadIdx.x / 32;
+  if (row >= static_cast<int64_t>(p.num_rows) * p.num_heads) return;
+  const int S = p.num_splits;
+  const float* pm = p.partial_max + row * S;
+  const float* ps = p.partial_sum + row * S;
+  float mmax = neg_inf();
+  for (int s = lane; s < S; s += 32) mmax = fmaxf(mmax, pm[s]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mmax = fmaxf(mmax, __shfl_xor_sync(0xffffffffu, mmax, o));
+  const float base = mmax == neg_inf() ? 0.f : mmax;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_out + row * S * D);
+  float4 acc[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float total = 0.f;
+  for (int s0 = 0; s0 < S; s0 += 32) {
+    const int s = s0 + lane;
+    const float w = s < S ? ps[s] * exp2f(pm[s] - base) : 0.f;  // -inf max (empty): weight 0
+    total += w;
+    const int n = min(32, S - s0);
+#pragma unroll 4
+    for (int i = 0; i < n; ++i) {
+      const float wi = __shfl_sync(0xffffffffu, w, i);
+      const float4* src = po + static_cast<int64_t>(s0 + i) * kCols;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int c = lane + 32 * j;
+        if (c < kCols) {
+          const float4 v = src[c];
+          acc[j].x += wi * v.x;
+          acc[j].y += wi * v.y;
+          acc[j].z += wi * v.z;
+          acc[j].w += wi * v.w;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  T* out = static_cast<T*>(p.out) + row * D;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int c = lane + 32 * j;
+    if (c < kCols) {
+      store(out + 4 * c, acc[j].x * inv);
+      store(out + 4 * c + 1, acc[j].y * inv);
+      store(out + 4 * c + 2, acc[j].z * inv);
+      store(out + 4 * c + 3, acc[j].w * inv);
+    }
+  }
+}
+
+/// Which reduction: one warp per row for at most kWarpReduceMaxSplits partitions (its lanes walk
+/// the partitions in sequence, so a long walk is a latency chain), one CTA per row beyond (its
+/// split groups walk them in parallel). H200, run 5: warp rows faster at 8 x 4,096 (4 splits:
+/// 40.0 against 44.1 us) and 64 x 4,096 (2 splits: 258.8 against 261.3 us), CTA rows at
+/// 1 x 4,096 (32 splits: 13.3 against 15.2 us). PAGEDLLM_REDUCE=cta or =warp forces one (for
+/// benchmarking; read once).
+bool reduce_per_cta(int num_splits) {
+  static const int forced = [] {
+    const char* v = std::getenv("PAGEDLLM_REDUCE");
+    if (v == nullptr) return 0;
+    return std::string(v) == "cta" ? 1 : std::string(v) == "warp" ? 2 : 0;
+  }();
+  if (forced != 0) return forced == 1;
+  return num_splits > kWarpReduceMaxSplits;
+}
+
+template <typename T>
+void launch_reduce_typed(int head_size, const AttnParams& p, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(p.num_rows) * p.num_heads;
+  if (reduce_per_cta(p.num_splits)) {
+    static std::atomic<uint64_t> smem_raised{0};
+    const size_t smem = (kReduceThreads * 4 + static_cast<size_t>(p.num_splits)) * sizeof(float);
+    launch_pdl(splitk_reduce_kernel<T>, dim3(static_cast<unsigned>(rows)), dim3(kReduceThreads), smem, stream,
+               smem_raised, true, p, head_size);
+    return;
+  }
+  dispatch_head_size(head_size, "CUDA split-K reduce", [&](auto d) {
+    static std::atomic<uint64_t> smem_raised{0};
+    const auto ctas = static_cast<unsigned>((rows + kReduceRowsPerCta - 1) / kReduceRowsPerCta);
+    launch_pdl(splitk_reduce_warp_kernel<T, decltype(d)::value>, dim3(ctas), dim3(32 * kReduceRowsPerCta), 0,
+               stream, smem_raised, true, p);
+  });
+}
+
 template <int D>
 int fp32_units() {
   static std::atomic<int> cached{0};
@@ -216,35 +317,14 @@ void launch_attention_fp32(int head_size, const AttnParams& p, cudaStream_t stre
 }
 
 void launch_splitk_reduce(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {
-  void (*kernel)(AttnParams, int) = nullptr;
+  // Programmatic dependent launch (sm_90): the reduction's launch overlaps the decode kernel's
+  // tail; pdl_wait() in the kernel keeps the data dependency. PAGEDLLM_NO_PDL=1 turns it off.
   switch (dtype) {
-    case DType::kFloat32: kernel = splitk_reduce_kernel<float>; break;
-    case DType::kBFloat16: kernel = splitk_reduce_kernel<__nv_bfloat16>; break;
-    case DType::kFloat16: kernel = splitk_reduce_kernel<__half>; break;
+    case DType::kFloat32: return launch_reduce_typed<float>(head_size, p, stream);
+    case DType::kBFloat16: return launch_reduce_typed<__nv_bfloat16>(head_size, p, stream);
+    case DType::kFloat16: return launch_reduce_typed<__half>(head_size, p, stream);
     default: throw std::runtime_error(std::string("CUDA split-K reduce: unsupported dtype ") + dtype_name(dtype));
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.num_rows) * p.num_heads));
-  config.blockDim = dim3(kReduceThreads);
-  config.dynamicSmemBytes = (kReduceThreads * 4 + static_cast<size_t>(p.num_splits)) * sizeof(float);
-  config.stream = stream;
-  // Programmatic dependent launch (sm_90): the reduction's launch overlaps the decode kernel's
-  // tail; griddepcontrol.wait in the kernel keeps the data dependency. PAGEDLLM_NO_PDL=1 turns
-  // it off (read once).
-  static const bool pdl = [] {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-      return false;
-    return major >= 9 && std::getenv("PAGEDLLM_NO_PDL") == nullptr;
-  }();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = pdl ? 1 : 0;
-  PAGEDLLM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, head_size));
-  PAGEDLLM_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace pagedllm::cuda::detail

@@ -17,14 +17,18 @@ namespace pagedllm::cuda::detail {
 /// partials (then splitk_reduce combines them).
 void launch_decode_mma(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
 
-/// Decode with persistent per-warp work items (paged_decode_v2.cu): bf16 / fp16, head size <= 128.
-/// Grid sized to decode_v2_units() warps; items = B * Hkv * ceil(G/16) * num_splits.
+/// Decode with persistent work items (paged_decode_v2.cu): bf16 / fp16, head size <= 128.
+/// items = B * Hkv * ceil(G/16) * num_splits, each owned by a team of warps_per_item warps
+/// (1, 2 or kDecodeV2Warps = the whole CTA) that share its tiles and merge in shared memory.
+/// Grid sized to decode_v2_units().
+constexpr int kDecodeV2Warps = 4;
 bool decode_v2_supports(DType dtype, int head_size);
-void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
+void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, int warps_per_item, cudaStream_t stream);
 
-/// Concurrent work units of each decode kernel on the current device (occupancy x SMs): warps
-/// for v2, CTAs for the CTA-per-item kernel and the float32 kernel.
-int decode_v2_units(DType dtype, int head_size);
+/// Concurrent work units of each decode kernel on the current device (occupancy x SMs): teams of
+/// warps_per_item warps for v2 (`group` = Hq / Hkv sizes the merge buffers of shared items), CTAs
+/// for the CTA-per-item kernel and the float32 kernel.
+int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group);
 int decode_v1_units(DType dtype, int head_size);
 int attention_fp32_units(int head_size);
 
@@ -34,6 +38,10 @@ void launch_prefill_mma(DType dtype, int head_size, const AttnParams& p, cudaStr
 /// float32 caches on CUDA cores, decode (query_start_loc == nullptr, split-K supported) or
 /// prefill.
 void launch_attention_fp32(int head_size, const AttnParams& p, cudaStream_t stream);
+
+/// The split-K reduction takes one warp per (sequence, head) row up to this many partitions (its
+/// lanes walk them in sequence), one CTA per row beyond (8 groups of threads walk them in parallel).
+constexpr int kWarpReduceMaxSplits = 8;
 
 /// Flash-decoding reduction: out[b, h] = sum_s w_s * partial_out[b, h, s] / sum_s w_s with
 /// w_s = partial_sum * 2^(partial_max - max_s partial_max). An all-empty row is written as 0.

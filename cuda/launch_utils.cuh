@@ -1,6 +1,7 @@
-// cuda/launch_utils.cuh — internal host helpers shared by the CUDA attention launchers: dispatch
+// cuda/launch_utils.cuh — internal host helpers shared by the CUDA kernel launchers: dispatch
 // on head size and on the tensor-core dtype, the resident-CTA count of a kernel (occupancy x SMs),
-// and a checked launch that first raises the kernel's dynamic shared-memory limit.
+// a checked launch that first raises the kernel's dynamic shared-memory limit, and a checked
+// launch as a programmatic dependent of the previous kernel on the stream (PDL, sm_90).
 // Include from .cu files only (kernel launches).
 #pragma once
 
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -17,6 +19,7 @@
 
 #include "attention_launch.h"
 #include "cuda_check.h"
+#include "pagedllm/cuda_runtime.h"
 
 namespace pagedllm::cuda::detail {
 
@@ -74,6 +77,62 @@ void launch_checked(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem
                     std::atomic<uint64_t>& raised, Args&&... args) {
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, raised);
   kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+  PAGEDLLM_CUDA_CHECK_LAUNCH();
+}
+
+/// Device side of programmatic dependent launch (sm_90; no-ops elsewhere and in a kernel not
+/// launched as a dependent). pdl_wait(): block this thread until every prerequisite grid has
+/// completed and its memory operations are visible. pdl_launch_dependents(): allow the next
+/// kernel, if launched by launch_pdl, to start once every CTA of this grid has called it (or
+/// exited); it does not make this grid's writes visible (the dependent's pdl_wait does).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+/// Whether programmatic dependent launch is used on the current device: compute capability >= 9
+/// (read once, for the first device asked), the environment variable PAGEDLLM_NO_PDL unset and
+/// not turned off at run time (pagedllm::cuda::set_pdl_enabled, cuda_runtime.h).
+inline bool pdl_enabled() {
+  static const bool enabled = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      return false;
+    return major >= 9 && std::getenv("PAGEDLLM_NO_PDL") == nullptr;
+  }();
+  return enabled && ::pagedllm::cuda::pdl_enabled();
+}
+
+/// kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx; when `pdl` (and
+/// pdl_enabled()), as a programmatic dependent of the kernel before it on the stream
+/// (cudaLaunchAttributeProgrammaticStreamSerialization; CUDA Programming Guide, "Programmatic
+/// Dependent Launch and Synchronization"). Such a kernel may start once every CTA of the previous
+/// kernel has called pdl_launch_dependents() (or exited), i.e. while that kernel still
+/// runs: it must execute pdl_wait() before reading anything the
+/// previous kernel writes, and before writing anything the previous kernel reads. Captured into
+/// CUDA graphs as a programmatic edge. `raised`: as launch_checked. The launch is checked.
+template <typename... KArgs, typename... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                std::atomic<uint64_t>& raised, bool pdl, Args&&... args) {
+  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, raised);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl && pdl_enabled() ? 1 : 0;
+  PAGEDLLM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   PAGEDLLM_CUDA_CHECK_LAUNCH();
 }
 

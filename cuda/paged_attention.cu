@@ -76,7 +76,7 @@ AttnParams common_params(const TensorView& out, const TensorView& query, const T
   return p;
 }
 
-enum class DecodeKernel { kV1, kV2, kFp32 };
+enum class DecodeKernel { kV1, kV2, kV2Pair, kV2Cta, kFp32 };  // v2: 1, 2, all warps of a CTA per item
 
 /// PAGEDLLM_DECODE_KERNEL=v1 selects the CTA-per-item decode kernel for every head size (for
 /// benchmarking the two; read once).
@@ -88,50 +88,115 @@ bool force_v1() {
   return v1;
 }
 
-/// Automatic flash-decoding split count. A wave-aware cost model: with `units` work units running
-/// at once (warps for v2, CTAs otherwise) and base = the work items of one partition, S splits
-/// give ceil(base * S / units) waves, each as long as the longest partition (in rounds of
-/// `tokens_per_round` tokens) plus a fixed per-item cost; a split also costs the reduction.
-/// The cheapest S (the smallest on ties) wins; partitions are kept >= `min_partition` tokens.
-int64_t choose_splits(DecodeKernel kind, DType dtype, int head_size, const AttnParams& p) {
-  const int64_t chunks = (p.group + 15) / 16;
-  int64_t base, units, tokens_per_round, min_partition;
-  switch (kind) {
-    case DecodeKernel::kV2:
-      base = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * chunks;
-      units = decode_v2_units(dtype, head_size);
-      tokens_per_round = 16;
-      min_partition = 64;
-      break;
-    case DecodeKernel::kV1:
-      base = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * chunks;
-      units = decode_v1_units(dtype, head_size);
-      tokens_per_round = 64;
-      min_partition = 128;
-      break;
-    default:
-      base = static_cast<int64_t>(p.num_seqs) * p.num_heads;
-      units = attention_fp32_units(head_size);
-      tokens_per_round = 4;
-      min_partition = 64;
-      break;
-  }
-  const int64_t max_blocks = p.max_blocks_per_seq;
-  const int64_t max_ctx = max_blocks * p.block_size;
-  const int64_t s_max = std::clamp<int64_t>(max_ctx / min_partition, 1, 1024);
-  int64_t best_s = 1;
-  double best_cost = 0;
-  for (int64_t s = 1; s <= s_max; ++s) {
+/// PAGEDLLM_DECODE_MODE=warp, =pair or =cta forces v2's work items onto single warps, pairs of
+/// warps or whole CTAs (for testing and benchmarking each; read once); otherwise the cost model
+/// chooses.
+int forced_v2_mode() {  // 0 = model, 1 = warp, 2 = pair, 3 = CTA items
+  static const int mode = [] {
+    const char* v = std::getenv("PAGEDLLM_DECODE_MODE");
+    if (v == nullptr) return 0;
+    if (std::string(v) == "warp") return 1;
+    if (std::string(v) == "pair") return 2;
+    if (std::string(v) == "cta") return 3;
+    return 0;
+  }();
+  return mode;
+}
+
+/// PAGEDLLM_DECODE_EVEN=0 keeps v2's partitions fixed by the block-table width (for
+/// benchmarking; read once).
+bool even_splits_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("PAGEDLLM_DECODE_EVEN");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
+/// Cost of a decode kernel with `s` splits in a wave-aware model: with `units` work units running
+/// at once (warps for v2 warp items, CTAs otherwise) and base = the work items of one partition,
+/// S splits give ceil(base * S / units) waves, each as long as the longest partition (in rounds
+/// of `tokens_per_round` tokens) plus a fixed per-item cost; a split also costs the reduction:
+/// for v2, 1 + S / 8 rounds for the warp-row reduction (S <= kWarpReduceMaxSplits; a lane walks
+/// S partials) and 2 + S / 64 for the CTA-row one (8 groups walk them); 1 round for the others.
+/// Partitions are kept >= `min_partition` tokens (returned in s_max). Fitted to runs 4 and 5 on
+/// the H200 (bench/cuda_kernels_notes.md): whole-CTA items for short contexts at batch 1
+/// (1 x 300 with a 32-block table: 7.9 us against 9.1 us with 8 warp items), warp items where
+/// the two are within noise (8 x 4,096, 64 x 4,096) or warp items measured faster (1 x 32,768,
+/// 128 splits: 42.6 us in run 4 against 45.3 us with 32 CTA items in run 5).
+struct CostModel {
+  int64_t base = 1, units = 1, tokens_per_round = 16, fixed = 1, min_partition = 64;
+  bool v2_reduce = false;  // the v2 reduction costs above; otherwise the reduction is 1 round
+
+  double cost(const AttnParams& p, int64_t s) const {
+    const int64_t max_blocks = p.max_blocks_per_seq;
     const int64_t part_tokens = (max_blocks + s - 1) / s * p.block_size;
     const int64_t waves = (base * s + units - 1) / units;
-    const int64_t rounds = (part_tokens + tokens_per_round - 1) / tokens_per_round + 1 + (s > 1 ? 1 : 0);
-    const double cost = static_cast<double>(waves) * static_cast<double>(rounds);
-    if (s == 1 || cost < best_cost) {
-      best_cost = cost;
-      best_s = s;
+    double reduce = 0;
+    if (s > 1 && !v2_reduce) reduce = 1;
+    else if (s > 1) reduce = s <= kWarpReduceMaxSplits ? 1.0 + s / 8.0 : 2.0 + s / 64.0;
+    const double rounds =
+        static_cast<double>((part_tokens + tokens_per_round - 1) / tokens_per_round + fixed) + reduce;
+    return static_cast<double>(waves) * rounds;
+  }
+  int64_t s_max(const AttnParams& p) const {
+    const int64_t max_ctx = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
+    return std::clamp<int64_t>(max_ctx / min_partition, 1, 1024);
+  }
+};
+
+CostModel cost_model(DecodeKernel kind, DType dtype, int head_size, const AttnParams& p) {
+  const int64_t chunks = (p.group + 15) / 16;
+  const int64_t items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * chunks;
+  switch (kind) {
+    // Shared items pay a merge (barriers, shared memory) and an uneven finish of their warps.
+    case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, 1, p.group), 16, 1, 64, true};
+    case DecodeKernel::kV2Pair: return {items, decode_v2_units(dtype, head_size, 2, p.group), 32, 3, 64, true};
+    case DecodeKernel::kV2Cta:
+      return {items, decode_v2_units(dtype, head_size, kDecodeV2Warps, p.group), 16 * kDecodeV2Warps, 3, 64, true};
+    case DecodeKernel::kV1: return {items, decode_v1_units(dtype, head_size), 64, 1, 128};
+    default: return {static_cast<int64_t>(p.num_seqs) * p.num_heads, attention_fp32_units(head_size), 4, 1, 64};
+  }
+}
+
+struct DecodePlan {
+  DecodeKernel kind;
+  int64_t splits;
+};
+
+/// The kernel and flash-decoding split count. split_k > 0 or == 0 fixes the count (1 for 0);
+/// -1: the cheapest count of the cost model (the smallest on ties). v2 kernels: items on warps,
+/// pairs of warps or CTAs, whichever the model prices lowest (in that order on ties) unless
+/// PAGEDLLM_DECODE_MODE forces one.
+DecodePlan plan_decode(DecodeKernel kind, DType dtype, int head_size, const AttnParams& p, int split_k) {
+  DecodeKernel kinds[3] = {kind, kind, kind};
+  int num_kinds = 1;
+  if (kind == DecodeKernel::kV2) {
+    const int forced = forced_v2_mode();
+    if (forced == 2) kinds[0] = DecodeKernel::kV2Pair;
+    else if (forced == 3) kinds[0] = DecodeKernel::kV2Cta;
+    else if (forced == 0) {
+      kinds[num_kinds++] = DecodeKernel::kV2Pair;
+      kinds[num_kinds++] = DecodeKernel::kV2Cta;
     }
   }
-  return best_s;
+  DecodePlan best{kinds[0], 1};
+  double best_cost = -1;
+  for (int i = 0; i < num_kinds; ++i) {
+    const DecodeKernel k = kinds[i];
+    const CostModel m = cost_model(k, dtype, head_size, p);
+    int64_t lo = 1, hi = 1;
+    if (split_k > 0) lo = hi = std::min<int64_t>(split_k, 1024);
+    else if (split_k < 0 && p.max_blocks_per_seq > 0) hi = m.s_max(p);
+    for (int64_t s = lo; s <= hi; ++s) {
+      const double c = m.cost(p, s);
+      if (best_cost < 0 || c < best_cost) {
+        best_cost = c;
+        best = {k, s};
+      }
+    }
+  }
+  return best;
 }
 
 void require_aligned(const TensorView& t, const char* name) {
@@ -178,29 +243,30 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const int64_t max_blocks = p.max_blocks_per_seq;
   if (p.num_seqs == 0) return;
 
-  // Which decode kernel: v2 (persistent per-warp items) for bf16/fp16 up to d128, the
+  // Which decode kernel: v2 (persistent items on warps, warp pairs or CTAs) for bf16/fp16 up to d128, the
   // CTA-per-item kernel for d256 (or when PAGEDLLM_DECODE_KERNEL=v1), float32 on CUDA cores.
-  const DecodeKernel kind = dtype == DType::kFloat32                               ? DecodeKernel::kFp32
-                            : decode_v2_supports(dtype, head_size) && !force_v1() ? DecodeKernel::kV2
-                                                                                  : DecodeKernel::kV1;
-
+  const DecodeKernel family = dtype == DType::kFloat32                               ? DecodeKernel::kFp32
+                              : decode_v2_supports(dtype, head_size) && !force_v1() ? DecodeKernel::kV2
+                                                                                    : DecodeKernel::kV1;
   // Flash-decoding split: partitions of whole blocks.
-  int64_t splits = 1;
-  if (options.split_k > 0) {
-    splits = std::min<int64_t>(options.split_k, 1024);
-  } else if (options.split_k < 0 && max_blocks > 0) {
-    splits = choose_splits(kind, dtype, head_size, p);
-  }
+  const DecodePlan plan = plan_decode(family, dtype, head_size, p, options.split_k);
+  const DecodeKernel kind = plan.kind;
+  const int64_t splits = plan.splits;
+  const bool v2 = kind == DecodeKernel::kV2 || kind == DecodeKernel::kV2Pair || kind == DecodeKernel::kV2Cta;
   if (splits > 1 && max_blocks > 0) {
     const int64_t blocks_per_part = (max_blocks + splits - 1) / splits;
     p.partition_tokens = static_cast<int>(blocks_per_part * p.block_size);
     // Keep the requested count: partitions past the context are empty.
     p.num_splits = static_cast<int>(splits);
+    // v2 partitions each sequence's own context evenly (every partition busy at any length).
+    p.even_splits = v2 && even_splits_enabled() ? 1 : 0;
   }
   auto launch = [&] {
     switch (kind) {
       case DecodeKernel::kFp32: return launch_attention_fp32(head_size, p, stream);
-      case DecodeKernel::kV2: return launch_decode_v2(dtype, head_size, p, stream);
+      case DecodeKernel::kV2: return launch_decode_v2(dtype, head_size, p, 1, stream);
+      case DecodeKernel::kV2Pair: return launch_decode_v2(dtype, head_size, p, 2, stream);
+      case DecodeKernel::kV2Cta: return launch_decode_v2(dtype, head_size, p, kDecodeV2Warps, stream);
       case DecodeKernel::kV1: return launch_decode_mma(dtype, head_size, p, stream);
     }
   };

@@ -1,17 +1,22 @@
 // cuda/paged_decode_v2.cu — decode paged attention on tensor cores (bf16 / fp16, head sizes up
-// to 128) with persistent per-warp work items.
+// to 128) with persistent work items owned by teams of 1, 2 or 4 warps.
 //
 // A work item is (sequence, KV head, up to 16 query heads of its group, partition of the
 // context); the group's query heads are the 16 rows of an m16n8k16 A operand, so each
 // (block, KV head) tile is read once for all of them. Unlike the CTA-per-item kernel
-// (paged_decode.cu), one WARP owns a whole item and walks its 16-token tiles alone, and a warp
-// takes items first, first + W, first + 2W, ... (W = warps in the grid, sized to the device's
-// occupancy). The warp's private cp.async ring runs on across item boundaries — the tiles of
-// the next item are already in flight while the current one finishes — so the memory pipe never
-// drains between items, and with no cross-warp merge there is no CTA barrier at all. Q goes
-// straight from global memory into the A fragments. Each item ends with an online-softmax state
-// (FlashAttention-2, Dao 2023) written as the output row (one partition) or as flash-decoding
-// partials (Dao et al. 2023) that launch_splitk_reduce combines.
+// (paged_decode.cu), the grid is sized to the device's occupancy and each team of WPI warps
+// takes items first, first + T, first + 2T, ... (T = teams in the grid). Every warp streams its
+// share of the item's 16-token tiles (tiles w, w + WPI, ...) through a private ring that runs on
+// across item boundaries — the tiles of the next item are already in flight while the current
+// one finishes — so the memory pipe never drains between items. Q goes straight from global
+// memory into the A fragments. Each item ends with an online-softmax state (FlashAttention-2,
+// Dao 2023); with WPI > 1 the team merges its warps' states in shared memory (one barrier pair
+// per item). The result is written as the output row (one partition) or as flash-decoding
+// partials (Dao et al. 2023) that launch_splitk_reduce combines. WPI = 1 has no barrier at all
+// and suits many items; larger teams finish an item sooner and so need fewer partitions (no
+// reduction at 64 x 4,096 with pairs; fewer partials at batch 1 with whole CTAs). Partitions
+// either follow the block-table width (partition_tokens) or split each sequence's own context
+// into equal whole tiles (even_splits, the default for this kernel).
 //
 // Tile loads (template LOAD): kLoadTma (head size 128 on sm_90, the default there): a tile that
 // lies whole in one block arrives as 2-D TMA boxes (cp.async.bulk.tensor; 64 columns x 16 rows,
@@ -51,6 +56,11 @@ struct DecodeV2Cfg {
   static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr size_t kSmemBytes =
       kWarps * kWarpBytes + (kSwizzled ? 1024 + kWarps * kStages * sizeof(uint64_t) : 0);
+  // Items shared by several warps: the warps' softmax states are merged through [kWarps][16]
+  // maxima, [kWarps][16] sums and [kWarps][rows][D] accumulators (rows = min(16, group)) after
+  // the rings and barriers.
+  static constexpr size_t kMergeOffset = kWarps * kWarpBytes + (kSwizzled ? kWarps * kStages * sizeof(uint64_t) : 0);
+  static constexpr size_t merge_bytes(int rows) { return (kWarps * 32 + size_t(kWarps) * rows * D) * sizeof(float); }
   static_assert(!kSwizzled || D % 64 == 0, "TMA boxes need head_size % 64 == 0");
 };
 
@@ -75,8 +85,16 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   int start = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
   int end = seq_len;
   if (splits > 1) {
-    start = max(start, it.split * p.partition_tokens);
-    end = min(end, (it.split + 1) * p.partition_tokens);
+    if (p.even_splits) {  // equal whole tiles of this sequence's own range [start, seq_len)
+      const int lo = start & ~15;
+      const int per = ((end - lo + 15) / 16 + splits - 1) / splits * 16;
+      const int s0 = lo + it.split * per;
+      start = max(start, s0);
+      end = min(end, s0 + per);
+    } else {
+      start = max(start, it.split * p.partition_tokens);
+      end = min(end, (it.split + 1) * p.partition_tokens);
+    }
   }
   it.start = start;
   it.end = end;
@@ -85,9 +103,15 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   return it;
 }
 
-template <typename T, int D, int W_, int NS, int PF, int LOAD>
+/// WPI warps per work item. WPI == 1: a work item per warp (items first, first + W, ... for W
+/// warps in the grid). WPI > 1 (2, or W_ for a whole CTA): the CTA's warps form W_ / WPI teams,
+/// team j of CTA b takes items b * (W_ / WPI) + j, + gridDim.x * (W_ / WPI), ...; warp w of a team
+/// takes the item's tiles w, w + WPI, ... through its own ring, and the team's states are merged
+/// in shared memory at the end of each item (a barrier pair of the team per item; no split-K
+/// reduction needed for a single partition). merge_rows = min(16, group) (WPI > 1 only).
+template <typename T, int D, int W_, int NS, int PF, int LOAD, int WPI>
 __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnParams p, int num_items,
-                                                                  int head_chunks,
+                                                                  int head_chunks, int merge_rows,
                                                                   const __grid_constant__ TmaMaps maps) {
   using C = DecodeV2Cfg<T, D, W_, NS, LOAD>;
   constexpr int KSTEPS = D / 16;
@@ -96,10 +120,14 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Let a programmatic dependent (the split-K reduction) be scheduled now; it waits for this
-  // grid's completion itself (griddepcontrol.wait). No-op without a dependent launch.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  // grid's completion itself (pdl_wait). No-op without a dependent launch.
+  pdl_launch_dependents();
+  if constexpr (kTma) {
+    if (threadIdx.x == 0) {  // fetch the two descriptors into the TMA unit's cache early
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.k)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.v)) : "memory");
+    }
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   unsigned char* smem = smem_raw;
@@ -126,19 +154,25 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
       return reinterpret_cast<T*>(ring + slot * C::kStageBytes) + (kv * C::kTile + r) * C::kRow + c;
     }
   };
-  const int W = gridDim.x * C::kWarps;
-  const int first = blockIdx.x * C::kWarps + warp;
+  // Items first, first + istride, ...; within an item this warp takes tiles k0, k0 + kstep, ...
+  static_assert(W_ % WPI == 0, "teams must divide the CTA");
+  constexpr int kTeams = W_ / WPI;
+  const int team = warp / WPI;
+  const int istride = gridDim.x * kTeams;
+  const int first = blockIdx.x * kTeams + team;
+  const int k0 = warp % WPI;
+  constexpr int kstep = WPI;
   const T* kc = static_cast<const T*>(p.key_cache);
   const T* vc = static_cast<const T*>(p.value_cache);
 
   // ---- issue cursor: the next (item, tile) whose K/V go into the ring
-  int ii = first, ik = 0, slot_issue = 0;
+  int ii = first, ik = k0, slot_issue = 0;
   DecodeItem iitem{};
   if (ii < num_items) iitem = decode_item(p, ii, head_chunks);
   auto skip_exhausted = [&]() {
     while (ii < num_items && ik >= iitem.ntiles) {
-      ii += W;
-      ik = 0;
+      ii += istride;
+      ik = k0;
       if (ii < num_items) iitem = decode_item(p, ii, head_chunks);
     }
   };
@@ -188,7 +222,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
       slot_issue = slot_issue + 1 == S ? 0 : slot_issue + 1;
-      ++ik;
+      ik += kstep;
       skip_exhausted();
     }
     cp_async_commit();  // one group per call (possibly empty) keeps wait_group counting exact
@@ -197,11 +231,72 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue_next();
 
+  // Shared items: merge the team's (max, sum, accumulator) states of rows 0 .. nrows-1 (as
+  // paged_decode.cu) and write the output or the partition's partials. Team barrier: the whole
+  // CTA (WPI == W_) or named barrier 1 + team over the team's 32 * WPI threads.
+  auto team_sync = [&]() {
+    if constexpr (WPI == W_) {
+      __syncthreads();
+    } else {
+      static_assert(WPI == 1 || W_ / WPI == 2, "named barriers 1 and 2: two teams per CTA");
+      if (team == 0) asm volatile("bar.sync 1, %0;\n" ::"n"(32 * WPI) : "memory");
+      else asm volatile("bar.sync 2, %0;\n" ::"n"(32 * WPI) : "memory");
+    }
+  };
+  auto merge_warps_and_store = [&](const DecodeItem& it, const float(&m)[2], const float(&l)[2],
+                                   const float(&acc)[D / 8][4], int mrows) {
+    float* s_m = reinterpret_cast<float*>(smem + C::kMergeOffset);  // [kWarps][16]
+    float* s_l = s_m + C::kWarps * 16;                                // [kWarps][16]
+    float* s_o = s_l + C::kWarps * 16;                                // [kWarps][mrows][D]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = g + 8 * r;
+      if (row >= it.nrows) continue;
+      float* o = s_o + (warp * mrows + row) * D + 2 * t;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) *reinterpret_cast<float2*>(o + 8 * n) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+      if (t == 0) {
+        s_m[warp * 16 + row] = m[r];
+        s_l[warp * 16 + row] = l[r];
+      }
+    }
+    team_sync();
+    const int64_t row0 = static_cast<int64_t>(it.seq) * p.num_heads + it.h0;
+    const int w0 = team * WPI;  // the team's first warp
+    for (int idx = threadIdx.x - 32 * w0; idx < it.nrows * D; idx += 32 * WPI) {
+      const int r = idx / D, d = idx % D;
+      float mmax = neg_inf();
+#pragma unroll
+      for (int w = w0; w < w0 + WPI; ++w) mmax = fmaxf(mmax, s_m[w * 16 + r]);
+      float lsum = 0.f, o = 0.f;
+      if (mmax != neg_inf()) {
+#pragma unroll
+        for (int w = w0; w < w0 + WPI; ++w) {
+          const float f = exp2f(s_m[w * 16 + r] - mmax);
+          lsum += f * s_l[w * 16 + r];
+          o += f * s_o[(w * mrows + r) * D + d];
+        }
+      }
+      const int64_t row = row0 + r;
+      if (p.num_splits == 1) {
+        static_cast<T*>(p.out)[row * D + d] = TypeTraits<T>::from_float(lsum > 0.f ? o / lsum : 0.f);
+      } else {
+        const int64_t prow = row * p.num_splits + it.split;
+        p.partial_out[prow * D + d] = lsum > 0.f ? o / lsum : 0.f;
+        if (d == 0) {
+          p.partial_max[prow] = mmax;
+          p.partial_sum[prow] = lsum;
+        }
+      }
+    }
+    team_sync();  // the merge buffers are reused by the next item
+  };
+
   const int b_row = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;  // K (non-trans)
   const int v_row = (lane % 8) + ((lane / 8) % 2) * 8, v_col = (lane / 16) * 8;   // V (trans)
   int slot = 0;
 
-  for (int ci = first; ci < num_items; ci += W) {
+  for (int ci = first; ci < num_items; ci += istride) {
     const DecodeItem it = decode_item(p, ci, head_chunks);
 
     // Q rows h0 .. h0+nrows-1 straight into the A fragments (rows >= nrows are zero).
@@ -224,7 +319,8 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
-    for (int k = 0; k < it.ntiles; ++k) {
+    const int my_tiles = it.ntiles > k0 ? (it.ntiles - k0 + kstep - 1) / kstep : 0;
+    for (int k = 0; k < my_tiles; ++k) {
       issue_next();
       cp_async_wait<S - 1>();
       if constexpr (kTma) {
@@ -234,7 +330,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
       __syncwarp();
-      const int t0 = it.start + k * C::kTile;
+      const int t0 = it.start + (k0 + k * kstep) * C::kTile;
 
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
       mma_qk<T, KSTEPS, 2>(
@@ -258,27 +354,31 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 
     // ---- this item's rows: the output (one partition) or the flash-decoding partials
     row_sums(l);
+    if constexpr (WPI > 1) {
+      merge_warps_and_store(it, m, l, acc, merge_rows);
+    } else {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = g + 8 * r;
-      if (row >= it.nrows) continue;
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-      const int64_t grow = static_cast<int64_t>(it.seq) * p.num_heads + it.h0 + row;
-      if (p.num_splits == 1) {
-        T* dst = static_cast<T*>(p.out) + grow * D + 2 * t;
+      for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        if (row >= it.nrows) continue;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const int64_t grow = static_cast<int64_t>(it.seq) * p.num_heads + it.h0 + row;
+        if (p.num_splits == 1) {
+          T* dst = static_cast<T*>(p.out) + grow * D + 2 * t;
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-          *reinterpret_cast<uint32_t*>(dst + 8 * n) =
-              TypeTraits<T>::pack(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-      } else {
-        const int64_t prow = grow * p.num_splits + it.split;
-        float* dst = p.partial_out + prow * D + 2 * t;
+          for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<uint32_t*>(dst + 8 * n) =
+                TypeTraits<T>::pack(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+        } else {
+          const int64_t prow = grow * p.num_splits + it.split;
+          float* dst = p.partial_out + prow * D + 2 * t;
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-          *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-        if (t == 0) {
-          p.partial_max[prow] = m[r];
-          p.partial_sum[prow] = l[r];
+          for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+          if (t == 0) {
+            p.partial_max[prow] = m[r];
+            p.partial_sum[prow] = l[r];
+          }
         }
       }
     }
@@ -330,34 +430,67 @@ CUtensorMap cache_map(const void* cache, int64_t rows) {
 /// tile loads LOAD. 4 x 3 with the 128-byte hint won on the H200 in run 3 (270 us at 64 x 4096
 /// against 274-286 us for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row copies);
 /// 4 x 5 and cp.async without the zero-fill operand lost in run 4 (see bench/cuda_kernels_notes.md).
-template <typename T, int D, int W = 4, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync>
+template <typename T, int D, int W = kDecodeV2Warps, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync>
 struct V2 {
   using C = DecodeV2Cfg<T, D, W, NS, LOAD>;
-  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD>; }
+  static_assert(W == 4, "teams of 1, 2 and 4 warps are instantiated");
+  template <int WPI>
+  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD, WPI>; }
+  static constexpr size_t kMaxSmem = C::kSmemBytes + C::merge_bytes(16);
 
-  // Concurrent warps of the grid: resident CTAs x warps per CTA (cached per instantiation).
-  static int units() {
-    static std::atomic<int> cached{0};
-    static std::atomic<uint64_t> smem_raised{0};
-    return resident_ctas(cached, kernel(), C::kThreads, C::kSmemBytes, smem_raised) * C::kWarps;
+  static size_t smem_bytes(int wpi, int merge_rows) { return C::kSmemBytes + (wpi > 1 ? C::merge_bytes(merge_rows) : 0); }
+
+  // f(kernel) for the instantiation of `wpi` warps per item (1, 2 or W).
+  template <typename F>
+  static auto with_kernel(int wpi, F&& f) {
+    if (wpi == 1) return f(kernel<1>());
+    if (wpi == 2) return f(kernel<2>());
+    return f(kernel<W>());
   }
 
-  static void launch(const AttnParams& p, cudaStream_t stream) {
-    const int units_ = units();  // also raises the smem limit
+  // Raise the kernels' shared-memory limit once per device, to the largest size any takes.
+  static void raise_smem() {
+    static std::atomic<uint64_t> bits[3] = {};
+    set_max_dynamic_smem(reinterpret_cast<const void*>(kernel<1>()), kMaxSmem, bits[0]);
+    set_max_dynamic_smem(reinterpret_cast<const void*>(kernel<2>()), kMaxSmem, bits[1]);
+    set_max_dynamic_smem(reinterpret_cast<const void*>(kernel<W>()), kMaxSmem, bits[2]);
+  }
+
+  // Concurrent work units: teams of `wpi` warps resident at once (the merge buffers of shared
+  // items hold merge_rows = min(16, group) rows), cached per team size and row count.
+  static int units(int wpi, int merge_rows) {
+    static std::atomic<int> cached[3][17] = {};
+    raise_smem();
+    std::atomic<uint64_t> none{~uint64_t{0}};  // marks the limit as raised already
+    const int r = wpi > 1 ? std::clamp(merge_rows, 1, 16) : 0;
+    const int k = wpi == 1 ? 0 : wpi == 2 ? 1 : 2;
+    const int ctas = with_kernel(wpi, [&](auto kern) {
+      return resident_ctas(cached[k][r], kern, C::kThreads, smem_bytes(wpi, r), none);
+    });
+    return ctas * (W / wpi);
+  }
+
+  static void launch(const AttnParams& p, int wpi, cudaStream_t stream) {
+    const int merge_rows = std::min(16, p.group);
+    const int units_ = units(wpi, merge_rows);
     const int head_chunks = (p.group + 15) / 16;
     const int64_t items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * head_chunks * p.num_splits;
     if (items > (int64_t{1} << 31) - 1)
       throw std::runtime_error("CUDA decode: too many work items (" + std::to_string(items) + ")");
-    const int64_t warps = std::min<int64_t>(units_, items);
-    const unsigned ctas = static_cast<unsigned>((warps + C::kWarps - 1) / C::kWarps);
+    const int64_t teams = std::min<int64_t>(units_, items);
+    const int per_cta = W / wpi;
+    const unsigned ctas = static_cast<unsigned>((teams + per_cta - 1) / per_cta);
     TmaMaps maps{};
     if constexpr (LOAD == kLoadTma) {
       maps.k = cache_map<T, D>(p.key_cache, p.cache_rows);
       maps.v = cache_map<T, D>(p.value_cache, p.cache_rows);
     }
-    static std::atomic<uint64_t> smem_raised{0};
-    launch_checked(kernel(), ctas, C::kThreads, C::kSmemBytes, stream, smem_raised, p, static_cast<int>(items),
-                   head_chunks, maps);
+    std::atomic<uint64_t> none{~uint64_t{0}};
+    const size_t smem = smem_bytes(wpi, merge_rows);
+    with_kernel(wpi, [&](auto kern) {
+      launch_checked(kern, ctas, C::kThreads, smem, stream, none, p, static_cast<int>(items), head_chunks,
+                     merge_rows, maps);
+    });
   }
 };
 
@@ -389,17 +522,18 @@ bool decode_v2_supports(DType dtype, int head_size) {
   return (dtype == DType::kBFloat16 || dtype == DType::kFloat16) && head_size <= 128;
 }
 
-int decode_v2_units(DType dtype, int head_size) {
+int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group) {
   return dispatch_mma_dtype(dtype, "CUDA decode v2", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return with_config<T>(head_size, nullptr, [&](auto cfg) { return decltype(cfg)::units(); });
+    return with_config<T>(head_size, nullptr,
+                          [&](auto cfg) { return decltype(cfg)::units(warps_per_item, std::min(16, group)); });
   });
 }
 
-void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream) {
+void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, int warps_per_item, cudaStream_t stream) {
   dispatch_mma_dtype(dtype, "CUDA decode v2", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    with_config<T>(head_size, &p, [&](auto cfg) { decltype(cfg)::launch(p, stream); });
+    with_config<T>(head_size, &p, [&](auto cfg) { decltype(cfg)::launch(p, warps_per_item, stream); });
   });
 }
 

@@ -7,6 +7,7 @@
 // multiple of 16 bytes / sizeof(T) move as 16-byte vectors, others element by element.
 #include "layer_ops_common.cuh"
 #include "layer_ops_cuda.h"
+#include "pdl.cuh"
 
 namespace pagedllm::cuda {
 namespace {
@@ -18,6 +19,10 @@ template <typename T, int VEC, bool kResidual>
 __global__ void rms_norm_kernel(T* out, const T* input, T* residual, const T* __restrict__ weight,
                                 int hidden, float eps) {
   __shared__ float shared[32];
+  // Programmatic dependent launch (cuda/pdl.cuh): let the next kernel (a GEMV streaming its
+  // weights) start now; wait for the previous kernel before touching the rows.
+  detail::pdl_launch_dependents();
+  detail::pdl_wait();
   using V = Vec<T, VEC>;
   const int64_t row = blockIdx.x;
   const int num_vecs = hidden / VEC;
@@ -65,12 +70,13 @@ void launch_vec(const TensorView& out, const TensorView& input, const TensorView
   const auto rows = static_cast<unsigned>(input.size(0));
   const int threads = round_up_warps(hidden / VEC, 32, 1024);
   if (residual != nullptr)
-    rms_norm_kernel<T, VEC, true><<<rows, threads, 0, stream>>>(out.ptr<T>(), input.ptr<T>(), residual->ptr<T>(),
-                                                                weight.ptr<T>(), hidden, eps);
+    detail::launch_dependent(rms_norm_kernel<T, VEC, true>, dim3(rows), dim3(threads), 0, stream, out.ptr<T>(),
+                       static_cast<const T*>(input.ptr<T>()), residual->ptr<T>(),
+                       static_cast<const T*>(weight.ptr<T>()), hidden, eps);
   else
-    rms_norm_kernel<T, VEC, false><<<rows, threads, 0, stream>>>(out.ptr<T>(), input.ptr<T>(), nullptr,
-                                                                 weight.ptr<T>(), hidden, eps);
-  PAGEDLLM_CUDA_CHECK_LAUNCH();
+    detail::launch_dependent(rms_norm_kernel<T, VEC, false>, dim3(rows), dim3(threads), 0, stream, out.ptr<T>(),
+                       static_cast<const T*>(input.ptr<T>()), static_cast<T*>(nullptr),
+                       static_cast<const T*>(weight.ptr<T>()), hidden, eps);
 }
 
 template <typename T>

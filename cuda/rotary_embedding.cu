@@ -12,6 +12,7 @@
 
 #include "layer_ops_common.cuh"
 #include "layer_ops_cuda.h"
+#include "pdl.cuh"
 
 namespace pagedllm::cuda {
 namespace {
@@ -68,6 +69,8 @@ __device__ __forceinline__ void rotate_heads(const T* src, T* dst, int64_t dst_h
 
 template <typename T, bool kFused>
 __global__ void rotary_kernel(const RotaryParams p) {
+  detail::pdl_launch_dependents();  // cuda/pdl.cuh
+  detail::pdl_wait();
   const int64_t token = blockIdx.x;
   const int64_t pos = p.positions[token];
   const T* cos_row = static_cast<const T*>(p.cos_cache) + pos * p.rot_half;
@@ -103,9 +106,8 @@ void launch(const RotaryParams& p, int64_t num_tokens, bool fused, cudaStream_t 
   const int work = std::max(p.num_heads * p.rot_half, p.num_kv_heads * p.head_size);
   const int threads = round_up_warps(work, 64, 512);
   const auto grid = static_cast<unsigned>(num_tokens);
-  if (fused) rotary_kernel<T, true><<<grid, threads, 0, stream>>>(p);
-  else rotary_kernel<T, false><<<grid, threads, 0, stream>>>(p);
-  PAGEDLLM_CUDA_CHECK_LAUNCH();
+  if (fused) detail::launch_dependent(rotary_kernel<T, true>, dim3(grid), dim3(threads), 0, stream, p);
+  else detail::launch_dependent(rotary_kernel<T, false>, dim3(grid), dim3(threads), 0, stream, p);
 }
 
 }  // namespace

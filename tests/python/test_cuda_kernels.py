@@ -15,6 +15,9 @@ These tests need a CUDA GPU (marker `cuda`); scripts/test.sh deselects them else
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -261,6 +264,22 @@ def test_prefill_matches_decode(gen):
     ref = torch.cat([ref_rows(q[i:i + 1].double(), ks[i], vs[i], [ctx[i] - 1], 0.1) for i in range(3)])
     check(a, ref, torch.bfloat16, "decode")
     check(b, ref, torch.bfloat16, "prefill with decode rows")
+
+
+# ------------------------------------------------------------------------------------ forced decode plans
+@pytest.mark.skipif(bool(os.environ.get("PAGEDLLM_DECODE_MODE")), reason="already under a forced plan")
+@pytest.mark.parametrize("mode,reduce", [("warp", "warp"), ("pair", "cta"), ("cta", "warp"), ("cta", "cta")])
+def test_decode_under_forced_plans(mode, reduce):
+    """The decode tests of this file again with the v2 kernel's work items forced onto single
+    warps, pairs of warps or whole CTAs (PAGEDLLM_DECODE_MODE) and the split-K reduction forced
+    to warp rows or CTA rows (PAGEDLLM_REDUCE), whatever the cost model would choose: both
+    settings are read once per process, so each runs in a child pytest."""
+    env = dict(os.environ, PAGEDLLM_DECODE_MODE=mode, PAGEDLLM_REDUCE=reduce)
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-m", "cuda",
+           "-k", "decode and not forced_plans"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"decode tests under {mode} items / {reduce} reduction failed:\n{r.stdout[-3000:]}"
+    assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-3000:]
 
 
 # ------------------------------------------------------------------------------------ streams, graphs

@@ -24,5 +24,14 @@ void require_device();
 /// (a cudaStream_t passed as an integer; 0 = the legacy default stream). Asynchronous.
 void fill_int32(int32_t* dst, int64_t n, int32_t value, std::uintptr_t stream);
 
+/// Programmatic dependent launch (sm_90+): whether the kernels that support it (the GEMV and
+/// the layer ops) are launched so that they may start while the previous kernel in the stream
+/// finishes (they still wait for its results; cuda/pdl.cuh). On by default; the environment
+/// variable PAGEDLLM_NO_PDL (any value) turns it off at start, set_pdl_enabled at run time (it
+/// applies to launches made afterwards, e.g. graphs captured afterwards). Never throws; false
+/// in a build without CUDA.
+bool pdl_enabled();
+void set_pdl_enabled(bool enabled);
+
 }  // namespace cuda
 }  // namespace pagedllm

@@ -42,6 +42,12 @@ __all__ = [
     "amx_linear_supported",
     "amx_pack_linear_weight",
     "amx_linear",
+    "GEMV_MAX_TOKENS",
+    "gemv",
+    "gemv_supported",
+    "l2_prefetch",
+    "pdl_enabled",
+    "set_pdl_enabled",
 ]
 
 #: Tokens per KV block the kernels support (the engine accepts exactly these).
@@ -179,3 +185,11 @@ from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
 )
 from pagedllm.ops.sampling_ops import argmax_rows  # noqa: E402
 from pagedllm.ops.cpu_linear import amx_linear, amx_linear_supported, amx_pack_linear_weight  # noqa: E402
+from pagedllm.ops.gemv import (  # noqa: E402
+    GEMV_MAX_TOKENS,
+    gemv,
+    gemv_supported,
+    l2_prefetch,
+    pdl_enabled,
+    set_pdl_enabled,
+)

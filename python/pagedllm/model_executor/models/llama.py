@@ -14,6 +14,13 @@ or writes the rotated query out and the rotated key and the value straight into 
 cache (CUDA: rotary_embedding_and_cache, replacing reshape_and_cache). Both paths round where the
 PyTorch modules do.
 
+On CUDA in bfloat16/float16, steps with at most `gemv_max_tokens` tokens (decode at small batch;
+the crossover against cuBLAS measured by bench/gemv.py) run every projection and the LM head
+through pagedllm.ops.gemv, a bandwidth-bound GEMV (launched as a programmatic dependent: it
+starts streaming its weight while the kernel before it finishes). Larger steps and the CPU use
+F.linear. Same fp32 accumulation and
+one rounding, so results agree with F.linear within the dtype's rounding.
+
 Numerics follow Hugging Face transformers' modeling_llama / modeling_qwen2 / modeling_qwen3
 (RMSNorm in float32, weight multiplied in the model dtype), so fp32 logits agree with HF to
 rounding. Weights come from HF checkpoints: q/k/v and gate/up are concatenated on load.
@@ -21,6 +28,7 @@ rounding. Weights come from HF checkpoints: q/k/v and gate/up are concatenated o
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -133,6 +141,36 @@ def _linear(rows: int, cols: int, bias: bool, dtype, device) -> nn.Linear:
     return layer
 
 
+def gemv_max_tokens(device: torch.device, dtype: torch.dtype) -> int:
+    """Largest step (tokens) whose projections run through ops.gemv: 0 where the GEMV does not
+    apply (CPU, float32), else the measured crossover against cuBLAS (bench/gemv.py on the H200),
+    overridable with the environment variable PAGEDLLM_GEMV_MAX_TOKENS (0 turns it off)."""
+    if not ops.gemv_supported(device, dtype):
+        return 0
+    env = os.environ.get("PAGEDLLM_GEMV_MAX_TOKENS")
+    limit = int(env) if env not in (None, "") else GEMV_CROSSOVER_TOKENS
+    return max(0, min(limit, ops.GEMV_MAX_TOKENS))
+
+
+#: Steps of up to this many tokens use the GEMV (bench/gemv.py, H200, Llama-3-8B shapes).
+GEMV_CROSSOVER_TOKENS = 8
+
+
+def _l2_prefetch_fits(weight: torch.Tensor) -> bool:
+    """Whether to prefetch `weight` (the O projection's) into L2 while rotary + attention run: only
+    when PAGEDLLM_L2_PREFETCH=1 (off by default: on the H200 it measured 0.18 ms per token slower
+    in bench/gemv.py's layer chain, bench/gpu_engine_notes.md "GEMV"), and for a CUDA tensor of at
+    most 75% of the L2."""
+    if not weight.is_cuda or os.environ.get("PAGEDLLM_L2_PREFETCH", "0") != "1":
+        return False
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    return weight.numel() * weight.element_size() <= 0.75 * l2
+
+
+def _project(layer: nn.Linear, x: torch.Tensor, gemv: bool) -> torch.Tensor:
+    return ops.gemv(x, layer.weight, layer.bias) if gemv else layer(x)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -155,6 +193,8 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = _linear(2 * cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
         self.fused = ops.layer_ops_supported(device, dtype)
         self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
+        self.gemv_max_tokens = gemv_max_tokens(device, dtype)
+        self.prefetch_o = None  # decided on the first GEMV step (the weight is loaded by then)
 
     def forward(
         self,
@@ -170,12 +210,18 @@ class DecoderLayer(nn.Module):
         before it); residual None for the first layer. The stream after the layer is their sum,
         added by the next norm (HF's `hidden = residual + hidden`, same rounding)."""
         T = hidden.shape[0]
+        gemv = 0 < T <= self.gemv_max_tokens
         if residual is None:
             residual = hidden
             h = self.input_layernorm(hidden)
         else:
             h, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        qkv = self.qkv_proj(h)
+        qkv = _project(self.qkv_proj, h, gemv)
+        if gemv:
+            if self.prefetch_o is None:
+                self.prefetch_o = _l2_prefetch_fits(self.o_proj.weight)
+            if self.prefetch_o:  # into L2 while rotary + attention leave HBM idle (opt-in)
+                ops.l2_prefetch(self.o_proj.weight)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -198,15 +244,17 @@ class DecoderLayer(nn.Module):
             # fused (CPU): rotate q and k in place; the CPU kernels read q, k, v as views of qkv
             ops.rotary_embedding(positions, q, k, rotary.cos_sin_cache)
             attn = self.attn.forward(q, k, v, kv_cache, meta)
-        hidden = self.o_proj(attn.view(T, self.q_size))
+        hidden = _project(self.o_proj, attn.view(T, self.q_size), gemv)
         h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        gate_up = self.gate_up_proj(h)
+        gate_up = _project(self.gate_up_proj, h, gemv)
         if self.fused:
             act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device), gate_up)
         else:
             gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act), residual
+        # (ops.gemv(gate_up, ..., silu_and_mul=True) folds the SiLU into the down projection, but
+        # measured slower on the H200: bench/gpu_engine_notes.md, "GEMV".)
+        return _project(self.down_proj, act, gemv), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -230,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_weight = self.lm_head.weight
         self.packed_lm_head: PackedLinear | None = None  # set by pack_weights()
         self.fused = ops.layer_ops_supported(device, dtype)
+        self.gemv_max_tokens = gemv_max_tokens(device, dtype)
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
         )
@@ -261,6 +310,8 @@ class LlamaForCausalLM(nn.Module):
     def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
             return self.packed_lm_head(normed).float()
+        if 0 < normed.shape[0] <= self.gemv_max_tokens:
+            return ops.gemv(normed, self.lm_head_weight).float()
         return F.linear(normed, self.lm_head_weight).float()
 
     def pack_weights(self) -> bool:

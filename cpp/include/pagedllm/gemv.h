@@ -1,0 +1,70 @@
+// pagedllm/gemv.h — matrix-vector products for decode steps with few tokens (CUDA only):
+//
+//   gemv               out [M, N] = input [M, K] @ weight [N, K]^T (+ bias [N])
+//   silu_and_mul_gemv  out [M, N] = (SiLU(input[:, :K]) * input[:, K:]) @ weight [N, K]^T (+ bias)
+//                      (layer_ops.h's silu_and_mul fused into the product: a Llama MLP's
+//                      down projection reads the gate_up output directly)
+//
+// M (tokens) is 1..kGemvMaxTokens. At these sizes a linear layer only streams its weight once, so
+// the kernel is built for memory bandwidth: 16-byte weight loads, several in flight per thread,
+// that skip L1; the product on the tensor cores (mma.sync m16n8k16, fp32 accumulation) with the
+// tokens as the n = 8 dimension; K split across the warps of a CTA and, when N is small, across
+// the CTAs of a thread-block cluster (sm_90) reduced through distributed shared memory. On sm_90
+// the kernel is launched as a programmatic dependent (cuda_runtime.h: pdl_enabled): it requests
+// its first weights while the previous kernel finishes, then waits for its input.
+//
+// Numerics: products and sums in float32 (the summation order differs from cuBLAS), bias added in
+// float32, one rounding to the output dtype — as F.linear / cuBLAS round. silu_and_mul_gemv rounds
+// SiLU(gate) and SiLU(gate) * up to the dtype exactly as silu_and_mul does, so it equals
+// silu_and_mul followed by gemv bit for bit.
+//
+// Arguments (launchers validate all, throwing InvalidArgument naming the bad value):
+//   input   [M, K] (silu_and_mul_gemv: [M, 2K]) bfloat16 or float16 (float32 is refused: use
+//           F.linear), on a CUDA device; rows may be strided (stride(1) == 1)
+//   weight  [N, K], contiguous, same dtype and device
+//   bias    nullptr or [N], contiguous, same dtype and device
+//   out     [M, N], contiguous, same dtype and device, not overlapping input, weight or bias
+//   stream  a cudaStream_t as an integer (0 = legacy default stream); never synchronizes, so
+//           CUDA graphs can capture it.
+// K and N may be any positive size; rows whose byte size is a multiple of 16 (K % 8 == 0) with
+// 16-byte aligned pointers take the vector path, others a slower element-wise path.
+#pragma once
+
+#include <cstdint>
+
+#include "pagedllm/tensor_view.h"
+
+namespace pagedllm {
+
+/// The most tokens (rows of input) the GEMV kernels take.
+inline constexpr int kGemvMaxTokens = 8;
+
+/// Tuning override for benchmarks; zero / negative fields mean "choose automatically".
+struct GemvConfig {
+  int variant = 0;   ///< 1: 16 rows per CTA, 4 chunks of 32 columns per group; 2: 32 rows, 2 chunks;
+                     ///< 3: 16 rows, 2 chunks; 0: automatic (rows with K % 8 != 0 always use 3)
+  int warps = 0;     ///< warps per CTA (1..8); 0: automatic
+  int splits = 0;    ///< CTAs (a cluster, sm_90 only) splitting K for one row tile (1, 2, 4, 8); 0: auto
+  int prefetch = -1; ///< 1/0: do / don't prefetch the weight slice into L2 first; -1: automatic
+};
+
+/// Whether this build has the GEMV kernels (a CUDA build).
+bool gemv_built_with_cuda();
+
+/// out [M, N] = input [M, K] @ weight [N, K]^T (+ bias [N]); see the header comment.
+void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
+          std::uintptr_t stream = 0, const GemvConfig* config = nullptr);
+
+/// out [M, N] = (SiLU(input[:, :K]) * input[:, K:]) @ weight [N, K]^T (+ bias [N]) for input [M, 2K].
+void silu_and_mul_gemv(const TensorView& out, const TensorView& input, const TensorView& weight,
+                       const TensorView* bias, std::uintptr_t stream = 0, const GemvConfig* config = nullptr);
+
+/// Ask the L2 cache to fetch the bytes of `tensor` (contiguous, on a CUDA device), asynchronously,
+/// on `stream` (cp.async.bulk.prefetch.L2, sm_90; a no-op kernel below sm_90). A hint: nothing is
+/// read into registers and nothing is written. Used to pull the next projection's weight into L2
+/// while latency-bound kernels (decode attention at small batch) leave HBM idle; only useful for
+/// tensors well below the L2 size. The kernel is a programmatic dependent like the GEMV (it waits
+/// for the previous kernel before it exits, so stream order is kept for the kernels after it).
+void l2_prefetch(const TensorView& tensor, std::uintptr_t stream = 0);
+
+}  // namespace pagedllm

@@ -1,0 +1,135 @@
+// Launchers of pagedllm/gemv.h: validate every argument, then run the CUDA kernels (cuda/gemv.cu,
+// declared in cuda/gemv_cuda.h). There is no CPU kernel: on the CPU, F.linear (oneDNN) is the GEMV.
+#include "pagedllm/gemv.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "kernel_checks.h"
+#if defined(PAGEDLLM_WITH_CUDA)
+#include "gemv_cuda.h"
+#endif
+
+namespace pagedllm {
+
+namespace {
+
+using detail::check_contiguous;
+using detail::check_dim;
+using detail::check_dtype;
+using detail::check_ndim;
+using detail::check_same_device;
+
+/// Bytes [first, last) a strided view touches (0, 0 when empty).
+std::pair<const char*, const char*> span(const TensorView& t) {
+  if (t.numel() == 0) return {nullptr, nullptr};
+  int64_t last = 0;
+  for (int d = 0; d < t.ndim; ++d) last += (t.size(d) - 1) * t.stride(d);
+  const char* p = static_cast<const char*>(t.data);
+  return {p, p + (last + 1) * static_cast<int64_t>(dtype_size(t.dtype))};
+}
+
+bool overlaps(const TensorView& a, const TensorView& b) {
+  auto [a0, a1] = span(a);
+  auto [b0, b1] = span(b);
+  return a0 != nullptr && b0 != nullptr && a0 < b1 && b0 < a1;
+}
+
+void check_config(const char* op, const GemvConfig& c) {
+  PAGEDLLM_CHECK(c.variant >= 0 && c.variant <= 3, op, ": config.variant must be 0..3, got ", c.variant);
+  PAGEDLLM_CHECK(c.warps >= 0 && c.warps <= 8, op, ": config.warps must be 0..8, got ", c.warps);
+  PAGEDLLM_CHECK(c.splits == 0 || c.splits == 1 || c.splits == 2 || c.splits == 4 || c.splits == 8, op,
+                 ": config.splits must be 0 (auto), 1, 2, 4 or 8, got ", c.splits);
+  PAGEDLLM_CHECK(c.prefetch >= -1 && c.prefetch <= 1, op, ": config.prefetch must be -1, 0 or 1, got ", c.prefetch);
+}
+
+void run(const char* op, const TensorView& out, const TensorView& input, const TensorView& weight,
+         const TensorView* bias, bool silu, std::uintptr_t stream, const GemvConfig* config) {
+  PAGEDLLM_CHECK(input.device == DeviceType::kCUDA, op, ": input is on ", detail::device_str(input),
+                 "; the GEMV kernels are CUDA only (on the cpu use torch.nn.functional.linear)");
+  PAGEDLLM_CHECK(input.dtype == DType::kBFloat16 || input.dtype == DType::kFloat16, op, ": input dtype ",
+                 dtype_name(input.dtype), " is not supported; supported dtypes: bfloat16, float16 (use "
+                 "torch.nn.functional.linear for float32)");
+  check_ndim(op, "input", input, 2, silu ? "[num_tokens, 2 * in_features]" : "[num_tokens, in_features]");
+  PAGEDLLM_CHECK(input.size(1) <= 1 || input.stride(1) == 1, op,
+                 ": input must have a contiguous last dimension, got ", input.describe());
+  check_ndim(op, "weight", weight, 2, "[out_features, in_features]");
+  check_dtype(op, "weight", weight, input.dtype);
+  check_same_device(op, "weight", weight, "input", input);
+  check_contiguous(op, "weight", weight);
+  const int64_t M = input.size(0), N = weight.size(0), K = weight.size(1);
+  PAGEDLLM_CHECK(M <= kGemvMaxTokens, op, ": input has ", M, " rows (tokens); the GEMV takes at most ",
+                 kGemvMaxTokens, " (use torch.nn.functional.linear for more)");
+  PAGEDLLM_CHECK(N > 0 && K > 0, op, ": weight must be non-empty, got ", weight.describe());
+  PAGEDLLM_CHECK(N < (int64_t{1} << 31) && K < (int64_t{1} << 30), op, ": weight ", weight.describe(),
+                 " is too large for the GEMV");
+  if (silu)
+    check_dim(op, "input", input, 1, 2 * K, "2 * in_features: the gate and up halves, each weight.size(1)");
+  else
+    check_dim(op, "input", input, 1, K, "in_features, must match weight.size(1)");
+  PAGEDLLM_CHECK(M <= 1 || input.stride(0) >= input.size(1), op, ": input row stride ", input.stride(0),
+                 " is smaller than its row length (", input.describe(), ")");
+  if (bias != nullptr) {
+    check_ndim(op, "bias", *bias, 1, "[out_features]");
+    check_dtype(op, "bias", *bias, input.dtype);
+    check_same_device(op, "bias", *bias, "input", input);
+    check_contiguous(op, "bias", *bias);
+    check_dim(op, "bias", *bias, 0, N, "out_features, must match weight.size(0)");
+  }
+  check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
+  check_dtype(op, "out", out, input.dtype);
+  check_same_device(op, "out", out, "input", input);
+  check_contiguous(op, "out", out);
+  check_dim(op, "out", out, 0, M, "num_tokens, must match input");
+  check_dim(op, "out", out, 1, N, "out_features, must match weight.size(0)");
+  PAGEDLLM_CHECK(!overlaps(out, input), op, ": out overlaps input");
+  PAGEDLLM_CHECK(!overlaps(out, weight), op, ": out overlaps weight");
+  PAGEDLLM_CHECK(bias == nullptr || !overlaps(out, *bias), op, ": out overlaps bias");
+  const GemvConfig cfg = config != nullptr ? *config : GemvConfig{};
+  check_config(op, cfg);
+  if (M == 0) return;
+#if defined(PAGEDLLM_WITH_CUDA)
+  cuda::gemv(out, input, weight, bias, silu, cfg, stream);
+#else
+  (void)stream;
+  throw std::runtime_error(std::string(op) + ": got CUDA tensors but pagedllm was built without CUDA "
+                           "(PAGEDLLM_CUDA=ON)");
+#endif
+}
+
+}  // namespace
+
+bool gemv_built_with_cuda() {
+#if defined(PAGEDLLM_WITH_CUDA)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
+          std::uintptr_t stream, const GemvConfig* config) {
+  run("gemv", out, input, weight, bias, false, stream, config);
+}
+
+void silu_and_mul_gemv(const TensorView& out, const TensorView& input, const TensorView& weight,
+                       const TensorView* bias, std::uintptr_t stream, const GemvConfig* config) {
+  run("silu_and_mul_gemv", out, input, weight, bias, true, stream, config);
+}
+
+void l2_prefetch(const TensorView& tensor, std::uintptr_t stream) {
+  const char* op = "l2_prefetch";
+  PAGEDLLM_CHECK(tensor.device == DeviceType::kCUDA, op, ": tensor is on ", detail::device_str(tensor),
+                 "; L2 prefetch is for CUDA tensors only");
+  check_contiguous(op, "tensor", tensor);
+  const int64_t bytes = tensor.numel() * static_cast<int64_t>(dtype_size(tensor.dtype));
+  if (bytes == 0) return;
+#if defined(PAGEDLLM_WITH_CUDA)
+  cuda::l2_prefetch(tensor.data, bytes, stream);
+#else
+  (void)stream;
+  throw std::runtime_error("l2_prefetch: got a CUDA tensor but pagedllm was built without CUDA");
+#endif
+}
+
+}  // namespace pagedllm

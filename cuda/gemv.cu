@@ -1,0 +1,409 @@
+// cuda/gemv.cu — GEMV for decode steps with few tokens (pagedllm/gemv.h):
+// y [M, N] = x [M, K] @ W [N, K]^T (+ bias), M <= 8, optionally x = SiLU(gate) * up.
+//
+// Work split. A CTA owns a tile of 16 * TILES weight rows and a range of K (the whole K, or 1/S
+// of it when S CTAs of a cluster split K). Its warps split that K range into groups of 32 * U
+// columns (warp w takes groups w, w + W, ...). Per group a lane loads, for each 16-row tile, 16
+// bytes of row g and 16 bytes of row g + 8 (g = lane / 4) at column k = group + 32 u + 8 t
+// (t = lane % 4, u < U): each load instruction reads 64 contiguous bytes of 8 rows, and U * 2 *
+// TILES 16-byte loads per lane are in flight before the first use. Weights are streamed with
+// ld.global.nc.L1::no_allocate (read once, kept out of L1); x (read by every tile) is cached.
+//
+// Math on the tensor cores: mma.sync m16n8k16 (fp32 accumulation) with A = 16 weight rows and
+// B = x^T, the tokens as the n = 8 columns (rows of B >= M are zero). The 8 elements a lane
+// loads feed two MMAs: within one MMA the logical k index is a permutation of the physical
+// columns, the same for A and B (lane t holds physical k0 + 0..3 for logical 2t, 2t+1, 2t+8,
+// 2t+9 of the first MMA and k0 + 4..7 for the second), so the sum over k is unchanged.
+// A lane's accumulators: c0, c1 = rows g, tokens 2t, 2t+1; c2, c3 = row g + 8.
+// The per-warp partial sums meet in shared memory; across a cluster, rank 0 adds the other CTAs'
+// sums through distributed shared memory (sm_90). Rank 0 adds the bias and rounds once.
+//
+// Programmatic dependent launch (cuda/pdl.cuh): the kernel lets the next kernel launch at once,
+// issues the loads of its first two groups of weights — they do not depend on the previous
+// kernel — and only then waits for the previous grid before reading x. (Optionally, config
+// prefetch = 1, it first asks L2 for its whole weight slice with cp.async.bulk.prefetch; measured
+// slower on the H200 except on the smallest matrices, so off by default.)
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "device_guard.h"
+#include "gemv_cuda.h"
+#include "layer_ops_common.cuh"
+#include "pdl.cuh"
+
+namespace pagedllm::cuda {
+namespace {
+
+namespace cg = cooperative_groups;
+using layer_ops::from_float;
+using layer_ops::round_to;
+using layer_ops::to_float;
+
+struct GemvParams {
+  const void* x;
+  const void* w;
+  const void* bias;  // nullptr: none
+  void* y;
+  int64_t ldx;       // x row stride in elements
+  int M, N, K;
+  int splits;        // CTAs (one cluster) per row tile, each over k_per_split columns
+  int k_per_split;   // a multiple of 32
+  int prefetch;      // 1: L2-prefetch the CTA's weight slice before waiting for the previous grid
+};
+
+template <typename T>
+struct Mma;
+template <>
+struct Mma<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct Mma<__half> {
+  __device__ __forceinline__ static void run(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+/// 16 weight bytes, streamed: not cached in L1, L2 fetches 256-byte blocks.
+__device__ __forceinline__ uint4 ld_weight16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+/// 16 bytes of activations (written by the previous kernel: read after pdl_wait, coherently).
+__device__ __forceinline__ uint4 ld_act16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+template <typename T>
+union Pack8 {
+  uint4 u;
+  T e[8];
+};
+
+/// Elements k..k+7 of a weight row (zero past k_end).
+template <typename T, bool kVec>
+__device__ __forceinline__ uint4 load_w(const T* row, int k, int k_end) {
+  if constexpr (kVec) {
+    return ld_weight16(row + k);
+  } else {
+    Pack8<T> r;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r.e[e] = k + e < k_end ? row[k + e] : from_float<T>(0.f);
+    return r.u;
+  }
+}
+
+/// Elements k..k+7 of an activation row (zero past k_end).
+template <typename T, bool kVec>
+__device__ __forceinline__ uint4 load_act(const T* row, int k, int k_end) {
+  if constexpr (kVec) {
+    return ld_act16(row + k);
+  } else {
+    Pack8<T> r;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r.e[e] = k + e < k_end ? row[k + e] : from_float<T>(0.f);
+    return r.u;
+  }
+}
+
+/// SiLU(gate) * up for 8 elements, rounded as silu_and_mul (cuda/activation.cu) rounds.
+template <typename T>
+__device__ __forceinline__ uint4 silu_mul8(uint4 gate, uint4 up) {
+  Pack8<T> g, u;
+  g.u = gate;
+  u.u = up;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float x = to_float(g.e[e]);
+    const float silu = round_to<T>(x / (1.f + expf(-x)));
+    g.e[e] = from_float<T>(silu * to_float(u.e[e]));
+  }
+  return g.u;
+}
+
+/// One group's registers: U chunks of 8 columns of each tile's rows g and g + 8, and of x (for
+/// kSilu: the gate and the up halves).
+template <int TILES, int U, bool kSilu>
+struct Frag {
+  uint4 w[TILES][2][U];
+  uint4 x[U];
+  uint4 up[kSilu ? U : 1];
+};
+
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+template <typename T, int TILES, int U, bool kVec, bool kSilu>
+__global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
+  extern __shared__ float red[];  // [warps][TILES * 128]: per-warp partial sums (row, token)
+  constexpr int kOut = TILES * 128;
+  detail::pdl_launch_dependents();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x / p.splits, rank = blockIdx.x - tile * p.splits;
+  const int row0 = tile * 16 * TILES;
+  const int k_begin = rank * p.k_per_split;
+  const int k_end = min(p.K, k_begin + p.k_per_split);
+  const T* w = static_cast<const T*>(p.w);
+
+  // The weights do not depend on the previous kernel: start pulling this CTA's slice into L2.
+  if (kVec && p.prefetch && k_begin < k_end && static_cast<int>(threadIdx.x) < 16 * TILES &&
+      row0 + static_cast<int>(threadIdx.x) < p.N)
+    prefetch_l2(w + static_cast<int64_t>(row0 + threadIdx.x) * p.K + k_begin,
+                static_cast<uint32_t>(k_end - k_begin) * sizeof(T));
+
+  const T* wrow[TILES][2];
+#pragma unroll
+  for (int i = 0; i < TILES; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      wrow[i][h] = w + static_cast<int64_t>(min(row0 + 16 * i + 8 * h + g, p.N - 1)) * p.K;
+  const bool has_x = g < p.M;
+  const T* xrow = static_cast<const T*>(p.x) + static_cast<int64_t>(has_x ? g : 0) * p.ldx;
+
+  float acc[TILES][4];
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  // Software pipeline over groups (register double buffer): group j + 2 is loaded while group j
+  // is multiplied, so a warp always has one or two groups' loads in flight (without it the
+  // compiler places each MMA right after its own loads and the warp waits for every group).
+  const int stride = num_warps * 32 * U;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  auto load_weights = [&](Frag<TILES, U, kSilu>& f, int kg) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kg + u * 32 + t * 8;
+      const bool ok = k < k_end;
+#pragma unroll
+      for (int i = 0; i < TILES; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) f.w[i][h][u] = ok ? load_w<T, kVec>(wrow[i][h], k, k_end) : zero;
+    }
+  };
+  auto load_input = [&](Frag<TILES, U, kSilu>& f, int kg) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kg + u * 32 + t * 8;
+      const bool ok = k < k_end && has_x;
+      f.x[u] = ok ? load_act<T, kVec>(xrow, k, k_end) : zero;
+      if constexpr (kSilu) f.up[u] = ok ? load_act<T, kVec>(xrow + p.K, k, k_end) : zero;
+    }
+  };
+  auto compute = [&](const Frag<TILES, U, kSilu>& f) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      uint4 xv = f.x[u];
+      if constexpr (kSilu) xv = silu_mul8<T>(xv, f.up[u]);
+#pragma unroll
+      for (int i = 0; i < TILES; ++i) {
+        Mma<T>::run(acc[i], f.w[i][0][u].x, f.w[i][1][u].x, f.w[i][0][u].y, f.w[i][1][u].y, xv.x, xv.y);
+        Mma<T>::run(acc[i], f.w[i][0][u].z, f.w[i][1][u].z, f.w[i][0][u].w, f.w[i][1][u].w, xv.z, xv.w);
+      }
+    }
+  };
+  Frag<TILES, U, kSilu> fa, fb;
+  int kg = k_begin + warp * 32 * U;
+  // The first two groups' weights are requested before waiting for the previous kernel (they do
+  // not depend on it); x only after.
+  if (kg < k_end) load_weights(fa, kg);
+  if (kg + stride < k_end) load_weights(fb, kg + stride);
+  detail::pdl_wait();
+  if (kg < k_end) load_input(fa, kg);
+  if (kg + stride < k_end) load_input(fb, kg + stride);
+  while (kg < k_end) {
+    compute(fa);
+    if (kg + 2 * stride < k_end) {
+      load_weights(fa, kg + 2 * stride);
+      load_input(fa, kg + 2 * stride);
+    }
+    kg += stride;
+    if (kg >= k_end) break;
+    compute(fb);
+    if (kg + 2 * stride < k_end) {
+      load_weights(fb, kg + 2 * stride);
+      load_input(fb, kg + 2 * stride);
+    }
+    kg += stride;
+  }
+
+  // Partial sums of this warp -> shared memory as [tile i][row r][token n].
+  float* mine = red + warp * kOut;
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    mine[i * 128 + g * 8 + 2 * t] = acc[i][0];
+    mine[i * 128 + g * 8 + 2 * t + 1] = acc[i][1];
+    mine[i * 128 + (g + 8) * 8 + 2 * t] = acc[i][2];
+    mine[i * 128 + (g + 8) * 8 + 2 * t + 1] = acc[i][3];
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < kOut; j += blockDim.x) {
+    float s = red[j];
+    for (int v = 1; v < num_warps; ++v) s += red[v * kOut + j];
+    red[j] = s;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (p.splits > 1) {  // rank 0 adds the other CTAs' sums (distributed shared memory)
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    if (rank == 0) {
+      for (int j = threadIdx.x; j < kOut; j += blockDim.x) {
+        float s = red[j];
+        for (int r = 1; r < p.splits; ++r) s += cluster.map_shared_rank(red, r)[j];
+        red[j] = s;
+      }
+    }
+    cluster.sync();  // the other CTAs' shared memory stays alive until rank 0 has read it
+  } else {
+    __syncthreads();
+  }
+#else
+  __syncthreads();
+#endif
+  if (rank != 0) return;
+  T* y = static_cast<T*>(p.y);
+  const T* bias = static_cast<const T*>(p.bias);
+  for (int j = threadIdx.x; j < kOut; j += blockDim.x) {
+    const int row = row0 + (j / 128) * 16 + (j % 128) / 8, token = j % 8;
+    if (row < p.N && token < p.M) {
+      float v = red[j];
+      if (bias != nullptr) v += to_float(bias[row]);
+      y[static_cast<int64_t>(token) * p.N + row] = from_float<T>(v);
+    }
+  }
+}
+
+int sm_count() {
+  static std::atomic<int> cache[64] = {};
+  int dev = 0;
+  PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
+  const int slot = dev < 64 ? dev : 63;
+  int n = cache[slot].load();
+  if (n == 0) {
+    PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    cache[slot].store(n);
+  }
+  return n;
+}
+
+template <typename T, int TILES, int U, bool kVec, bool kSilu>
+void launch_kernel(GemvParams p, int warps, cudaStream_t stream, bool pdl) {
+  const auto kernel = gemv_kernel<T, TILES, U, kVec, kSilu>;
+  const int64_t tiles = (static_cast<int64_t>(p.N) + 16 * TILES - 1) / (16 * TILES);
+  const size_t smem = static_cast<size_t>(warps) * TILES * 128 * sizeof(float);
+  detail::launch_ex(kernel, dim3(static_cast<unsigned>(tiles * p.splits)), dim3(32 * warps), smem, stream, pdl,
+                    static_cast<unsigned>(p.splits), p);
+}
+
+template <typename T, bool kSilu>
+void dispatch(GemvParams p, int variant, int warps, bool vec, cudaStream_t stream, bool pdl) {
+  if (!vec) return launch_kernel<T, 1, 2, false, kSilu>(p, warps, stream, pdl);
+  switch (variant) {
+    case 1: return launch_kernel<T, 1, 4, true, kSilu>(p, warps, stream, pdl);
+    case 2: return launch_kernel<T, 2, 2, true, kSilu>(p, warps, stream, pdl);
+    default: return launch_kernel<T, 1, 2, true, kSilu>(p, warps, stream, pdl);
+  }
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
+
+constexpr int64_t kPrefetchChunk = 16 << 10;  // bytes per prefetch instruction
+
+/// Thread i prefetches [begin + i * chunk, ...) into L2. Waits for the previous grid before it
+/// exits (cuda/pdl.cuh: keeps the completion order transitive for the kernels after it).
+__global__ void l2_prefetch_kernel(const char* begin, int64_t bytes) {
+  detail::pdl_launch_dependents();
+  const int64_t off = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPrefetchChunk;
+  if (off < bytes) prefetch_l2(begin + off, static_cast<uint32_t>(min(kPrefetchChunk, bytes - off)));
+  detail::pdl_wait();
+}
+
+}  // namespace
+
+void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(data);
+  const std::uintptr_t first = (addr + 15) / 16 * 16, last = (addr + bytes) / 16 * 16;
+  if (last <= first) return;
+  const int64_t n = static_cast<int64_t>(last - first);
+  const int64_t threads = (n + kPrefetchChunk - 1) / kPrefetchChunk;
+  const int block = 128;
+  detail::launch_dependent(l2_prefetch_kernel, dim3(static_cast<unsigned>((threads + block - 1) / block)), dim3(block), 0,
+                     reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const char*>(first), n);
+}
+
+void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
+          bool silu, const GemvConfig& config, std::uintptr_t stream) {
+  detail::DeviceGuard guard(input.device_index);
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  GemvParams p{};
+  p.x = input.data;
+  p.w = weight.data;
+  p.bias = bias != nullptr ? bias->data : nullptr;
+  p.y = out.data;
+  p.M = static_cast<int>(input.size(0));
+  p.N = static_cast<int>(weight.size(0));
+  p.K = static_cast<int>(weight.size(1));
+  p.ldx = input.size(0) > 1 ? input.stride(0) : input.size(1);
+  const bool vec = p.K % 8 == 0 && p.ldx % 8 == 0 && aligned16(input.data) && aligned16(weight.data);
+  const bool hopper = detail::current_device_major() >= 9;
+  // Automatic choices, from bench/gemv.py --sweep on the H200 (results/2026-11-29-h200-gemv-run1.json
+  // and -run2.json): 16-row tiles with 4 chunks per group and 8 warps were best or within a few %
+  // on every Llama-3-8B shape at M = 1 and 8; with short rows (K < 2048) and many row tiles (Qwen2
+  // gate_up, LM head) 2 chunks and 4 warps read 10-30% faster; the L2 prefetch lost except on the
+  // smallest matrices; a cluster K split paid only when the row tiles alone leave SMs idle (Qwen2
+  // down: N = 896).
+  const int64_t tiles16 = (static_cast<int64_t>(p.N) + 15) / 16;
+  const bool short_rows = p.K < 2048 && tiles16 >= 4 * static_cast<int64_t>(sm_count());
+  const int variant = !vec ? 3 : config.variant > 0 ? config.variant : short_rows ? 3 : 1;
+  const int U = variant == 1 ? 4 : 2, rows = variant == 2 ? 32 : 16;
+  const int warps = config.warps > 0 ? config.warps : short_rows ? 4 : 8;
+  int splits = config.splits;
+  const int64_t tiles = (static_cast<int64_t>(p.N) + rows - 1) / rows;
+  if (splits <= 0) {
+    splits = 1;
+    while (splits < 8 && tiles * splits < sm_count() && p.K / (2 * splits) >= 32 * U * 8) splits *= 2;
+  }
+  if (!hopper) splits = 1;  // clusters need sm_90
+  p.splits = splits;
+  p.k_per_split = ((p.K + splits - 1) / splits + 31) / 32 * 32;
+  p.prefetch = config.prefetch >= 0 ? config.prefetch : 0;
+  const bool pdl = detail::pdl_enabled_for_current_device();
+  if (input.dtype == DType::kBFloat16) {
+    if (silu) dispatch<__nv_bfloat16, true>(p, variant, warps, vec, s, pdl);
+    else dispatch<__nv_bfloat16, false>(p, variant, warps, vec, s, pdl);
+  } else {
+    if (silu) dispatch<__half, true>(p, variant, warps, vec, s, pdl);
+    else dispatch<__half, false>(p, variant, warps, vec, s, pdl);
+  }
+}
+
+}  // namespace pagedllm::cuda
