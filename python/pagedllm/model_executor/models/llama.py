@@ -276,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
             self.lm_head_weight = self.lm_head.weight
-        self.packed_lm_head: PackedLinear | None = None  # set by pack_weights()
+        self.packed_lm_head: nn.Module | None = None  # AmxLinear or PackedLinear, set by pack_weights()
         self.fused = ops.layer_ops_supported(device, dtype)
         self.gemv_max_tokens = gemv_max_tokens(device, dtype)
         self.rotary = RotaryEmbedding(
