@@ -200,14 +200,23 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
     detail::check_dtype(op, name, *t, DType::kBFloat16);
   detail::check_contiguous(op, "packed", packed);
   const int64_t M = x.size(0), K = packed.size(1) * kTile, N = packed.size(0) * kTile;
-  PAGEDLLM_CHECK(packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == kTile, op,
-                 ": packed must have shape [N / 32, K / 32, 2, 16, 32], got ", packed.describe());
+  PAGEDLLM_CHECK(packed.size(0) > 0 && packed.size(1) > 0 && packed.size(2) == 2 && packed.size(3) == 16 &&
+                     packed.size(4) == kTile,
+                 op, ": packed must have shape [N / 32, K / 32, 2, 16, 32] with N, K > 0, got ", packed.describe());
   detail::check_dim(op, "x", x, 1, K, "in_features, must match packed");
   detail::check_dim(op, "out", out, 0, M, "num_tokens, must match x");
   detail::check_dim(op, "out", out, 1, N, "out_features, must match packed");
   PAGEDLLM_CHECK((K <= 1 || x.stride(1) == 1) && (N <= 1 || out.stride(1) == 1), op,
                  ": x and out must have a contiguous last dimension, got x ", x.describe(), " and out ",
                  out.describe());
+  if (M > 0) {  // out is written column block by column block while x is still being read
+    const auto* xb = static_cast<const char*>(x.data);
+    const auto* ob = static_cast<const char*>(out.data);
+    const char* x_end = xb + ((M - 1) * x.stride(0) + K) * 2;
+    const char* o_end = ob + ((M - 1) * out.stride(0) + N) * 2;
+    PAGEDLLM_CHECK(o_end <= xb || x_end <= ob, op, ": out must not overlap x, got out ", out.describe(), " and x ",
+                   x.describe());
+  }
   std::vector<float> bias_f;
   if (bias != nullptr) {
     PAGEDLLM_CHECK(bias->device == DeviceType::kCPU && bias->ndim == 1 && bias->size(0) == N &&

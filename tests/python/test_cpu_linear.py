@@ -93,3 +93,12 @@ def test_amx_linear_argument_errors(gen):
         ops.amx_linear(x, packed, torch.zeros(63))
     with pytest.raises(ValueError, match=r"amx_linear: x and out must have a contiguous last dimension"):
         ops.amx_linear(torch.randn(96, 3).bfloat16().T, packed)
+    with pytest.raises(ValueError, match=r"amx_linear: out must not overlap x"):
+        square = ops.amx_pack_linear_weight(torch.randn(96, 96, generator=gen).bfloat16())
+        ops.amx_linear(x, square, out=x)
+    with pytest.raises(ValueError, match=r"amx_linear: x must be a 2-D tensor"):
+        ops.amx_linear(torch.randn(96).bfloat16(), packed)
+    with pytest.raises(ValueError, match=r"amx_linear: packed must be a 5-D tensor"):
+        ops.amx_linear(x, weight)
+    with pytest.raises(ValueError, match=r"amx_linear: packed must have shape .*N, K > 0"):
+        ops.amx_linear(x, torch.empty(0, 3, 2, 16, 32, dtype=torch.bfloat16), out=torch.empty(3, 0, dtype=torch.bfloat16))

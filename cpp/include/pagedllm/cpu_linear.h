@@ -5,8 +5,9 @@
 //
 // Why: at decode batch sizes (M of 1-256 tokens) a projection is bound by reading its weight once
 // from DRAM; oneDNN's matmul primitive adds ~50-100 us of dispatch per call and reads the weight at
-// about half the machine's bandwidth. This kernel streams the packed weight exactly once per call
-// (all M rows are computed while a weight tile is in L1) with the accumulation in AMX tiles.
+// about half the machine's bandwidth. This kernel streams the packed weight once per call for
+// M <= 256 (all rows of a 256-row block are computed while a weight tile is in L1; larger M reads
+// it once per row block) with the accumulation in AMX tiles.
 //
 // Packed layout (bfloat16, N % 32 == 0, K % 32 == 0): [N / 32][K / 32][2][16][32]. For the
 // column pair-block p (output columns 32p .. 32p+31), the K-block kb (inputs 32kb .. 32kb+31) and
@@ -40,7 +41,7 @@ std::vector<int64_t> amx_packed_weight_shape(int64_t N, int64_t K);
 void amx_pack_linear_weight(const TensorView& packed, const TensorView& weight);
 
 /// out bf16 [M, N] = x bf16 [M, K] @ weight^T + bias, weight given packed [N/32, K/32, 2, 16, 32];
-/// bias: nullptr or a float32/bfloat16 [N] view. M = 0 does nothing.
+/// bias: nullptr or a float32/bfloat16 [N] view. M = 0 does nothing. out must not overlap x.
 void amx_linear(const TensorView& out, const TensorView& x, const TensorView& packed, const TensorView* bias);
 
 }  // namespace pagedllm

@@ -3,8 +3,8 @@ with torch tensors.
 
 ``amx_pack_linear_weight`` re-lays an ``nn.Linear`` weight ``[N, K]`` (bfloat16, N and K
 multiples of 32) out as AMX tiles once; ``amx_linear`` then computes ``x @ weight.T + bias``
-streaming that weight exactly once per call, float32 accumulation, the result rounded to
-bfloat16 once (as ``torch.nn.functional.linear``). ``amx_linear_supported()`` says whether this
+streaming that weight once per call for up to 256 rows (once per 256-row block beyond), float32
+accumulation, the result rounded to bfloat16 once (as ``torch.nn.functional.linear``). ``amx_linear_supported()`` says whether this
 machine and build can run them. Bad arguments raise ``ValueError`` naming the bad value.
 """
 
@@ -35,7 +35,12 @@ def amx_pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ weight.T (+ bias [N])`` from ``packed = amx_pack_linear_weight(weight)``;
-    bfloat16 x and out (contiguous last dimension), float32 or bfloat16 bias. Returns ``out``."""
+    bfloat16 x and out (contiguous last dimension, not overlapping), float32 or bfloat16 bias.
+    Returns ``out``."""
+    for name, t, ndim in (("x", x, 2), ("packed", packed, 5)):
+        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+            raise ValueError(f"amx_linear: {name} must be a {ndim}-D tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     if out is None:
         out = torch.empty((x.shape[0], packed.shape[0] * 32), dtype=x.dtype)
     _C.amx_linear(_view(out), _view(x), _view(packed), None if bias is None else _view(bias))

@@ -96,7 +96,10 @@ class ModelRunner:
             self.model.load_weights(load_safetensors(model_path))
         self.model.eval()
         if self.model.pack_weights():
-            logger.info("projections pre-packed for oneDNN (bfloat16 on CPU)")
+            kind = type(self.model.layers[0].qkv_proj).__name__ if self.model.layers else "PackedLinear"
+            logger.info("projections pre-packed (bfloat16 on CPU): %s", {
+                "AmxLinear": "AMX kernel for steps of <= 128 tokens, oneDNN above",
+                "PackedLinear": "oneDNN"}.get(kind, kind))
         self._synchronize()
         self.phase_seconds["load_weights"] = time.perf_counter() - start
         logger.info("loaded %s (%s, %s, load_format=%s) in %.1f s", model_path, model_config.architecture, dtype,

@@ -17,9 +17,11 @@ PyTorch modules do.
 On CUDA in bfloat16/float16, steps with at most `gemv_max_tokens` tokens (decode at small batch;
 the crossover against cuBLAS measured by bench/gemv.py) run every projection and the LM head
 through pagedllm.ops.gemv, a bandwidth-bound GEMV (launched as a programmatic dependent: it
-starts streaming its weight while the kernel before it finishes). Larger steps and the CPU use
-F.linear. Same fp32 accumulation and
-one rounding, so results agree with F.linear within the dtype's rounding.
+starts streaming its weight while the kernel before it finishes); larger steps use F.linear. On
+the CPU in bfloat16, pack_weights() (called by the model runner) swaps the projections for
+AmxLinear (steps of at most 128 tokens through pagedllm.ops.amx_linear, larger ones through
+oneDNN's packed weight) or, without AMX, for PackedLinear; float32 uses F.linear. Every path
+accumulates in fp32 and rounds once, so results agree with F.linear within the dtype's rounding.
 
 Numerics follow Hugging Face transformers' modeling_llama / modeling_qwen2 / modeling_qwen3
 (RMSNorm in float32, weight multiplied in the model dtype), so fp32 logits agree with HF to
@@ -99,8 +101,9 @@ class AmxLinear(nn.Module):
     pagedllm's AMX kernel (pagedllm.ops.amx_linear: W packed once into AMX tiles and streamed once
     per call, no oneDNN dispatch); larger ones (prefill) oneDNN's PackedLinear, which measured
     faster there. Needs in/out features that are multiples of 32. x [T, in] (contiguous rows) ->
-    [T, out]. Holds both packings, so pack_weights uses it only for models whose projections are
-    small (MAX_WEIGHT_BYTES in all), as models run on a CPU are."""
+    [T, out]. Holds both packings (twice the weight's memory), so pack_weights uses it only when
+    all the model's projections take at most MAX_WEIGHT_BYTES (held twice: up to 2x that), as for
+    the small models run on a CPU."""
 
     MAX_TOKENS = 128
     MAX_WEIGHT_BYTES = 2 << 30
@@ -317,7 +320,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> bool:
         """After load_weights: on CPU in bfloat16, replace every projection (and the LM head) by an
         AmxLinear (pagedllm's AMX kernel for decode batches, oneDNN for prefill) where the machine
-        has AMX, the shapes allow and the projections are small enough to hold twice, else by a
+        has AMX, the shapes allow (multiples of 32) and all projections take at most
+        AmxLinear.MAX_WEIGHT_BYTES (they are then held twice), else by a
         PackedLinear (oneDNN blocked layout, same results as F.linear). Returns whether it did."""
         if not can_pack_linear(self.dtype, self.device):
             return False
