@@ -209,14 +209,9 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
   PAGEDLLM_CHECK((K <= 1 || x.stride(1) == 1) && (N <= 1 || out.stride(1) == 1), op,
                  ": x and out must have a contiguous last dimension, got x ", x.describe(), " and out ",
                  out.describe());
-  if (M > 0) {  // out is written column block by column block while x is still being read
-    const auto* xb = static_cast<const char*>(x.data);
-    const auto* ob = static_cast<const char*>(out.data);
-    const char* x_end = xb + ((M - 1) * x.stride(0) + K) * 2;
-    const char* o_end = ob + ((M - 1) * out.stride(0) + N) * 2;
-    PAGEDLLM_CHECK(o_end <= xb || x_end <= ob, op, ": out must not overlap x, got out ", out.describe(), " and x ",
-                   x.describe());
-  }
+  // out is written column block by column block while x is still being read
+  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x, got out ", out.describe(), " and x ",
+                 x.describe());
   std::vector<float> bias_f;
   if (bias != nullptr) {
     PAGEDLLM_CHECK(bias->device == DeviceType::kCPU && bias->ndim == 1 && bias->size(0) == N &&

@@ -19,21 +19,7 @@ using detail::check_dim;
 using detail::check_dtype;
 using detail::check_ndim;
 using detail::check_same_device;
-
-/// Bytes [first, last) a strided view touches (0, 0 when empty).
-std::pair<const char*, const char*> span(const TensorView& t) {
-  if (t.numel() == 0) return {nullptr, nullptr};
-  int64_t last = 0;
-  for (int d = 0; d < t.ndim; ++d) last += (t.size(d) - 1) * t.stride(d);
-  const char* p = static_cast<const char*>(t.data);
-  return {p, p + (last + 1) * static_cast<int64_t>(dtype_size(t.dtype))};
-}
-
-bool overlaps(const TensorView& a, const TensorView& b) {
-  auto [a0, a1] = span(a);
-  auto [b0, b1] = span(b);
-  return a0 != nullptr && b0 != nullptr && a0 < b1 && b0 < a1;
-}
+using detail::overlaps;
 
 void check_config(const char* op, const GemvConfig& c) {
   PAGEDLLM_CHECK(c.variant >= 0 && c.variant <= 3, op, ": config.variant must be 0..3, got ", c.variant);

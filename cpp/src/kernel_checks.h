@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pagedllm/attention.h"
@@ -117,6 +118,23 @@ inline void check_kv_caches(const char* op, const TensorView& key_cache, const T
 [[noreturn]] inline void no_cuda(const char* op) {
   throw std::runtime_error(std::string(op) +
                            ": got CUDA tensors but pagedllm was built without CUDA (PAGEDLLM_CUDA=ON)");
+}
+
+/// Bytes [first, last) a view with non-negative strides touches (nullptr, nullptr when empty).
+inline std::pair<const char*, const char*> byte_span(const TensorView& t) {
+  if (t.numel() == 0) return {nullptr, nullptr};
+  int64_t last = 0;
+  for (int d = 0; d < t.ndim; ++d) last += (t.size(d) - 1) * t.stride(d);
+  const char* p = static_cast<const char*>(t.data);
+  return {p, p + (last + 1) * static_cast<int64_t>(dtype_size(t.dtype))};
+}
+
+/// Whether two views share any byte of memory (an out that a kernel writes while it still reads
+/// the other would give wrong results).
+inline bool overlaps(const TensorView& a, const TensorView& b) {
+  auto [a0, a1] = byte_span(a);
+  auto [b0, b1] = byte_span(b);
+  return a0 != nullptr && b0 != nullptr && a0 < b1 && b0 < a1;
 }
 
 }  // namespace pagedllm::detail
