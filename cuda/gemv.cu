@@ -104,30 +104,27 @@ union Pack8 {
   T e[8];
 };
 
+/// Elements k..k+7 of a row, one at a time (zero past k_end): rows not 16-byte aligned or K tails.
+template <typename T>
+__device__ __forceinline__ uint4 load8_scalar(const T* row, int k, int k_end) {
+  Pack8<T> r;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) r.e[e] = k + e < k_end ? row[k + e] : from_float<T>(0.f);
+  return r.u;
+}
+
 /// Elements k..k+7 of a weight row (zero past k_end).
 template <typename T, bool kVec>
 __device__ __forceinline__ uint4 load_w(const T* row, int k, int k_end) {
-  if constexpr (kVec) {
-    return ld_weight16(row + k);
-  } else {
-    Pack8<T> r;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) r.e[e] = k + e < k_end ? row[k + e] : from_float<T>(0.f);
-    return r.u;
-  }
+  if constexpr (kVec) return ld_weight16(row + k);
+  else return load8_scalar(row, k, k_end);
 }
 
 /// Elements k..k+7 of an activation row (zero past k_end).
 template <typename T, bool kVec>
 __device__ __forceinline__ uint4 load_act(const T* row, int k, int k_end) {
-  if constexpr (kVec) {
-    return ld_act16(row + k);
-  } else {
-    Pack8<T> r;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) r.e[e] = k + e < k_end ? row[k + e] : from_float<T>(0.f);
-    return r.u;
-  }
+  if constexpr (kVec) return ld_act16(row + k);
+  else return load8_scalar(row, k, k_end);
 }
 
 /// SiLU(gate) * up for 8 elements, rounded as silu_and_mul (cuda/activation.cu) rounds.

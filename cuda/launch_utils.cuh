@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -19,7 +18,6 @@
 
 #include "attention_launch.h"
 #include "cuda_check.h"
-#include "pagedllm/cuda_runtime.h"
 
 namespace pagedllm::cuda::detail {
 
@@ -96,44 +94,58 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-/// Whether programmatic dependent launch is used on the current device: compute capability >= 9
-/// (read once, for the first device asked), the environment variable PAGEDLLM_NO_PDL unset and
-/// not turned off at run time (pagedllm::cuda::set_pdl_enabled, cuda_runtime.h).
-inline bool pdl_enabled() {
-  static const bool enabled = [] {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-      return false;
-    return major >= 9 && std::getenv("PAGEDLLM_NO_PDL") == nullptr;
-  }();
-  return enabled && ::pagedllm::cuda::pdl_enabled();
-}
+/// Whether launches on the current device should carry the PDL attribute: compute capability
+/// >= 9, PAGEDLLM_NO_PDL unset, and not turned off by set_pdl_enabled(false) (cuda/pdl.cu).
+bool pdl_enabled_for_current_device();
 
-/// kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx; when `pdl` (and
-/// pdl_enabled()), as a programmatic dependent of the kernel before it on the stream
-/// (cudaLaunchAttributeProgrammaticStreamSerialization; CUDA Programming Guide, "Programmatic
-/// Dependent Launch and Synchronization"). Such a kernel may start once every CTA of the previous
-/// kernel has called pdl_launch_dependents() (or exited), i.e. while that kernel still
-/// runs: it must execute pdl_wait() before reading anything the
-/// previous kernel writes, and before writing anything the previous kernel reads. Captured into
-/// CUDA graphs as a programmatic edge. `raised`: as launch_checked. The launch is checked.
+/// Compute capability major of the current device (cached per device; cuda/pdl.cu).
+int current_device_major();
+
+/// kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx, with the PDL
+/// attribute when `pdl` is true (see launch_pdl) and a (cluster_x, 1, 1) cluster when
+/// cluster_x > 1; checked.
 template <typename... KArgs, typename... Args>
-void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                std::atomic<uint64_t>& raised, bool pdl, Args&&... args) {
-  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, raised);
+void launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+               unsigned cluster_x, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = pdl && pdl_enabled() ? 1 : 0;
+  cudaLaunchAttribute attrs[2];
+  unsigned n = 0;
+  if (pdl) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster_x > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = cluster_x;
+    attrs[n].val.clusterDim.y = 1;
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  config.attrs = attrs;
+  config.numAttrs = n;
   PAGEDLLM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   PAGEDLLM_CUDA_CHECK_LAUNCH();
+}
+
+/// kernel<<<grid, block, smem, stream>>>(args...) after raising its dynamic shared-memory limit;
+/// when `pdl` (and pdl_enabled_for_current_device()), as a programmatic dependent of the kernel
+/// before it on the stream (cudaLaunchAttributeProgrammaticStreamSerialization; CUDA Programming
+/// Guide, "Programmatic Dependent Launch and Synchronization"). Such a kernel may start once every
+/// CTA of the previous kernel has called pdl_launch_dependents() (or exited), i.e. while that
+/// kernel still runs: it must execute pdl_wait() before reading anything the previous kernel
+/// writes, and before writing anything the previous kernel reads. Captured into CUDA graphs as a
+/// programmatic edge. `raised`: as launch_checked. The launch is checked.
+template <typename... KArgs, typename... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                std::atomic<uint64_t>& raised, bool pdl, Args&&... args) {
+  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, raised);
+  launch_ex(kernel, grid, block, smem, stream, pdl && pdl_enabled_for_current_device(), 1u,
+            std::forward<Args>(args)...);
 }
 
 }  // namespace pagedllm::cuda::detail

@@ -1,5 +1,6 @@
-// cuda/pdl.cuh — internal: programmatic dependent launch (PDL, sm_90+) and a checked
-// cudaLaunchKernelEx with optional cluster dimensions. Include from .cu files only.
+// cuda/pdl.cuh — internal: programmatic dependent launch (PDL, sm_90+) for the layer kernels and
+// the GEMV: launch_dependent (launch_ex and the PDL switch live in launch_utils.cuh). Include from
+// .cu files only.
 //
 // PDL (CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"): a kernel
 // launched with cudaLaunchAttributeProgrammaticStreamSerialization may start while the previous
@@ -29,45 +30,9 @@
 
 namespace pagedllm::cuda::detail {
 
-// pdl_launch_dependents() / pdl_wait(): the device side, in launch_utils.cuh (shared with the
-// attention kernels, whose launch_pdl also follows pagedllm::cuda::pdl_enabled()).
-
-/// Whether launches on the current device should carry the PDL attribute: compute capability
-/// >= 9, PAGEDLLM_NO_PDL unset, and not turned off by set_pdl_enabled(false) (cuda/pdl.cu).
-bool pdl_enabled_for_current_device();
-
-/// Compute capability major of the current device (cached per device).
-int current_device_major();
-
-/// kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx, with the PDL
-/// attribute when `pdl` is true and a (cluster_x, 1, 1) cluster when cluster_x > 1; checked.
-template <typename... KArgs, typename... Args>
-void launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-               unsigned cluster_x, Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  unsigned n = 0;
-  if (pdl) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  if (cluster_x > 1) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n].val.clusterDim.x = cluster_x;
-    attrs[n].val.clusterDim.y = 1;
-    attrs[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  config.attrs = attrs;
-  config.numAttrs = n;
-  PAGEDLLM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-  PAGEDLLM_CUDA_CHECK_LAUNCH();
-}
+// pdl_launch_dependents() / pdl_wait(): the device side, in launch_utils.cuh.
+// pdl_enabled_for_current_device(), current_device_major() and launch_ex(): in launch_utils.cuh
+// too (shared with the attention kernels' launch_pdl).
 
 /// launch_ex with PDL when pdl_enabled_for_current_device(), no cluster.
 template <typename... KArgs, typename... Args>
