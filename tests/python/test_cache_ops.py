@@ -6,7 +6,6 @@ computed with plain torch indexing on CPU copies. CUDA cases carry the `cuda` ma
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -27,13 +26,6 @@ def device_dtype_params():
 
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
-
-
-@pytest.fixture
-def gen():
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def nan_cache(num_blocks, num_kv_heads, block_size, head_size, dtype):

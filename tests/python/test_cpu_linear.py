@@ -3,7 +3,6 @@ reference on fresh random inputs, and its argument errors."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -12,13 +11,6 @@ import pagedllm.ops as ops
 
 pytestmark = pytest.mark.skipif(not ops.amx_linear_supported(),
                                 reason="this CPU/OS has no AMX-BF16 (the model falls back to oneDNN)")
-
-
-@pytest.fixture
-def gen():
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

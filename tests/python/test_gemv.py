@@ -27,13 +27,6 @@ def dtype_id(dt):
     return str(dt).removeprefix("torch.")
 
 
-@pytest.fixture
-def gen():
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 def rand(shape, dtype, gen, scale=1.0, offset=0):
     """Random values on the GPU; offset > 0: a view `offset` elements into its buffer (misaligned)."""
     n = 1

@@ -10,7 +10,6 @@ odd sizes, one row and zero rows.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -23,13 +22,6 @@ torch.set_num_threads(2)
 DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16")]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
 ROWS = [0, 1, 7, 300]  # 300 x 576 and up crosses the kernels' multi-thread threshold
-
-
-@pytest.fixture
-def gen():
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def strided_rows(rows: int, cols: int, dtype, gen, scale: float = 1.0) -> torch.Tensor:

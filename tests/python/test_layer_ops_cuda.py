@@ -14,7 +14,6 @@ everywhere.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -33,13 +32,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def dtype_id(dt):
     return str(dt).removeprefix("torch.")
-
-
-@pytest.fixture
-def gen():
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def randn(shape, dtype, gen, scale=1.0, offset=0):

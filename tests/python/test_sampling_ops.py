@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 import pagedllm.ops as ops
-
-
-@pytest.fixture
-def gen():
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
