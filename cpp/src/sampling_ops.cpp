@@ -1,6 +1,6 @@
 // Launcher and CPU kernel of pagedllm/sampling_ops.h.
 //
-// argmax_rows: one row per OpenMP iteration (rows are 32K-256K wide); within a row 16 lanes keep
+// argmax_rows: CUDA tensors go to cuda/sampling_ops.cu. CPU: one row per OpenMP iteration (rows are 32K-256K wide); within a row 16 lanes keep
 // their running maximum and its index (strictly-greater updates keep the first index), then the
 // lanes are merged taking the smaller index on equal values — the result torch.argmax gives.
 #include "pagedllm/sampling_ops.h"
@@ -14,6 +14,10 @@
 #include "cpu_vec.h"
 #include "kernel_checks.h"
 #include "pagedllm/attention.h"
+
+#ifdef PAGEDLLM_WITH_CUDA
+#include "sampling_ops_cuda.h"
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -74,14 +78,17 @@ int64_t argmax_row(const T* x, int64_t n) {
 
 }  // namespace
 
-void argmax_rows(const TensorView& out, const TensorView& logits, int64_t vocab, std::uintptr_t /*stream*/) {
+void argmax_rows(const TensorView& out, const TensorView& logits, int64_t vocab, std::uintptr_t stream) {
   const char* op = "argmax_rows";
-  PAGEDLLM_CHECK(logits.device == DeviceType::kCPU && out.device == DeviceType::kCPU, op,
-                 ": logits and out must be on the cpu (the CUDA sampler uses torch.argmax), got logits on ",
-                 detail::device_str(logits), " and out on ", detail::device_str(out));
   detail::check_ndim(op, "logits", logits, 2, "[num_rows, vocab]");
-  PAGEDLLM_CHECK(logits.dtype == DType::kFloat32 || logits.dtype == DType::kBFloat16, op, ": logits dtype ",
-                 dtype_name(logits.dtype), " is not supported; supported dtypes on cpu: float32, bfloat16");
+  const bool cuda = logits.device == DeviceType::kCUDA;
+  PAGEDLLM_CHECK(out.device == logits.device && out.device_index == logits.device_index, op,
+                 ": out must be on the logits' device (", detail::device_str(logits), "), got ",
+                 detail::device_str(out));
+  PAGEDLLM_CHECK(logits.dtype == DType::kFloat32 || logits.dtype == DType::kBFloat16 ||
+                     (cuda && logits.dtype == DType::kFloat16),
+                 op, ": logits dtype ", dtype_name(logits.dtype), " is not supported; supported dtypes on ",
+                 cuda ? "cuda: float32, bfloat16, float16" : "cpu: float32, bfloat16");
   PAGEDLLM_CHECK(logits.size(1) <= 1 || logits.stride(1) == 1, op,
                  ": logits must have a contiguous last dimension, got ", logits.describe());
   detail::check_ndim(op, "out", out, 1, "[num_rows]");
@@ -92,6 +99,16 @@ void argmax_rows(const TensorView& out, const TensorView& logits, int64_t vocab,
   const int64_t n = vocab == 0 ? V : vocab;
   PAGEDLLM_CHECK(n >= 1 && n <= V, op, ": vocab = ", vocab, " must be in [1, ", V, "] (0 = all columns)");
   const int64_t rows = logits.size(0);
+  if (rows == 0) return;
+  if (cuda) {
+#ifdef PAGEDLLM_WITH_CUDA
+    cuda::argmax_rows(out, logits, n, stream);
+    return;
+#else
+    (void)stream;
+    throw InvalidArgument(std::string(op) + ": got CUDA tensors but pagedllm was built without CUDA");
+#endif
+  }
   int64_t* o = out.ptr<int64_t>();
   const int threads = rows * n >= (1 << 18) ? get_num_threads() : 1;
   auto run = [&]<typename T>() {

@@ -447,3 +447,25 @@ def test_top_k_top_p_routes_in_one_batch():
     # the routes really differ: the flat top-p row keeps far more than the candidate window
     assert int(torch.isfinite(got[4]).sum()) > ops._TOPP_CANDIDATES
     assert int(torch.isfinite(got[3]).sum()) < ops._TOPP_CANDIDATES
+
+
+@pytest.mark.cuda
+def test_cuda_plain_greedy_uses_the_native_argmax(gen):
+    """All-greedy steps on CUDA take pagedllm.ops.argmax_rows (no copy, no transform): the
+    sampled ids equal the CPU sampler's on the same float32 / bfloat16 / float16 logits."""
+    if not torch.cuda.is_available():
+        pytest.fail("marked cuda but no CUDA device")
+    V = 128256
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = torch.randn(6, V + 8, generator=gen).to(dtype)  # padded vocabulary columns
+        logits[:, V:] = 100.0  # never chosen: outside vocab_size
+        s_gpu = Sampler(V)
+        s_cpu = Sampler(V)
+        for i in range(6):
+            s_gpu.add_sequence(i, SamplingParams(temperature=0))
+            s_cpu.add_sequence(i, SamplingParams(temperature=0))
+        got = s_gpu(logits.cuda(), np.arange(6)).sampled_token_ids
+        want = s_cpu(logits.float(), np.arange(6)).sampled_token_ids
+        assert got.dtype == np.int32
+        assert np.array_equal(got, want)
+        assert np.array_equal(got, logits[:, :V].float().argmax(-1).numpy())

@@ -1,4 +1,6 @@
-"""pagedllm.ops.argmax_rows against torch.argmax (the sampler's greedy path on the CPU)."""
+"""pagedllm.ops.argmax_rows against torch.argmax (the sampler's greedy path): the CPU kernel, and
+the CUDA kernel (marker `cuda`, on the GPU machine) on fresh random rows with planted ties, -inf
+runs, NaN, strided and misaligned rows, and every dtype it takes."""
 
 from __future__ import annotations
 
@@ -40,3 +42,71 @@ def test_argmax_rows_all_minus_inf_and_errors():
         ops.argmax_rows(torch.zeros(2, 4), 5)
     with pytest.raises(ValueError, match="contiguous last dimension"):
         ops.argmax_rows(torch.zeros(4, 2).t())
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _plant(logits, n, gen):
+    """Ties at two random places (the first must win), a -inf run and a NaN in other rows."""
+    rows = logits.shape[0]
+    i, j = sorted(torch.randperm(n, generator=gen)[:2].tolist())
+    logits[0, j] = logits[0, :n].float().max() + 1
+    logits[0, i] = logits[0, j]
+    if rows > 1:
+        logits[1, : n // 2] = -float("inf")
+    if rows > 2:
+        logits[2, n // 3] = float("nan")
+    return i
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,width,vocab,offset", [
+    (1, 128256, 0, 0), (1, 128256, 0, 1), (3, 151936, 151646, 0), (4, 49152, 0, 3),
+    (256, 32000, 0, 0), (2, 7, 0, 0), (5, 1000, 999, 1), (3, 33, 17, 0)])
+def test_argmax_rows_cuda_matches_torch(dtype, rows, width, vocab, offset, gen):
+    wide = torch.randn(rows, width + offset + 5, generator=gen).to(dtype).cuda()
+    logits = wide[:, offset:offset + width]  # row stride width + offset + 5; offset 1/3: misaligned
+    n = vocab or width
+    first = _plant(logits, n, gen)
+    got = ops.argmax_rows(logits, vocab)
+    assert got.device == logits.device and got.dtype == torch.int64
+    expected = logits[:, :n].float().cpu()
+    expected = torch.where(expected.isnan(), torch.tensor(-float("inf")), expected).argmax(dim=-1)
+    assert torch.equal(got.cpu(), expected)
+    assert got[0].item() == first
+    # the same rows through the CPU kernel (float32 copy) agree
+    assert torch.equal(got.cpu(), ops.argmax_rows(logits.float().cpu().contiguous(), vocab))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_argmax_rows_cuda_special_rows_graph_and_errors():
+    x = torch.full((3, 4100), -float("inf"), device="cuda")
+    x[1, :7] = float("nan")
+    x[2] = float("nan")
+    assert ops.argmax_rows(x).tolist() == [0, 7, 0]  # first -inf; NaN never chosen; all-NaN: 0
+    assert ops.argmax_rows(torch.empty(0, 10, device="cuda")).shape == (0,)
+    # captured in a CUDA graph and replayed on new values
+    logits = torch.zeros(2, 50000, device="cuda")
+    out = torch.empty(2, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ops.argmax_rows(logits)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out.copy_(ops.argmax_rows(logits))
+    for k in (17, 49999, 3):
+        logits.zero_()
+        logits[0, k] = 1.0
+        logits[1, 49999 - k] = 2.0
+        graph.replay()
+        assert out.tolist() == [k, 49999 - k]
+    with pytest.raises(ValueError, match="int32"):
+        ops.argmax_rows(torch.zeros(2, 4, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="vocab = 9"):
+        ops.argmax_rows(torch.zeros(2, 4, device="cuda"), 9)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        ops.argmax_rows(torch.zeros(4, 2, device="cuda").t())

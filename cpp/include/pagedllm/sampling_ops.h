@@ -3,9 +3,10 @@
 //   argmax_rows  out[r] = the index of the largest of logits[r, :vocab] (the first one on a tie,
 //                as torch.argmax); NaN is never chosen over a number.
 //
-// dtypes: logits float32 or bfloat16 on the CPU (any row stride, contiguous last dimension);
-// out int64 [R], contiguous. Launchers validate and throw InvalidArgument naming the bad value;
-// CUDA tensors are refused (the CUDA sampler uses torch.argmax).
+// dtypes: logits float32 or bfloat16 on the CPU, also float16 on CUDA (any row stride, contiguous
+// last dimension); out int64 [R], contiguous, on the logits' device. On CUDA the kernel runs on
+// `stream` (a cudaStream_t as an integer) without synchronizing. Launchers validate and throw
+// InvalidArgument naming the bad value.
 #pragma once
 
 #include <cstdint>
