@@ -5,10 +5,12 @@ Llama-3-8B shape (bench/throughput_gpu.py's SHAPES), random bf16 weights on the 
 request of 256 random prompt tokens and 256 greedy output tokens (ignore_eos), CUDA graphs on.
 Reported (all in microseconds):
 - token_us: wall time per output token through LLM.generate (TTFT removed), as throughput_gpu;
-- graph_us: one replay of the batch-1 decode graph, timed by CUDA events over 200 back-to-back
-  replays (the GPU's part of a step: embeddings, 32 layers, final norm, LM head, logits copy);
+- graph_us: one replay of the batch-1 decode graph (all its segments), timed by CUDA events over
+  200 back-to-back replays (the GPU's part of a step: embeddings, 32 layers, final norm, LM head,
+  logits copy); graph_launch_host_us / first_segment_launch_host_us: host time of submitting all
+  segments / the first one (perf_counter, GPU idle before each);
 - argmax_torch_us / argmax_native_us: torch.argmax vs pagedllm.ops.argmax_rows on the graph's
-  float32 logits row (CUDA events, 200 launches each);
+  float32 logits row (GPU time: 20 calls captured in a CUDA graph, replays timed);
 - host phases of engine.step (perf_counter medians over 100 steps, no synchronisation added):
   schedule, execute_model (input copies + graph launch), sampler (includes waiting for the GPU),
   update_from_output + release; step_us their total. step_us - graph_us - argmax is what the GPU
@@ -50,6 +52,21 @@ def cuda_time_us(fn, reps: int = 200) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / reps
+
+
+def graph_time_us(fn, reps: int = 20) -> float:
+    """GPU time of one fn() call: `reps` calls captured in one CUDA graph, replays timed (no
+    host launch cost in the figure)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(reps):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return cuda_time_us(graph.replay, 20) / reps
 
 
 def main(argv=None) -> int:
@@ -136,11 +153,29 @@ def main(argv=None) -> int:
 
     # the batch-1 graph alone, and the greedy argmax on its logits row
     graphs = runner.graphs
-    graph = graphs._graphs[graphs.graph_size(1)]
-    result["graph_us"] = cuda_time_us(graph.replay)
+    size = graphs.graph_size(1)
+    result["graph_segments"] = len(graphs._graphs[size])
+    result["graph_us"] = cuda_time_us(lambda: graphs.replay(size))
+    launches = []
+    for _ in range(50):  # host time of submitting the graph(s), GPU drained before each
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graphs.replay(size)
+        launches.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    result["graph_launch_host_us"] = statistics.median(launches) * 1e6
+    first = graphs._graphs[size][0]
+    launches.clear()
+    for _ in range(50):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        first.replay()
+        launches.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    result["first_segment_launch_host_us"] = statistics.median(launches) * 1e6
     row = graphs._logits[:1, : cfg["vocab_size"]]
-    result["argmax_torch_us"] = cuda_time_us(lambda: row.argmax(dim=-1))
-    result["argmax_native_us"] = cuda_time_us(lambda: ops.argmax_rows(row))
+    result["argmax_torch_us"] = graph_time_us(lambda: row.argmax(dim=-1))
+    result["argmax_native_us"] = graph_time_us(lambda: ops.argmax_rows(row))
     assert int(row.argmax(dim=-1)) == int(ops.argmax_rows(row))
     result["host_gap_us"] = result["token_us"] - result["graph_us"] - result["argmax_native_us"]
     llm.shutdown()

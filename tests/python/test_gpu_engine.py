@@ -145,6 +145,40 @@ def test_cuda_graphs_match_eager(hf_model):
     assert diff < 1e-4
 
 
+def test_segmented_graphs_match_eager(tmp_path):
+    """A 9-layer model: decode graphs of batch sizes <= SEGMENTED_MAX_SIZE are captured as three
+    segments (layers [0,1), [1,4), [4,9)), larger ones as one graph. Both kinds, with padding rows,
+    give the eager run's greedy tokens and logprobs (fp32)."""
+    from pagedllm.model_executor.dummy import synthetic_tokenizer
+    from pagedllm.worker.cuda_graph import SEGMENTED_MAX_SIZE, segment_bounds
+
+    cfg = dict(CONFIG, num_hidden_layers=9)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    synthetic_tokenizer(VOCAB).save_pretrained(tmp_path)
+    assert segment_bounds(9, 3) == [0, 1, 4, 9] and segment_bounds(9, SEGMENTED_MAX_SIZE + 1) == [0, 9]
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 40, (SEGMENTED_MAX_SIZE + 6,), generator=g)]
+    runs = {}
+    for eager in (True, False):
+        llm = _llm(tmp_path, "float32", enforce_eager=eager, load_format="dummy",
+                   max_num_seqs=SEGMENTED_MAX_SIZE + 16, kv_cache_memory_bytes=256 << 20)
+        if not eager:
+            graphs = llm.llm_engine.runner.graphs
+            assert len(graphs._graphs[1]) == 3 and len(graphs._graphs[graphs.max_size]) == 1
+        few = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], _greedy(12, logprobs=1), use_tqdm=False)
+        many = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(4, logprobs=1), use_tqdm=False)
+        runs[eager] = [([list(c.token_ids) for c in o.outputs],
+                        [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                       for o in few + many]
+        runs[(eager, "replays")] = _metric(llm, "pagedllm:cuda_graph_replays")
+        llm.shutdown()
+    assert runs[(True, "replays")] == 0 and runs[(False, "replays")] > 0
+    assert [t for t, _ in runs[True]] == [t for t, _ in runs[False]]
+    diff = max(abs(a - b) for (_, x), (_, y) in zip(runs[True], runs[False]) for a, b in zip(x, y))
+    assert diff < 1e-4
+
+
 def test_graph_batch_padding_and_sampling_on_gpu(hf_model):
     """Batch sizes between the captured ones (padding rows), n > 1 (repeated logits rows) and seeded
     random sampling: graph and eager runs agree token for token."""

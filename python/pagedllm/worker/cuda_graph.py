@@ -4,10 +4,20 @@ At start-up, one graph per batch size of a ladder (1, 2, 4, 8, then multiples of
 max_num_seqs, max_num_seqs itself last) captures the whole model forward — embeddings, every
 layer's reshape_and_cache and paged_attention, the final norm and the LM head — over static input
 buffers, writing one shared float32 logits buffer [max_num_seqs, vocab]; the graphs share one
-memory pool (captured largest first). A decode step of n <= max
-sequences copies its batch buffers into the first n rows of the next larger size's buffers (pinned
-host staging, one async copy per field), pads the rest (slot -1: nothing written; seq_len 1 over
-block 0: a harmless read) and replays; the logits of the real rows are returned.
+memory pool (captured largest first). A decode step of n <= max sequences fills the first n rows
+of the next larger size's inputs in pinned host memory, pads the rest (slot -1: nothing written;
+seq_len 1 over block 0: a harmless read), copies them with ONE host-to-device copy (each size's
+inputs are one contiguous byte buffer: positions and slot_mapping int64, then input_ids, seq_lens
+and block_tables int32) and replays; the logits of the real rows are returned.
+
+Segments: launching a graph costs the host about 1 us per kernel node, and the GPU starts only
+once the launch is submitted — for a 32-layer model (~330 nodes) ~0.3 ms per decode step in which
+the GPU idles (bench/batch1_breakdown.py on the H200). So each size's forward is captured as a
+few graphs in sequence (layers [0, 1), [1, 4), [4, L) for L >= 8, see `segment_bounds`): the
+first, small one starts the GPU while the host submits the others. Segments are replayed in
+capture order on one stream; their boundary states (hidden and residual, [size, hidden_size]
+each) stay allocated, so only sizes up to SEGMENTED_MAX_SIZE are segmented
+(`boundary_state_bytes`: ~70 MB for Llama-3-8B, counted in the KV budget).
 
 The paged-attention launcher chooses its flash-decoding split from the block-table width, which
 is fixed (ceil(max_model_len / block_size)), so a captured launch stays valid for any step.
@@ -33,10 +43,49 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+#: Batch sizes up to this are captured as segments (larger ones as one graph).
+SEGMENTED_MAX_SIZE = 256
+
+
+def segment_bounds(num_layers: int, size: int = 1) -> list[int]:
+    """Layer boundaries of a decode graph's segments: [0, 1, 4, L] for L >= 8 layers and batch
+    sizes <= SEGMENTED_MAX_SIZE (one small graph to start the GPU, a second to cover the third's
+    launch), else [0, L]."""
+    return [0, 1, 4, num_layers] if num_layers >= 8 and size <= SEGMENTED_MAX_SIZE else [0, num_layers]
+
+
+def boundary_state_bytes(sizes: list[int], num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Bytes the segments' hand-over states keep allocated: per boundary, hidden and residual."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum((len(segment_bounds(num_layers, s)) - 2) * 2 * s * hidden_size * elem for s in sizes)
+
+
+# the per-size input buffer: (name, dtype, columns) in byte order (int64 fields first: aligned)
+_FIELDS = (("positions", torch.int64, 1), ("slot_mapping", torch.int64, 1), ("input_ids", torch.int32, 1),
+           ("seq_lens", torch.int32, 1), ("block_tables", torch.int32, None))
+_PAD = {"positions": 0, "slot_mapping": -1, "input_ids": 0, "seq_lens": 1, "block_tables": 0}
+
+
+def _field_views(buf: torch.Tensor, size: int, width: int) -> dict[str, torch.Tensor]:
+    """Typed views of one size's byte buffer (see _FIELDS): [size] or [size, width]."""
+    views, offset = {}, 0
+    for name, dtype, cols in _FIELDS:
+        cols = width if cols is None else cols
+        nbytes = size * cols * torch.empty((), dtype=dtype).element_size()
+        v = buf[offset:offset + nbytes].view(dtype)
+        views[name] = v.view(size, cols) if name == "block_tables" else v
+        offset += nbytes
+    return views
+
+
+def _buffer_bytes(size: int, width: int) -> int:
+    return size * (8 + 8 + 4 + 4 + 4 * width)
+
+
 class DecodeGraphRunner:
     """Captured decode graphs for one model and its KV caches.
 
-    model: LlamaForCausalLM (forward(input_ids, positions, kv_caches, meta, logits_indices)).
+    model: LlamaForCausalLM (embed / forward_layers / logits, see its forward).
     kv_caches: the per-layer (key_cache, value_cache) the graphs read and write (kept alive here).
     max_num_seqs: the largest batch; max_blocks_per_seq: the block-table width the scheduler uses.
     """
@@ -48,32 +97,43 @@ class DecodeGraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
         self.max_blocks_per_seq = int(max_blocks_per_seq)
+        self.bounds = {s: segment_bounds(len(model.layers), s) for s in self.sizes}
         self.num_replays = 0
-        n, m = self.max_size, self.max_blocks_per_seq
-        self._dev = {
-            "input_ids": torch.zeros(n, dtype=torch.int32, device=device),
-            "positions": torch.zeros(n, dtype=torch.int64, device=device),
-            "slot_mapping": torch.full((n,), -1, dtype=torch.int64, device=device),
-            "seq_lens": torch.ones(n, dtype=torch.int32, device=device),
-            "block_tables": torch.zeros((n, m), dtype=torch.int32, device=device),
-        }
-        self._host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in self._dev.items()}
-        self._rows = torch.arange(n + 1, dtype=torch.int64, device=device)
+        m = self.max_blocks_per_seq
+        # one device byte buffer per size (its graphs read the typed views), one pinned host buffer
+        self._dev_buf = {s: torch.zeros(_buffer_bytes(s, m), dtype=torch.uint8, device=device) for s in self.sizes}
+        self._dev = {s: _field_views(self._dev_buf[s], s, m) for s in self.sizes}
+        self._host_buf = torch.zeros(_buffer_bytes(self.max_size, m), dtype=torch.uint8, pin_memory=True)
+        self._host = {s: {k: v.numpy() for k, v in _field_views(self._host_buf, s, m).items()} for s in self.sizes}
+        for s in self.sizes:
+            self._dev[s]["slot_mapping"].fill_(-1)
+            self._dev[s]["seq_lens"].fill_(1)
+        self._rows = torch.arange(self.max_size + 1, dtype=torch.int64, device=device)
         self._query_start_loc = self._rows.to(torch.int32)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._boundary_states: dict[int, list[tuple]] = {}  # keeps the segments' hand-over tensors
         # One float32 logits buffer for every graph (each graph copies its rows in): a graph's own
         # output would stay allocated per graph (sum of the ladder x vocab x 4 bytes).
-        self._logits = torch.empty((n, model.config.vocab_size), dtype=torch.float32, device=device)
+        self._logits = torch.empty((self.max_size, model.config.vocab_size), dtype=torch.float32, device=device)
         self._capture_all()
 
-    def _forward(self, size: int) -> torch.Tensor:
-        d = self._dev
-        meta = AttentionMetadata(
-            slot_mapping=d["slot_mapping"][:size], block_tables=d["block_tables"][:size],
-            seq_lens=d["seq_lens"][:size], query_start_loc=self._query_start_loc[: size + 1],
-            decode_only=True,
+    def _meta(self, size: int) -> AttentionMetadata:
+        d = self._dev[size]
+        return AttentionMetadata(
+            slot_mapping=d["slot_mapping"], block_tables=d["block_tables"], seq_lens=d["seq_lens"],
+            query_start_loc=self._query_start_loc[: size + 1], decode_only=True,
         )
-        return self.model(d["input_ids"][:size], d["positions"][:size], self.kv_caches, meta, self._rows[:size])
+
+    def _segment(self, size: int, k: int, state, meta: AttentionMetadata):
+        """Segment k of size `size`: (embeddings +) layers [bounds[k], bounds[k+1]) (+ logits)."""
+        d, bounds = self._dev[size], self.bounds[size]
+        if k == 0:
+            state = self.model.embed(d["input_ids"], d["positions"])
+        state = self.model.forward_layers(state, d["positions"], self.kv_caches, meta,
+                                          bounds[k], bounds[k + 1])
+        if k == len(bounds) - 2:
+            self._logits[:size].copy_(self.model.logits(state, self._rows[:size]))
+        return state
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -82,11 +142,19 @@ class DecodeGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
-                self._forward(size)  # warm-up outside capture (cuBLAS workspaces, lazy init)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._logits[:size].copy_(self._forward(size))
-                self._graphs[size] = graph
+                meta = self._meta(size)
+                state = None
+                for k in range(len(self.bounds[size]) - 1):  # warm-up outside capture (cuBLAS workspaces, lazy init)
+                    state = self._segment(size, k, state, meta)
+                graphs, states, state = [], [], None
+                for k in range(len(self.bounds[size]) - 1):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        state = self._segment(size, k, state, meta)
+                    graphs.append(graph)
+                    states.append(state)
+                self._graphs[size] = graphs
+                self._boundary_states[size] = states
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
@@ -97,30 +165,32 @@ class DecodeGraphRunner:
         """The smallest captured batch size >= num_seqs."""
         return self.sizes[int(np.searchsorted(self.sizes, num_seqs))]
 
+    def replay(self, size: int) -> None:
+        """Replay every segment of batch size `size` over its current inputs (no input copy)."""
+        for graph in self._graphs[size]:
+            graph.replay()
+
     @torch.inference_mode()
     def run(self, sched) -> torch.Tensor:
         """Replay for a decode-only SchedulerOutput (num_tokens == num_seqs <= max_num_seqs); returns
         float32 logits [R, vocab] for sched.logits_indices (a row may repeat)."""
         n = int(sched.num_seqs)
         size = self.graph_size(n)
-        h, d = self._host, self._dev
-        h["input_ids"].numpy()[:n] = sched.input_ids[:n]
-        h["positions"].numpy()[:n] = sched.positions[:n]
-        h["slot_mapping"].numpy()[:n] = sched.slot_mapping[:n]
-        h["seq_lens"].numpy()[:n] = sched.seq_lens[:n]
         bt = np.asarray(sched.block_tables)
         if bt.shape[1] != self.max_blocks_per_seq:
             raise ValueError(f"block_tables width {bt.shape[1]} differs from the captured {self.max_blocks_per_seq}")
-        h["block_tables"].numpy()[:n] = bt[:n]
+        h = self._host[size]
+        h["input_ids"][:n] = sched.input_ids[:n]
+        h["positions"][:n] = sched.positions[:n]
+        h["slot_mapping"][:n] = sched.slot_mapping[:n]
+        h["seq_lens"][:n] = sched.seq_lens[:n]
+        h["block_tables"][:n] = bt[:n]
         if n < size:  # padding rows: write nothing, attend to one token of block 0
-            h["slot_mapping"].numpy()[n:size] = -1
-            h["seq_lens"].numpy()[n:size] = 1
-            h["block_tables"].numpy()[n:size] = 0
-            h["input_ids"].numpy()[n:size] = 0
-            h["positions"].numpy()[n:size] = 0
-        for key in d:
-            d[key][:size].copy_(h[key][:size], non_blocking=True)
-        self._graphs[size].replay()
+            for key, value in _PAD.items():
+                h[key][n:size] = value
+        buf = self._dev_buf[size]
+        buf.copy_(self._host_buf[: buf.numel()], non_blocking=True)
+        self.replay(size)
         self.num_replays += 1
         logits = self._logits
         idx = np.asarray(sched.logits_indices)

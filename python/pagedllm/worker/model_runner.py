@@ -11,7 +11,8 @@ determine_num_available_blocks): a profiling forward pass of max_num_batched_tok
 logits for max_num_seqs rows measures the activation peak; the pool gets
     total * gpu_memory_utilization - (memory used by other processes) - weights - activation peak
     - sampler workspace (3 x the logits of max_num_seqs rows)
-    - CUDA graphs (256 MiB + 3 x the float32 logits of max_num_seqs rows),
+    - CUDA graphs (256 MiB + 3 x the float32 logits of max_num_seqs rows + the hand-over states of
+      segmented graphs),
 divided by the bytes of a block (block_size tokens of K and V for every layer:
 2 * L * block_size * Hkv * D * dtype bytes).
 
@@ -37,7 +38,7 @@ from pagedllm.model_executor.dummy import LOAD_FORMATS, init_dummy_weights
 from pagedllm.model_executor.loader import load_safetensors
 from pagedllm.model_executor.models import LlamaForCausalLM
 from pagedllm.worker.cpu_memory import tune_glibc_malloc
-from pagedllm.worker.cuda_graph import DecodeGraphRunner
+from pagedllm.worker.cuda_graph import DecodeGraphRunner, boundary_state_bytes, capture_sizes
 
 logger = logging.getLogger("pagedllm")
 
@@ -166,7 +167,10 @@ class ModelRunner:
         rows = min(self.max_num_seqs, self.max_num_batched_tokens)
         sampler = 3 * rows * self.config.vocab_size * 4
         # graphs: the shared logits buffer and the largest graph's pool (its bf16 and fp32 logits)
-        graph_margin = (256 << 20) + 3 * self.max_num_seqs * self.config.vocab_size * 4 if use_graphs else 0
+        graph_margin = 0
+        if use_graphs:  # + the hand-over states of segmented graphs (pagedllm.worker.cuda_graph)
+            graph_margin = (256 << 20) + 3 * self.max_num_seqs * self.config.vocab_size * 4 + boundary_state_bytes(
+                capture_sizes(self.max_num_seqs), self.config.num_hidden_layers, self.config.hidden_size, self.dtype)
         budget = total * gpu_memory_utilization - used_by_others - weights - activation_peak - sampler - graph_margin
         self.phase_seconds["profile_run"] = time.perf_counter() - start
         logger.info("memory profile (%.2f s): total %.2f GiB x %.2f, other processes %.2f GiB, weights %.2f GiB, "

@@ -295,11 +295,28 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        cos_sin = None if self.fused else self.rotary.cos_sin(positions)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, positions, cos_sin, self.rotary, kv_cache, meta)
+        state = self.embed(input_ids, positions)
+        state = self.forward_layers(state, positions, kv_caches, meta, 0, len(self.layers))
+        return self.logits(state, logits_indices)
+
+    # forward in three pieces, so that a decode CUDA graph can be captured as several segments
+    # (pagedllm.worker.cuda_graph): state = (hidden [T, hidden_size], residual [T, hidden_size] or
+    # None before the first layer, the RoPE (cos, sin) tables of the PyTorch path or None).
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """input_ids int [T] -> the state before layer 0."""
+        return self.embed_tokens(input_ids), None, None if self.fused else self.rotary.cos_sin(positions)
+
+    def forward_layers(self, state: tuple, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       meta: AttentionMetadata, start: int, end: int) -> tuple:
+        """Layers [start, end) over `state`; kv_caches holds every layer's (k, v)."""
+        hidden, residual, cos_sin = state
+        for i in range(start, end):
+            hidden, residual = self.layers[i](hidden, residual, positions, cos_sin, self.rotary, kv_caches[i], meta)
+        return hidden, residual, cos_sin
+
+    def logits(self, state: tuple, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The state after the last layer -> float32 logits [R, vocab_size] of rows logits_indices."""
+        hidden, residual, _ = state
         if residual is None:  # no layers
             return self.compute_logits(hidden.index_select(0, logits_indices))
         normed, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
