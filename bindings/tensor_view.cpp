@@ -37,6 +37,36 @@ PAGEDLLM_BINDING(tensor_view, m) {
            }),
            py::arg("data_ptr"), py::arg("dtype"), py::arg("shape"), py::arg("strides"),
            py::arg("device") = "cpu", py::arg("device_index") = 0)
+      .def_static(
+          "from_parts",
+          [](std::uintptr_t data, int dtype_code, const py::tuple& shape, const py::tuple& strides, bool cuda,
+             int device_index) {
+            // The hot path of pagedllm.ops._view (several calls per kernel launch): integer dtype
+            // code (the order of pagedllm::DType), shape and strides as tuples read in place.
+            PAGEDLLM_CHECK(dtype_code >= 0 && dtype_code <= static_cast<int>(pagedllm::DType::kUInt8),
+                           "TensorView.from_parts: dtype code ", dtype_code, " is out of range");
+            const auto ndim = static_cast<int>(PyTuple_GET_SIZE(shape.ptr()));
+            PAGEDLLM_CHECK(ndim == static_cast<int>(PyTuple_GET_SIZE(strides.ptr())), "TensorView: shape has ",
+                           ndim, " dimensions but strides has ", PyTuple_GET_SIZE(strides.ptr()));
+            PAGEDLLM_CHECK(ndim <= TensorView::kMaxDims, "TensorView supports at most ", TensorView::kMaxDims,
+                           " dimensions, got ", ndim);
+            TensorView v;
+            v.data = reinterpret_cast<void*>(data);
+            v.dtype = static_cast<pagedllm::DType>(dtype_code);
+            v.device = cuda ? pagedllm::DeviceType::kCUDA : pagedllm::DeviceType::kCPU;
+            v.device_index = device_index;
+            v.ndim = ndim;
+            for (int d = 0; d < ndim; ++d) {
+              v.shape[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), d));
+              v.strides[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides.ptr(), d));
+            }
+            if (PyErr_Occurred()) throw py::error_already_set();
+            return v;
+          },
+          py::arg("data_ptr"), py::arg("dtype_code"), py::arg("shape"), py::arg("strides"), py::arg("cuda"),
+          py::arg("device_index"),
+          "TensorView from a pointer, a pagedllm::DType code (float32, float16, bfloat16, int32, int64, "
+          "uint8 = 0..5), shape and strides tuples (elements) and the device (cuda flag, index).")
       .def_property_readonly("shape", [](const TensorView& v) {
         return std::vector<int64_t>(v.shape, v.shape + v.ndim);
       })

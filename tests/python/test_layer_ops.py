@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import pagedllm.ops as ops
+from pagedllm import _C
 
 torch.set_num_threads(2)
 
@@ -169,3 +170,25 @@ def test_layer_ops_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="key dimension 2"):
         ops.rotary_embedding(torch.tensor([0, 1]), q, torch.randn(2, 2, 32), cache)
     assert ops.layer_ops_supported("cpu", torch.bfloat16) and not ops.layer_ops_supported("cpu", torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+                                   torch.uint8])
+def test_tensor_view_fast_path_equals_the_generic_constructor(dtype):
+    """pagedllm.ops._view (TensorView.from_parts) describes a strided view exactly as the generic
+    constructor does; bad input still names the bad value."""
+    base = torch.zeros(5, 7, 9).to(dtype)
+    for t in (base, base[1:, ::2, 3:], base.transpose(0, 2), base[2, 3], torch.zeros((), dtype=dtype)):
+        fast = ops._view(t)
+        slow = _C.TensorView(t.data_ptr(), str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()),
+                             "cpu", 0)
+        assert (fast.shape, fast.strides, fast.dtype, fast.device) == (slow.shape, slow.strides, slow.dtype, slow.device)
+        assert repr(fast) == repr(slow)
+    with pytest.raises(ValueError, match="complex64"):
+        ops._view(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="expected a torch.Tensor, got list"):
+        ops._view([1, 2])
+    with pytest.raises(ValueError, match="dtype code 9"):
+        _C.TensorView.from_parts(0, 9, (1,), (1,), False, 0)
+    with pytest.raises(ValueError, match="strides has 1"):
+        _C.TensorView.from_parts(0, 0, (2, 3), (1,), False, 0)

@@ -65,15 +65,24 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
                 torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
 
 
+# pagedllm::DType codes (cpp/include/pagedllm/tensor_view.h), for TensorView.from_parts
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4,
+                torch.uint8: 5}
+
+
 def _view(t: torch.Tensor) -> "_C.TensorView":
-    # Called several times per kernel launch: no torch.device objects, no str(dtype) on the hot path.
+    # Called several times per kernel launch (~1.3 us here against ~2.7 us through the generic
+    # constructor): an integer dtype code, the shape and stride tuples as they are.
+    code = _DTYPE_CODES.get(getattr(t, "dtype", None))
+    if code is not None and isinstance(t, torch.Tensor):
+        if t.is_cuda:
+            return _C.TensorView.from_parts(t.data_ptr(), code, t.shape, t.stride(), True, t.get_device())
+        if t.is_cpu:
+            return _C.TensorView.from_parts(t.data_ptr(), code, t.shape, t.stride(), False, 0)
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
+    # unsupported dtype or device: the generic constructor names it in its error
     dtype = _DTYPE_NAMES.get(t.dtype) or str(t.dtype)
-    if t.is_cuda:
-        return _C.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), "cuda", t.get_device())
-    if t.is_cpu:
-        return _C.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), "cpu", 0)
     return _C.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), t.device.type, t.device.index or 0)
 
 
