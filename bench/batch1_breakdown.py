@@ -14,7 +14,7 @@ Reported (all in microseconds):
 - host phases of engine.step (perf_counter medians over 100 steps, no synchronisation added):
   schedule, execute_model (input copies + graph launch), sampler (includes waiting for the GPU),
   update_from_output + release; step_us their total. step_us - graph_us - argmax is what the GPU
-  waits for the host per token.
+  waits for the host per token; a cProfile of 50 steps goes beside the JSON (-host-profile.txt).
 JSON to <out>/<date>-<machine>-<name>.json.
 
     python3 bench/batch1_breakdown.py [--shape llama3-8b] [--out DIR] [--name batch1_breakdown]
@@ -145,6 +145,18 @@ def main(argv=None) -> int:
         steps.append(time.perf_counter() - t0)
     engine.core, engine.sampler = orig[0], orig[2]
     del runner.execute_model
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(50):
+        engine.step()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+    host_profile = text.getvalue()
     while engine.has_unfinished_requests():
         engine.step()
     med = lambda xs: statistics.median(xs) * 1e6  # noqa: E731
@@ -183,6 +195,8 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{datetime.date.today().isoformat()}-{args.machine}-{args.name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
+    path.with_name(path.stem + "-host-profile.txt").write_text(
+        "cProfile of 50 batch-1 decode steps (engine.step), by own time\n" + host_profile)
     print(json.dumps(result, indent=1))
     return 0
 
