@@ -42,5 +42,10 @@ void fill_int32(int32_t* dst, int64_t n, int32_t value, std::uintptr_t stream) {
   PAGEDLLM_CUDA_CHECK_LAUNCH();
 }
 
+void copy_async(void* dst, const void* src, std::size_t nbytes, std::uintptr_t stream) {
+  if (nbytes == 0) return;
+  PAGEDLLM_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, reinterpret_cast<cudaStream_t>(stream)));
+}
+
 }  // namespace cuda
 }  // namespace pagedllm

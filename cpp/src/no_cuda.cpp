@@ -17,6 +17,8 @@ void require_device() {
 
 void fill_int32(int32_t*, int64_t, int32_t, std::uintptr_t) { require_device(); }
 
+void copy_async(void*, const void*, std::size_t, std::uintptr_t) { require_device(); }
+
 bool pdl_enabled() { return false; }
 void set_pdl_enabled(bool) {}
 

@@ -146,26 +146,28 @@ def test_cuda_graphs_match_eager(hf_model):
 
 
 def test_segmented_graphs_match_eager(tmp_path):
-    """A 9-layer model: decode graphs of batch sizes <= SEGMENTED_MAX_SIZE are captured as three
-    segments (layers [0,1), [1,4), [4,9)), larger ones as one graph. Both kinds, with padding rows,
-    give the eager run's greedy tokens and logprobs (fp32)."""
+    """A 9-layer model: decode graphs are captured as three segments (layers [0,1), [1,4), [4,9));
+    sizes <= PER_SIZE_HANDOVER_MAX keep their hand-over states, larger ones copy them through
+    shared buffers. Both kinds, with padding rows, give the eager run's greedy tokens and
+    logprobs (fp32)."""
     from pagedllm.model_executor.dummy import synthetic_tokenizer
-    from pagedllm.worker.cuda_graph import SEGMENTED_MAX_SIZE, segment_bounds
+    from pagedllm.worker.cuda_graph import PER_SIZE_HANDOVER_MAX, segment_bounds
 
     cfg = dict(CONFIG, num_hidden_layers=9)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     synthetic_tokenizer(VOCAB).save_pretrained(tmp_path)
-    assert segment_bounds(9, 3) == [0, 1, 4, 9] and segment_bounds(9, SEGMENTED_MAX_SIZE + 1) == [0, 9]
+    assert segment_bounds(9) == [0, 1, 4, 9] and segment_bounds(7) == [0, 7]
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist()
-               for n in torch.randint(3, 40, (SEGMENTED_MAX_SIZE + 6,), generator=g)]
+               for n in torch.randint(3, 40, (PER_SIZE_HANDOVER_MAX + 6,), generator=g)]
     runs = {}
     for eager in (True, False):
         llm = _llm(tmp_path, "float32", enforce_eager=eager, load_format="dummy",
-                   max_num_seqs=SEGMENTED_MAX_SIZE + 16, kv_cache_memory_bytes=256 << 20)
+                   max_num_seqs=PER_SIZE_HANDOVER_MAX + 16, kv_cache_memory_bytes=256 << 20)
         if not eager:
             graphs = llm.llm_engine.runner.graphs
-            assert len(graphs._graphs[1]) == 3 and len(graphs._graphs[graphs.max_size]) == 1
+            assert len(graphs._graphs[1]) == 3 and len(graphs._graphs[graphs.max_size]) == 3
+            assert graphs._handover is not None and graphs.max_size > PER_SIZE_HANDOVER_MAX
         few = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], _greedy(12, logprobs=1), use_tqdm=False)
         many = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(4, logprobs=1), use_tqdm=False)
         runs[eager] = [([list(c.token_ids) for c in o.outputs],

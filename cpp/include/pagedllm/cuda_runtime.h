@@ -4,6 +4,7 @@
 // that says "no CUDA device".
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace pagedllm {
@@ -23,6 +24,12 @@ void require_device();
 /// The trivial op that proves the CUDA path: dst[i] = value for i in [0, n), int32, on `stream`
 /// (a cudaStream_t passed as an integer; 0 = the legacy default stream). Asynchronous.
 void fill_int32(int32_t* dst, int64_t n, int32_t value, std::uintptr_t stream);
+
+/// Asynchronous copy of nbytes from src to dst on `stream` (cudaMemcpyDefault: either side may be
+/// host or device memory). For per-step inputs staged in pinned host memory: one call costs a
+/// few microseconds of host time. The caller keeps src unchanged until the stream has passed the
+/// copy. Throws std::runtime_error on a CUDA error.
+void copy_async(void* dst, const void* src, std::size_t nbytes, std::uintptr_t stream);
 
 /// Programmatic dependent launch (sm_90+): whether the kernels that support it (the GEMV and
 /// the layer ops) are launched so that they may start while the previous kernel in the stream

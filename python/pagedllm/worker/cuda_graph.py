@@ -15,9 +15,10 @@ once the launch is submitted — for a 32-layer model (~330 nodes) ~0.3 ms per d
 the GPU idles (bench/batch1_breakdown.py on the H200). So each size's forward is captured as a
 few graphs in sequence (layers [0, 1), [1, 4), [4, L) for L >= 8, see `segment_bounds`): the
 first, small one starts the GPU while the host submits the others. Segments are replayed in
-capture order on one stream; their boundary states (hidden and residual, [size, hidden_size]
-each) stay allocated, so only sizes up to SEGMENTED_MAX_SIZE are segmented
-(`boundary_state_bytes`: ~70 MB for Llama-3-8B, counted in the KV budget).
+capture order on one stream. Their hand-over states (hidden and residual, [size, hidden_size]
+each) stay allocated per size up to PER_SIZE_HANDOVER_MAX; larger sizes copy them through one
+shared pair of buffers (`boundary_state_bytes`, counted in the KV budget: ~86 MB for Llama-3-8B
+with max_num_seqs 1024).
 
 The paged-attention launcher chooses its flash-decoding split from the block-table width, which
 is fixed (ceil(max_model_len / block_size)), so a captured launch stays valid for any step.
@@ -31,6 +32,7 @@ import logging
 import numpy as np
 import torch
 
+from pagedllm import _C
 from pagedllm.model_executor.attention import AttentionMetadata
 
 logger = logging.getLogger("pagedllm")
@@ -43,21 +45,26 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
-#: Batch sizes up to this are captured as segments (larger ones as one graph).
-SEGMENTED_MAX_SIZE = 256
+#: Batch sizes up to this keep their segments' hand-over states (hidden, residual) allocated per
+#: size; larger sizes copy them through one shared pair of [max_size, hidden_size] buffers (two
+#: small copies per boundary, against ~16 KB per row and boundary of per-size memory).
+PER_SIZE_HANDOVER_MAX = 256
 
 
-def segment_bounds(num_layers: int, size: int = 1) -> list[int]:
-    """Layer boundaries of a decode graph's segments: [0, 1, 4, L] for L >= 8 layers and batch
-    sizes <= SEGMENTED_MAX_SIZE (one small graph to start the GPU, a second to cover the third's
-    launch), else [0, L]."""
-    return [0, 1, 4, num_layers] if num_layers >= 8 and size <= SEGMENTED_MAX_SIZE else [0, num_layers]
+def segment_bounds(num_layers: int) -> list[int]:
+    """Layer boundaries of a decode graph's segments: [0, 1, 4, L] for L >= 8 layers (one small
+    graph to start the GPU, a second to cover the third's launch), else [0, L] (one graph)."""
+    return [0, 1, 4, num_layers] if num_layers >= 8 else [0, num_layers]
 
 
 def boundary_state_bytes(sizes: list[int], num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """Bytes the segments' hand-over states keep allocated: per boundary, hidden and residual."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return sum((len(segment_bounds(num_layers, s)) - 2) * 2 * s * hidden_size * elem for s in sizes)
+    """Bytes the segments' hand-over states keep allocated (hidden and residual per boundary)."""
+    boundaries = len(segment_bounds(num_layers)) - 2
+    if boundaries == 0 or not sizes:
+        return 0
+    row = 2 * hidden_size * torch.empty((), dtype=dtype).element_size()
+    per_size = sum(boundaries * s * row for s in sizes if s <= PER_SIZE_HANDOVER_MAX)
+    return per_size + (max(sizes) * row if max(sizes) > PER_SIZE_HANDOVER_MAX else 0)
 
 
 # the per-size input buffer: (name, dtype, columns) in byte order (int64 fields first: aligned)
@@ -97,7 +104,7 @@ class DecodeGraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
         self.max_blocks_per_seq = int(max_blocks_per_seq)
-        self.bounds = {s: segment_bounds(len(model.layers), s) for s in self.sizes}
+        self.bounds = segment_bounds(len(model.layers))
         self.num_replays = 0
         m = self.max_blocks_per_seq
         # one device byte buffer per size (its graphs read the typed views), one pinned host buffer
@@ -115,6 +122,11 @@ class DecodeGraphRunner:
         # One float32 logits buffer for every graph (each graph copies its rows in): a graph's own
         # output would stay allocated per graph (sum of the ladder x vocab x 4 bytes).
         self._logits = torch.empty((self.max_size, model.config.vocab_size), dtype=torch.float32, device=device)
+        self._handover = None  # the shared hand-over pair of sizes > PER_SIZE_HANDOVER_MAX
+        if len(self.bounds) > 2 and self.max_size > PER_SIZE_HANDOVER_MAX:
+            shape = (self.max_size, model.config.hidden_size)
+            self._handover = (torch.empty(shape, dtype=model.dtype, device=device),
+                              torch.empty(shape, dtype=model.dtype, device=device))
         self._capture_all()
 
     def _meta(self, size: int) -> AttentionMetadata:
@@ -126,13 +138,18 @@ class DecodeGraphRunner:
 
     def _segment(self, size: int, k: int, state, meta: AttentionMetadata):
         """Segment k of size `size`: (embeddings +) layers [bounds[k], bounds[k+1]) (+ logits)."""
-        d, bounds = self._dev[size], self.bounds[size]
+        d, bounds = self._dev[size], self.bounds
+        shared = self._handover is not None and size > PER_SIZE_HANDOVER_MAX
         if k == 0:
             state = self.model.embed(d["input_ids"], d["positions"])
-        state = self.model.forward_layers(state, d["positions"], self.kv_caches, meta,
-                                          bounds[k], bounds[k + 1])
+        elif shared:
+            state = (self._handover[0][:size], self._handover[1][:size], state[2])
+        state = self.model.forward_layers(state, d["positions"], self.kv_caches, meta, bounds[k], bounds[k + 1])
         if k == len(bounds) - 2:
             self._logits[:size].copy_(self.model.logits(state, self._rows[:size]))
+        elif shared:
+            self._handover[0][:size].copy_(state[0])
+            self._handover[1][:size].copy_(state[1])
         return state
 
     @torch.inference_mode()
@@ -144,10 +161,10 @@ class DecodeGraphRunner:
             for size in reversed(self.sizes):
                 meta = self._meta(size)
                 state = None
-                for k in range(len(self.bounds[size]) - 1):  # warm-up outside capture (cuBLAS workspaces, lazy init)
+                for k in range(len(self.bounds) - 1):  # warm-up outside capture (cuBLAS workspaces, lazy init)
                     state = self._segment(size, k, state, meta)
                 graphs, states, state = [], [], None
-                for k in range(len(self.bounds[size]) - 1):
+                for k in range(len(self.bounds) - 1):
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         state = self._segment(size, k, state, meta)
@@ -188,8 +205,10 @@ class DecodeGraphRunner:
         if n < size:  # padding rows: write nothing, attend to one token of block 0
             for key, value in _PAD.items():
                 h[key][n:size] = value
-        buf = self._dev_buf[size]
-        buf.copy_(self._host_buf[: buf.numel()], non_blocking=True)
+        buf = self._dev_buf[size]  # one raw async copy (the pinned buffer is rewritten only after
+        # the sampler has waited for this step, which follows the copy in stream order)
+        _C.cuda_copy_async(buf.data_ptr(), self._host_buf.data_ptr(), buf.numel(),
+                           torch.cuda.current_stream(self.device).cuda_stream)
         self.replay(size)
         self.num_replays += 1
         logits = self._logits
