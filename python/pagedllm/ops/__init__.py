@@ -45,6 +45,7 @@ __all__ = [
     "GEMV_MAX_TOKENS",
     "gemv",
     "gemv_supported",
+    "gemv_fusion_fits",
     "l2_prefetch",
     "pdl_enabled",
     "set_pdl_enabled",
@@ -188,6 +189,7 @@ from pagedllm.ops.cpu_linear import amx_linear, amx_linear_supported, amx_pack_l
 from pagedllm.ops.gemv import (  # noqa: E402
     GEMV_MAX_TOKENS,
     gemv,
+    gemv_fusion_fits,
     gemv_supported,
     l2_prefetch,
     pdl_enabled,
