@@ -345,6 +345,10 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   // not depend on it); x only after.
   if (kg < k_end) load_weights(fa, kg);
   if (kg + stride < k_end) load_weights(fb, kg + stride);
+  if constexpr (kPro == Prologue::kNorm) {  // the norm weight is no output of the previous kernel
+    for (int k = k_begin + static_cast<int>(threadIdx.x) * 8; k < k_end; k += blockDim.x * 8)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const T*>(p.norm_w) + k));
+  }
   detail::pdl_wait();
   if constexpr (kStaged) {
     stage_x<T, kVec, kPro>(p, xs, k_begin, k_end, red);
