@@ -19,18 +19,22 @@
 // The per-warp partial sums meet in shared memory; across a cluster, rank 0 adds the other CTAs'
 // sums through distributed shared memory (sm_90). Rank 0 adds the bias and rounds once.
 //
-// Fusions (GemvFusion in pagedllm/gemv.h). RMSNorm prologue, on the fly: the MMA operand is
-// T(h * g) for the h a lane loads anyway, the lane also sums h^2 of its token (fp32); the sums
-// meet with the partial products (shared memory, then the cluster) and the epilogue scales the
-// product by inv = rsqrt(sum / K + eps) before the bias: no extra pass, no barrier before the
-// main loop. (A first version staged T(T(h * inv) * g) in shared memory after a per-CTA pass over
-// h: bit-equal to rms_norm + gemv but 3 us slower per launch at M = 1 and 1.8x slower at M = 8 on
-// the H200, 2026-11-29-h200-gemvfuse-run1.) SiLU prologue: every CTA stages x = T(T(SiLU(gate)) *
-// up) (silu_and_mul's roundings) for its K range in shared memory once, after the PDL wait, rows
-// padded so that the 8 token rows a warp reads at once fall on different banks; when M x K does
-// not fit the budget the launcher splits K over more cluster CTAs. Residual epilogue: y =
-// T(T(acc + bias) + residual), the rounding of a gemv followed by fused_add_rms_norm's add; each
-// output element is read and written by one thread, so the residual may be y itself.
+// Fusions (GemvFusion in pagedllm/gemv.h). Prologue: with a norm weight or SiLU-and-mul, every CTA
+// stages its x (tokens x its K range) in shared memory once, after the PDL wait, and the main loop
+// reads x from there instead of global memory. RMSNorm: pass 1 reads h's whole rows (L2), keeps
+// the CTA's range raw in shared memory and sums squares per token (fp32); a CTA reduction gives
+// inv = rsqrt(sumsq / K + eps) (the rms_norm kernel's formula); pass 2 rewrites the range as
+// T(T(h * inv) * g), rms_norm's roundings. SiLU: x = T(T(SiLU(gate)) * up), silu_and_mul's
+// roundings. Rows are padded so that the 8 token rows a warp reads at once fall on different banks.
+// When M x K does not fit the shared-memory budget the launcher splits K over more cluster CTAs.
+// (Measured on the H200, bench/gpu_engine_notes.md "GEMV fusions": the staged prologue costs
+// more than the separate rms_norm kernel it replaces, whose latency PDL already hides behind the
+// GEMV's first weight loads; computing the norm on the fly instead — operand T(h * g), sums of
+// squares from the lanes' own loads, inv in the epilogue — was slower still. The model therefore
+// keeps these fusions off by default.)
+// Epilogue: with a residual [M, N], y = T(T(acc + bias) + residual) — the rounding of a gemv
+// followed by the residual add of fused_add_rms_norm. Each output element is read and written by
+// one thread, so the residual may be y itself (in-place update of a residual stream).
 //
 // Programmatic dependent launch (cuda/pdl.cuh): the kernel lets the next kernel launch at once,
 // issues the loads of its first two groups of weights — they do not depend on the previous
@@ -59,8 +63,8 @@ using layer_ops::from_float;
 using layer_ops::round_to;
 using layer_ops::to_float;
 
-/// Where x comes from: the input itself, RMSNorm of the input (on the fly: T(h * g) into the MMA,
-/// inv applied in the epilogue), or SiLU(gate) * up of the input (staged in shared memory).
+/// Where x comes from: the input itself, RMSNorm of the input, or SiLU(gate) * up of the input;
+/// the last two are staged in shared memory.
 enum class Prologue { kNone, kNorm, kSilu };
 
 struct GemvParams {
@@ -182,51 +186,92 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #endif
 }
 
-/// Stage x = T(T(SiLU(gate)) * up) for columns [k_begin, k_end) of every token into xs [M][ldxs]
-/// (zero-padded to a multiple of 8 columns), after the PDL wait. Ends with a barrier.
-template <typename T, bool kVec>
-__device__ __forceinline__ void stage_silu(const GemvParams& p, T* xs, int k_begin, int k_end) {
+/// Stage x for columns [k_begin, k_end) of every token into xs [M][ldxs] (zero-padded to a
+/// multiple of 8 columns), after the PDL wait. kNorm: x = T(T(h * inv) * g) with inv = rsqrt(
+/// sum(h^2) / K + eps) over the whole row (`scratch`: warps * 8 floats, free until the caller's
+/// next barrier). kSilu: x = T(T(SiLU(gate)) * up). Ends with a barrier.
+template <typename T, bool kVec, Prologue kPro>
+__device__ __forceinline__ void stage_x(const GemvParams& p, T* xs, int k_begin, int k_end, float* scratch) {
   const T* in = static_cast<const T*>(p.x);
   const int tid = threadIdx.x, nthreads = blockDim.x;
   const int klen8 = (k_end - k_begin + 7) / 8 * 8;
+  if constexpr (kPro == Prologue::kSilu) {
 #pragma unroll
-  for (int m = 0; m < 8; ++m) {
-    if (m >= p.M) break;
-    const T* row = in + static_cast<int64_t>(m) * p.ldx;
-    for (int c = tid * 8; c < klen8; c += nthreads * 8) {
-      const int k = k_begin + c;
-      const uint4 v = silu_mul8<T>(load_act<T, kVec>(row, k, k_end), load_act<T, kVec>(row + p.K, k, k_end));
-      *reinterpret_cast<uint4*>(xs + m * p.ldxs + c) = v;
+    for (int m = 0; m < 8; ++m) {
+      if (m >= p.M) break;
+      const T* row = in + static_cast<int64_t>(m) * p.ldx;
+      for (int c = tid * 8; c < klen8; c += nthreads * 8) {
+        const int k = k_begin + c;
+        const uint4 v = silu_mul8<T>(load_act<T, kVec>(row, k, k_end), load_act<T, kVec>(row + p.K, k, k_end));
+        *reinterpret_cast<uint4*>(xs + m * p.ldxs + c) = v;
+      }
+    }
+  } else {
+    // pass 1: sums of squares over whole rows; the CTA's own columns kept raw in xs
+    float ss[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) ss[m] = 0.f;
+    for (int k = tid * 8; k < p.K; k += nthreads * 8) {
+      Pack8<T> h[8];
+#pragma unroll
+      for (int m = 0; m < 8; ++m)
+        if (m < p.M) h[m].u = load_act<T, kVec>(in + static_cast<int64_t>(m) * p.ldx, k, p.K);
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        if (m >= p.M) break;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float v = to_float(h[m].e[e]);
+          ss[m] += v * v;
+        }
+        // k and k_begin are multiples of 8; the K tail past k_end is zero from load_act
+        if (k >= k_begin && k < k_end) *reinterpret_cast<uint4*>(xs + m * p.ldxs + (k - k_begin)) = h[m].u;
+      }
+    }
+    const int lane = tid & 31, warp = tid >> 5, num_warps = nthreads >> 5;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      if (m >= p.M) break;
+      float v = ss[m];
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) scratch[warp * 8 + m] = v;
+    }
+    __syncthreads();
+    float inv[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      if (m >= p.M) break;
+      float s = 0.f;
+      for (int w = 0; w < num_warps; ++w) s += scratch[w * 8 + m];
+      inv[m] = rsqrtf(s / static_cast<float>(p.K) + p.eps);
+    }
+    // pass 2: normalise the staged columns in place (after the barrier above: pass 1 stored them)
+    const T* g = static_cast<const T*>(p.norm_w);
+    for (int k = k_begin + tid * 8; k < k_end; k += nthreads * 8) {
+      Pack8<T> gv;
+      gv.u = load_act<T, kVec>(g, k, k_end);
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        if (m >= p.M) break;
+        Pack8<T>* x = reinterpret_cast<Pack8<T>*>(xs + m * p.ldxs + (k - k_begin));
+        Pack8<T> v = *x;
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          v.e[e] = from_float<T>(round_to<T>(to_float(v.e[e]) * inv[m]) * to_float(gv.e[e]));
+        *x = v;
+      }
     }
   }
   __syncthreads();
 }
 
-/// RMSNorm prologue on the fly, for 8 columns of one token: returns T(h * g) (the MMA operand)
-/// and adds sum(h^2) to `sumsq` (fp32); inv = rsqrt(sumsq / K + eps) scales the product in the
-/// epilogue.
-template <typename T>
-__device__ __forceinline__ uint4 norm_operand8(uint4 h, uint4 g, float& sumsq) {
-  Pack8<T> hv, gv;
-  hv.u = h;
-  gv.u = g;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const float v = to_float(hv.e[e]);
-    sumsq += v * v;
-    hv.e[e] = from_float<T>(v * to_float(gv.e[e]));
-  }
-  return hv.u;
-}
-
 template <typename T, int TILES, int U, bool kVec, Prologue kPro>
 __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
-  // [warps][TILES * 128] floats: per-warp partial sums (row, token); [warps][8] floats: per-warp
-  // sums of squares per token (kNorm); then, for the SiLU prologue, x [M][ldxs] of T
+  // [warps][TILES * 128] floats: per-warp partial sums (row, token); then, for a staged
+  // prologue, x [M][ldxs] of T
   extern __shared__ float red[];
   constexpr int kOut = TILES * 128;
-  constexpr bool kStaged = kPro == Prologue::kSilu;
-  constexpr bool kNorm = kPro == Prologue::kNorm;
+  constexpr bool kStaged = kPro != Prologue::kNone;
   detail::pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -235,10 +280,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   const int k_begin = rank * p.k_per_split;
   const int k_end = min(p.K, k_begin + p.k_per_split);
   const T* w = static_cast<const T*>(p.w);
-  float* sq = red + num_warps * kOut;
-  T* xs = reinterpret_cast<T*>(sq + num_warps * 8);
-  const T* gnorm = static_cast<const T*>(p.norm_w);
-  float sumsq = 0.f;  // kNorm: this lane's part of sum(h^2) of token g
+  T* xs = reinterpret_cast<T*>(red + num_warps * kOut);
 
   // The weights do not depend on the previous kernel: start pulling this CTA's slice into L2.
   if (kVec && p.prefetch && k_begin < k_end && static_cast<int>(threadIdx.x) < 16 * TILES &&
@@ -292,9 +334,6 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
       if constexpr (kStaged) {
         const int k = kg + u * 32 + t * 8;
         xv = k < k_end && has_x ? *reinterpret_cast<const uint4*>(xs_row + (k - k_begin)) : zero;
-      } else if constexpr (kNorm) {
-        const int k = kg + u * 32 + t * 8;
-        xv = norm_operand8<T>(f.x[u], k < k_end ? load_act<T, kVec>(gnorm, k, k_end) : zero, sumsq);
       } else {
         xv = f.x[u];
       }
@@ -311,13 +350,13 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   // not depend on it); x only after.
   if (kg < k_end) load_weights(fa, kg);
   if (kg + stride < k_end) load_weights(fb, kg + stride);
-  if constexpr (kNorm) {  // the norm weight is no output of the previous kernel
+  if constexpr (kPro == Prologue::kNorm) {  // the norm weight is no output of the previous kernel
     for (int k = k_begin + static_cast<int>(threadIdx.x) * 8; k < k_end; k += blockDim.x * 8)
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(gnorm + k));
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const T*>(p.norm_w) + k));
   }
   detail::pdl_wait();
   if constexpr (kStaged) {
-    stage_silu<T, kVec>(p, xs, k_begin, k_end);
+    stage_x<T, kVec, kPro>(p, xs, k_begin, k_end, red);
   } else {
     if (kg < k_end) load_input(fa, kg);
     if (kg + stride < k_end) load_input(fb, kg + stride);
@@ -347,21 +386,11 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
     mine[i * 128 + (g + 8) * 8 + 2 * t] = acc[i][2];
     mine[i * 128 + (g + 8) * 8 + 2 * t + 1] = acc[i][3];
   }
-  if constexpr (kNorm) {  // lanes 4g..4g+3 hold token g's parts: sum them, one slot per warp
-    sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 1);
-    sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 2);
-    if (t == 0) sq[warp * 8 + g] = sumsq;
-  }
   __syncthreads();
   for (int j = threadIdx.x; j < kOut; j += blockDim.x) {
     float s = red[j];
     for (int v = 1; v < num_warps; ++v) s += red[v * kOut + j];
     red[j] = s;
-  }
-  if (kNorm && threadIdx.x < 8) {
-    float s = sq[threadIdx.x];
-    for (int v = 1; v < num_warps; ++v) s += sq[v * 8 + threadIdx.x];
-    sq[threadIdx.x] = s;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (p.splits > 1) {  // rank 0 adds the other CTAs' sums (distributed shared memory)
@@ -372,11 +401,6 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
         float s = red[j];
         for (int r = 1; r < p.splits; ++r) s += cluster.map_shared_rank(red, r)[j];
         red[j] = s;
-      }
-      if (kNorm && threadIdx.x < 8) {
-        float s = sq[threadIdx.x];
-        for (int r = 1; r < p.splits; ++r) s += cluster.map_shared_rank(sq, r)[threadIdx.x];
-        sq[threadIdx.x] = s;
       }
     }
     cluster.sync();  // the other CTAs' shared memory stays alive until rank 0 has read it
@@ -394,7 +418,6 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
     const int row = row0 + (j / 128) * 16 + (j % 128) / 8, token = j % 8;
     if (row < p.N && token < p.M) {
       float v = red[j];
-      if constexpr (kNorm) v *= rsqrtf(sq[token] / static_cast<float>(p.K) + p.eps);
       if (bias != nullptr) v += to_float(bias[row]);
       const int64_t at = static_cast<int64_t>(token) * p.N + row;
       // the residual element is read and then written by this thread only (y may be residual)
@@ -425,11 +448,7 @@ int smem_optin() { return device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin); 
 /// Staged x per CTA: auto splits grow until it fits this budget (two CTAs per SM on sm_90).
 constexpr int64_t kStageBudget = 100 << 10;
 
-/// Shared memory besides the staged x: partial sums [warps][tiles * 128] and sums of squares
-/// [warps][8], floats.
-int64_t reduce_bytes(int warps, int tiles) {
-  return static_cast<int64_t>(warps) * (tiles * 128 + 8) * sizeof(float);
-}
+int64_t reduce_bytes(int warps, int tiles) { return static_cast<int64_t>(warps) * tiles * 128 * sizeof(float); }
 
 /// Staged x row stride for k_per_split columns: a multiple of 64 elements plus 32, so that rows
 /// lie 64 bytes (mod 128) apart and the 8 token rows of one warp read hit different banks.
@@ -446,7 +465,7 @@ void launch_kernel(GemvParams p, int warps, cudaStream_t stream, bool pdl) {
   const auto kernel = gemv_kernel<T, TILES, U, kVec, kPro>;
   const int64_t tiles = (static_cast<int64_t>(p.N) + 16 * TILES - 1) / (16 * TILES);
   size_t smem = static_cast<size_t>(reduce_bytes(warps, TILES));
-  if constexpr (kPro == Prologue::kSilu) {
+  if constexpr (kPro != Prologue::kNone) {
     static std::atomic<uint64_t> raised{0};
     smem += static_cast<size_t>(p.M) * p.ldxs * sizeof(T);
     detail::set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<size_t>(smem_optin()), raised);
@@ -555,7 +574,7 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
     while (splits < 8 && tiles * splits < sm_count() && p.K / (2 * splits) >= 32 * U * 8) splits *= 2;
   }
   if (!hopper) splits = 1;  // clusters need sm_90
-  if (pro == Prologue::kSilu) {
+  if (pro != Prologue::kNone) {
     // Staged x: more K splits until it fits the budget (automatic splits) or, for a configured
     // split or where the budget cannot be met, the device's limit.
     const int elem = static_cast<int>(dtype_size(input.dtype));
@@ -563,9 +582,9 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
     int fit = config.splits > 0 ? 0 : staged_splits(p.M, p.K, elem, splits, reduce,
                                                        std::min<int64_t>(kStageBudget, optin), hopper);
     if (fit == 0) fit = staged_splits(p.M, p.K, elem, splits, reduce, optin, hopper);
-    PAGEDLLM_CHECK(fit > 0, "silu_and_mul_gemv: the fused prologue stages ", p.M, " x ", p.K,
+    PAGEDLLM_CHECK(fit > 0, "gemv: the fused prologue stages ", p.M, " x ", p.K,
                    " input elements in shared memory, more than this device allows (", optin,
-                   " bytes per CTA) even split over ", hopper ? 8 : 1, " CTAs; run silu_and_mul first");
+                   " bytes per CTA) even split over ", hopper ? 8 : 1, " CTAs; run rms_norm / silu_and_mul first");
     splits = fit;
     p.ldxs = staged_ld(k_per_split(p.K, splits));
   }

@@ -12,12 +12,12 @@
 namespace pagedllm::cuda {
 
 /// out = x @ weight^T (+ bias) (+ residual) with x = input, RMSNorm(input) or SiLU-and-mul of
-/// input as `fusion` says (validated: not both prologues). Throws InvalidArgument when the staged
-/// SiLU prologue does not fit the device's shared memory (see gemv_stage_fits).
+/// input as `fusion` says (validated: not both prologues). Throws InvalidArgument when a staged
+/// prologue does not fit the device's shared memory (see gemv_stage_fits).
 void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
           const GemvFusion& fusion, const GemvConfig& config, std::uintptr_t stream);
 
-/// Whether the SiLU prologue can stage M x K input elements of `elem_bytes` bytes in shared
+/// Whether a prologue fusion can stage M x K input elements of `elem_bytes` bytes in shared
 /// memory on the current device (splitting K over up to 8 cluster CTAs on sm_90).
 bool gemv_stage_fits(int64_t M, int64_t K, int elem_bytes);
 

@@ -5,16 +5,15 @@
 //                      (layer_ops.h's silu_and_mul fused into the product: a Llama MLP's
 //                      down projection reads the gate_up output directly)
 //   gemv with a GemvFusion: any of
-//     prologue  x = RMSNorm(input) * norm_weight per token row (layer_ops.h's rms_norm fused in:
-//               a decoder layer's input / post-attention norm before the qkv / gate_up
-//               projection, the final norm before the LM head), computed on the fly: the product
-//               uses T(input * norm_weight) and is scaled by inv = rsqrt(mean(input^2) + eps) (fp32,
-//               summed by the same kernel) before the bias; or x = SiLU(gate) * up as
-//               silu_and_mul_gemv (staged in shared memory once per CTA; when M x K does not fit,
-//               K is split over more cluster CTAs);
+//     prologue  x = RMSNorm(input) = T(T(input * rsqrt(mean(input^2) + eps)) * norm_weight) per
+//               token row (layer_ops.h's rms_norm fused in: a decoder layer's input norm before
+//               the qkv / gate_up projection, the final norm before the LM head), or
+//               x = SiLU(gate) * up as silu_and_mul_gemv;
 //     epilogue  out = T(T(x @ weight^T + bias) + residual [M, N]); residual may be out itself
 //               (in-place update of the residual stream after the o / down projection: the
 //               residual add of fused_add_rms_norm fused in).
+//   The prologues stage x in shared memory once per CTA (every CTA recomputes the row's sum of
+//   squares; no cross-CTA dependency); when M x K does not fit, K is split over more cluster CTAs.
 //
 // M (tokens) is 1..kGemvMaxTokens. At these sizes a linear layer only streams its weight once, so
 // the kernel is built for memory bandwidth: 16-byte weight loads, several in flight per thread,
@@ -28,10 +27,10 @@
 // float32, one rounding to the output dtype — as F.linear / cuBLAS round. silu_and_mul_gemv rounds
 // SiLU(gate) and SiLU(gate) * up to the dtype exactly as silu_and_mul does, so it equals
 // silu_and_mul followed by gemv (same config) bit for bit. The residual epilogue rounds as gemv
-// followed by fused_add_rms_norm's add: bit for bit. The RMSNorm prologue rounds once where
-// rms_norm rounds twice (T(h * g) scaled in fp32, against rms_norm's T(T(h * inv) * g)): within
-// the dtype's rounding of rms_norm + gemv, not bit-equal; in float16, h * norm_weight must stay
-// finite.
+// followed by fused_add_rms_norm's add: bit for bit. The RMSNorm prologue rounds as rms_norm, but
+// sums the squares in another order, so inv (fp32) can differ in the last bit and a normalised
+// element by one ulp of the dtype where its rounding was a near tie: within the dtype's rounding
+// of rms_norm + gemv, equal in the vast majority of elements.
 //
 // Arguments (launchers validate all, throwing InvalidArgument naming the bad value):
 //   input   [M, K] (silu_and_mul_gemv: [M, 2K]) bfloat16 or float16 (float32 is refused: use
@@ -79,9 +78,8 @@ struct GemvFusion {
 /// Whether this build has the GEMV kernels (a CUDA build).
 bool gemv_built_with_cuda();
 
-/// Whether the SiLU-and-mul prologue (staged in shared memory) fits the current CUDA device for
-/// `tokens` rows of `in_features` elements of `dtype` (false without CUDA). The RMSNorm prologue
-/// stages nothing and always fits.
+/// Whether a prologue fusion (norm_weight or silu_and_mul) fits the current CUDA device's shared
+/// memory for `tokens` rows of `in_features` elements of `dtype` (false without CUDA).
 bool gemv_fusion_fits(int64_t tokens, int64_t in_features, DType dtype);
 
 /// out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) (+ residual), x = input or the prologue

@@ -41,17 +41,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     With ``silu_and_mul=True`` x is ``[M, 2K]`` and the product uses ``SiLU(x[:, :K]) * x[:, K:]``
     (rounded as :func:`pagedllm.ops.silu_and_mul`). With ``norm_weight`` ``[K]`` the product uses
-    ``rms_norm(x, norm_weight, eps)``, computed on the fly as ``(T(x * norm_weight) @ weight^T) *
-    rsqrt(mean(x^2) + eps)`` (one rounding of the operand where rms_norm rounds twice: within the
-    dtype's rounding of rms_norm + gemv, not bit-equal; in float16 x * norm_weight must stay
-    finite). With ``residual`` the rounded product plus ``residual`` is rounded again (as
+    ``rms_norm(x, norm_weight, eps)`` (rounded as :func:`pagedllm.ops.rms_norm`; the fp32 sum of
+    squares is taken in another order, so an element can differ by one ulp where its rounding was
+    a near tie). With ``residual`` the rounded product plus ``residual`` is rounded again (as
     gemv followed by :func:`pagedllm.ops.fused_add_rms_norm`'s add); ``out`` may be ``residual``
     itself (in place). ``x`` rows may be strided (last dim contiguous); ``weight``, ``bias``,
     ``norm_weight``, ``residual`` and ``out`` contiguous. Returns ``out`` (allocated when None).
     ``config``: tuning overrides for benchmarks (keys variant, warps, splits, prefetch; see
     ``GemvConfig`` in gemv.h). Raises ValueError on CPU tensors, float32, more than
     GEMV_MAX_TOKENS rows, mismatched shapes or dtypes, or a prologue too large for the device's
-    shared memory (the staged SiLU prologue: see :func:`gemv_fusion_fits`)."""
+    shared memory (see :func:`gemv_fusion_fits`)."""
     if not (isinstance(x, torch.Tensor) and x.is_cuda):
         where = x.device.type if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"gemv: x is on {where}; the GEMV kernels are CUDA only (on the cpu use "
@@ -67,8 +66,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def gemv_fusion_fits(tokens: int, in_features: int, dtype: torch.dtype) -> bool:
-    """Whether the ``silu_and_mul`` prologue of :func:`gemv` (which stages tokens x in_features
-    elements in shared memory per CTA) fits the current CUDA device; ``norm_weight`` always fits."""
+    """Whether the ``norm_weight`` / ``silu_and_mul`` prologues of :func:`gemv` (which stage
+    tokens x in_features elements in shared memory per CTA) fit the current CUDA device."""
     return bool(_C.gemv_fusion_fits(int(tokens), int(in_features), str(dtype).removeprefix("torch.")))
 
 

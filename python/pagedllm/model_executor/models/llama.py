@@ -18,12 +18,12 @@ On CUDA in bfloat16/float16, steps with at most `gemv_max_tokens` tokens (decode
 the crossover against cuBLAS measured by bench/gemv.py) run every projection and the LM head
 through pagedllm.ops.gemv, a bandwidth-bound GEMV (launched as a programmatic dependent: it
 starts streaming its weight while the kernel before it finishes); larger steps use F.linear. Such
-steps also fuse the layer's elementwise ops into the GEMVs (PAGEDLLM_GEMV_FUSE, _gemv_fusion): the
-input / post-attention / final RMSNorm into the prologue of the qkv / gate_up / LM-head GEMV, the
-residual adds into the o / down GEMVs' epilogue (the residual stream updated in place), optionally
-SiLU-and-mul into the down GEMV: per layer [norm+qkv] -> rotary/cache -> attention -> [o+residual]
--> [norm+gate_up] -> (silu) -> [down+residual], with forward()'s roundings except in the norms
-(one rounding of the GEMV operand instead of two: within bf16/fp16 rounding). On
+steps can also fuse the layer's elementwise ops into the GEMVs (PAGEDLLM_GEMV_FUSE=1 or 2, see
+_gemv_fusion; off by default: measured slower on the H200): the input / post-attention / final
+RMSNorm into the qkv / gate_up / LM-head GEMV's prologue, the residual adds into the o / down
+GEMVs' epilogue (the residual stream updated in place), optionally SiLU-and-mul into the down
+GEMV — per layer [norm+qkv] -> rotary/cache -> attention -> [o+residual] -> [norm+gate_up] ->
+(silu) -> [down+residual], with forward()'s roundings (the norms up to one ulp on near ties). On
 the CPU in bfloat16, pack_weights() (called by the model runner) swaps the projections for
 AmxLinear (steps of at most 128 tokens through pagedllm.ops.amx_linear, larger ones through
 oneDNN's packed weight) or, without AMX, for PackedLinear; float32 uses F.linear. Every path
@@ -164,9 +164,11 @@ def gemv_max_tokens(device: torch.device, dtype: torch.dtype) -> int:
 #: Steps of up to this many tokens use the GEMV (bench/gemv.py, H200, Llama-3-8B shapes).
 GEMV_CROSSOVER_TOKENS = 8
 
-#: GEMV fusion level for such steps (LlamaForCausalLM._gemv_fusion): 1 = norms and residual adds
-#: in the GEMVs, 2 = also SiLU-and-mul in the down GEMV (bench/gemv.py chain, bench/gpu_engine_notes.md).
-GEMV_FUSE_DEFAULT = 1
+#: GEMV fusion level for such steps (LlamaForCausalLM._gemv_fusion): 0 = none, 1 = norms and
+#: residual adds in the GEMVs, 2 = also SiLU-and-mul in the down GEMV. Off: on the H200 both fused
+#: levels measured slower than separate kernels with PDL (batch-1 decode 4.67 / 4.64 vs 4.49 ms per
+#: token; bench/gpu_engine_notes.md "GEMV fusions").
+GEMV_FUSE_DEFAULT = 0
 
 
 def _l2_prefetch_fits(weight: torch.Tensor) -> bool:
@@ -249,8 +251,7 @@ class DecoderLayer(nn.Module):
         previous layer's residual add), updated in place. qkv = gemv(rms_norm(stream)); stream +=
         gemv(attention); gate_up = gemv(rms_norm(stream)); stream += gemv(SiLU(gate) * up) — with
         silu_in_down the SiLU is the down GEMV's prologue, else one silu_and_mul kernel. Same
-        roundings as forward() except the norms, whose operand is rounded once instead of twice
-        (ops.gemv: within the dtype's rounding)."""
+        roundings as forward() (the norms up to one ulp on near ties: ops.gemv)."""
         T = stream.shape[0]
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         qkv = ops.gemv(stream, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=n1.weight, eps=n1.eps)
@@ -324,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: nn.Module | None = None  # AmxLinear or PackedLinear, set by pack_weights()
         self.fused = ops.layer_ops_supported(device, dtype)
         self.gemv_max_tokens = gemv_max_tokens(device, dtype)
-        self._silu_fits: dict[int, bool] = {}
+        self._fusion_fits: dict[int, tuple[bool, bool]] = {}
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
         )
@@ -359,21 +360,20 @@ class LlamaForCausalLM(nn.Module):
     def _gemv_fusion(self, tokens: int) -> int:
         """For a step of `tokens` tokens: 0 (no GEMV fusion), 1 (norms and residual adds fused into
         the GEMVs: DecoderLayer.forward_gemv_fused) or 2 (also SiLU-and-mul into the down GEMV).
-        Needs the fused CUDA layer ops, bfloat16 (the norm operand T(h * g) could overflow float16)
-        and a GEMV-sized step (level 2 also a SiLU prologue that fits
-        the device's shared memory); the level is PAGEDLLM_GEMV_FUSE (default GEMV_FUSE_DEFAULT, 0
-        turns it off)."""
-        if not (self.fused and self.dtype == torch.bfloat16 and self.packed_lm_head is None
-                and 0 < tokens <= self.gemv_max_tokens):
+        Needs the fused CUDA layer ops, a GEMV-sized step and prologues that fit the device's shared
+        memory; the level is PAGEDLLM_GEMV_FUSE (default GEMV_FUSE_DEFAULT, 0 turns it off)."""
+        if not (self.fused and self.packed_lm_head is None and 0 < tokens <= self.gemv_max_tokens):
             return 0
         env = os.environ.get("PAGEDLLM_GEMV_FUSE")
         level = max(0, min(2, int(env) if env not in (None, "") else GEMV_FUSE_DEFAULT))
-        if level == 2:  # the SiLU prologue stages T x intermediate_size elements in shared memory
-            if tokens not in self._silu_fits:
-                self._silu_fits[tokens] = ops.gemv_fusion_fits(tokens, self.config.intermediate_size, self.dtype)
-            if not self._silu_fits[tokens]:
-                level = 1
-        return level
+        if tokens not in self._fusion_fits:  # (hidden fits, intermediate fits) on this device
+            cfg = self.config
+            self._fusion_fits[tokens] = (ops.gemv_fusion_fits(tokens, cfg.hidden_size, self.dtype),
+                                         ops.gemv_fusion_fits(tokens, cfg.intermediate_size, self.dtype))
+        hidden_fits, inter_fits = self._fusion_fits[tokens]
+        if not hidden_fits:
+            return 0
+        return 1 if level == 2 and not inter_fits else level
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden_size] (the residual stream, pre final norm) -> float32 logits [R, vocab_size]."""
