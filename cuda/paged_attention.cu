@@ -7,7 +7,10 @@
 // caller's stream and freed with cudaFreeAsync after the reduction, so the call stays
 // asynchronous and CUDA-graph capturable (captured as memory-allocation nodes). The device's
 // default memory pool keeps freed memory (release threshold raised once per device), so
-// steady-state calls do not go back to the driver.
+// steady-state calls do not go back to the driver. The partitions are combined by the reduction
+// kernel or, for decode v2 where that measured faster, inside the decode kernel by the last
+// partition of each group to finish (arrival counters from cuda/split_counters.cu, no extra
+// kernel and no memset).
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -113,6 +116,28 @@ bool even_splits_enabled() {
   return on;
 }
 
+/// How split-K partitions are combined: the reduction kernel after the decode kernel, or the last
+/// partition of each group inside the decode kernel (v2 only; AttnParams::split_counters).
+/// PAGEDLLM_SPLITK_COMBINE=kernel or =inkernel forces one wherever it is possible (for testing and
+/// benchmarking; read once); otherwise in_kernel_combine_pays decides.
+int forced_combine() {  // 0 = model, 1 = reduction kernel, 2 = in-kernel
+  static const int mode = [] {
+    const char* v = std::getenv("PAGEDLLM_SPLITK_COMBINE");
+    if (v == nullptr) return 0;
+    if (std::string(v) == "kernel") return 1;
+    if (std::string(v) == "inkernel") return 2;
+    return 0;
+  }();
+  return mode;
+}
+
+/// Where the in-kernel combine measured faster than the reduction kernel on the H200 (bench/
+/// cuda_kernels_notes.md, run 7): provisional until measured — v2 items with at most 4 partitions.
+bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
+  (void)kind;
+  return splits <= 4;
+}
+
 /// Cost of a decode kernel with `s` splits in a wave-aware model: with `units` work units running
 /// at once (warps for v2 warp items, CTAs otherwise) and base = the work items of one partition,
 /// S splits give ceil(base * S / units) waves, each as long as the longest partition (in rounds
@@ -163,6 +188,18 @@ struct DecodePlan {
   DecodeKernel kind;
   int64_t splits;
 };
+
+const char* kind_name(DecodeKernel kind) {
+  switch (kind) {
+    case DecodeKernel::kV1: return "v1";
+    case DecodeKernel::kV2: return "v2-warp";
+    case DecodeKernel::kV2Pair: return "v2-pair";
+    case DecodeKernel::kV2Cta: return "v2-cta";
+    default: return "fp32";
+  }
+}
+
+thread_local DecodePlanInfo g_last_plan;
 
 /// The kernel and flash-decoding split count. split_k > 0 or == 0 fixes the count (1 for 0);
 /// -1: the cheapest count of the cost model (the smallest on ties). v2 kernels: items on warps,
@@ -227,6 +264,8 @@ void set_max_dynamic_smem(const void* kernel, size_t bytes, std::atomic<uint64_t
 
 }  // namespace detail
 
+DecodePlanInfo last_decode_plan() { return detail::g_last_plan; }
+
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
                      const TensorView& seq_lens, float scale, const AttentionOptions& options,
@@ -261,6 +300,14 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     // v2 partitions each sequence's own context evenly (every partition busy at any length).
     p.even_splits = v2 && even_splits_enabled() ? 1 : 0;
   }
+  // Combine the partitions in the decode kernel when the model (or the environment) says so and
+  // the stream has zeroed arrival counters; else the reduction kernel after it.
+  const int64_t groups = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ((p.group + 15) / 16);
+  if (v2 && p.num_splits > 1 && forced_combine() != 1 &&
+      (forced_combine() == 2 || in_kernel_combine_pays(kind, p.num_splits)))
+    p.split_counters = split_counters_for(stream, groups);
+  g_last_plan = DecodePlanInfo{kind_name(kind), p.num_splits,
+                               p.num_splits == 1 ? "none" : p.split_counters != nullptr ? "in-kernel" : "kernel"};
   auto launch = [&] {
     switch (kind) {
       case DecodeKernel::kFp32: return launch_attention_fp32(head_size, p, stream);
@@ -283,7 +330,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.partial_sum = p.partial_max + rows;
   try {
     launch();
-    launch_splitk_reduce(dtype, head_size, p, stream);
+    if (p.split_counters == nullptr) launch_splitk_reduce(dtype, head_size, p, stream);
   } catch (...) {
     cudaFreeAsync(workspace, stream);
     throw;
