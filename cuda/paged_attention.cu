@@ -38,10 +38,16 @@ int current_device() {
   return d;
 }
 
-void keep_pool_memory() {
+void keep_pool_memory(cudaStream_t stream) {
   static std::atomic<bool> done[kMaxDevices] = {};
   const int dev = current_device();
   if (dev < kMaxDevices && done[dev].load()) return;
+  // Not allowed while the stream captures a graph (cudaErrorStreamCaptureUnsupported, which would
+  // also invalidate the capture): a split decode captured first in a process leaves it to the
+  // next call outside a capture.
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  PAGEDLLM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) return;
   cudaMemPool_t pool;
   PAGEDLLM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
   uint64_t threshold = std::numeric_limits<uint64_t>::max();
@@ -132,10 +138,13 @@ int forced_combine() {  // 0 = model, 1 = reduction kernel, 2 = in-kernel
 }
 
 /// Where the in-kernel combine measured faster than the reduction kernel on the H200 (bench/
-/// cuda_kernels_notes.md, run 7): provisional until measured — v2 items with at most 4 partitions.
+/// cuda_kernels_notes.md, run 7): whole-CTA items with at most 8 partitions (1 x 300 with a
+/// 32-block table, 8 splits: 7.23 against 8.06 us; engine-shaped layer 9.72-9.77 against 10.35 us).
+/// It lost everywhere else it was measured: warp items with 2 partitions (64 x 4,096: 254.5-256.5
+/// against 252.5-253.8 us) or 16 (8 x 4,096: 48.6 against 44.0), CTA items with 32 (1 x 4,096:
+/// 14.2-14.6 against 13.0-13.3).
 bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
-  (void)kind;
-  return splits <= 4;
+  return kind == DecodeKernel::kV2Cta && splits <= 8;
 }
 
 /// Cost of a decode kernel with `s` splits in a wave-aware model: with `units` work units running
@@ -320,7 +329,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 
   if (p.num_splits == 1) return launch();
 
-  keep_pool_memory();
+  keep_pool_memory(stream);
   const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_heads * p.num_splits;
   const size_t bytes = rows * (head_size + 2) * sizeof(float);
   void* workspace = nullptr;
