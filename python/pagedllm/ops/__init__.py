@@ -28,6 +28,7 @@ __all__ = [
     "reshape_and_cache",
     "paged_attention",
     "paged_prefill_attention",
+    "last_cuda_decode_plan",
     "copy_blocks",
     "swap_blocks",
     "set_num_threads",
@@ -142,6 +143,15 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                        _view(block_tables), _view(seq_lens), float(scale),
                        int(sliding_window or 0), float(soft_cap or 0.0),
                        -1 if split_k is None else int(split_k), _stream(key_cache))
+
+
+def last_cuda_decode_plan() -> dict:
+    """What this thread's last CUDA :func:`paged_attention` call ran (for tests and benchmarks):
+    ``{'kernel': 'v2-warp' | 'v2-pair' | 'v2-cta' | 'v1' | 'fp32', 'splits': int,
+    'combine': 'none' | 'kernel' | 'in-kernel'}`` — the decode kernel, its flash-decoding partitions
+    per sequence and how they were combined (reduction kernel, or by the last partition inside the
+    decode kernel). Empty strings before the first call (see ``pagedllm/attention.h``)."""
+    return dict(_C.last_cuda_decode_plan())
 
 
 def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
