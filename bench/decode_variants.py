@@ -32,6 +32,13 @@ VARIANTS = {
     "v1": {"PAGEDLLM_DECODE_KERNEL": "v1"},  # the CTA-per-item decode kernel
     "run4like": {"PAGEDLLM_DECODE_MODE": "warp", "PAGEDLLM_DECODE_EVEN": "0", "PAGEDLLM_REDUCE": "cta"},
     "base2": {},  # the default again, last: the run-to-run spread
+    # Run 7: how split-K partitions are combined (the plan itself is the cost model's either way).
+    "kernel": {"PAGEDLLM_SPLITK_COMBINE": "kernel"},  # the reduction kernel after the decode kernel (run 6)
+    "inkernel": {"PAGEDLLM_SPLITK_COMBINE": "inkernel"},  # last-arriver combine in the decode kernel, any split count
+    "kernel2": {"PAGEDLLM_SPLITK_COMBINE": "kernel"},  # again, alternating: the run-to-run spread
+    "inkernel2": {"PAGEDLLM_SPLITK_COMBINE": "inkernel"},
+    "kernel3": {"PAGEDLLM_SPLITK_COMBINE": "kernel"},
+    "inkernel3": {"PAGEDLLM_SPLITK_COMBINE": "inkernel"},
 }
 DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, max_model_len 512)
     "base": "1x4096,8x4096,16x1024,64x4096,256x1024,128x2048,1x32768,1x300:w32,4x300:w32,1x300:w256,"
@@ -46,6 +53,12 @@ DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, m
     "v1": "1x4096,64x4096",
     "run4like": "1x4096,8x4096,64x4096,1x300:w32",
     "base2": "64x4096,1x4096,1x300:w32",
+    "kernel": "64x4096,8x4096,256x1024,128x2048,16x1024,1x4096,1x300:w32",
+    "inkernel": "64x4096,8x4096,256x1024,128x2048,16x1024,1x4096,1x300:w32",
+    "kernel2": "64x4096,1x4096",
+    "inkernel2": "64x4096,1x4096",
+    "kernel3": "64x4096",
+    "inkernel3": "64x4096",
 }
 # Run 4's first device call (commit 23a08c7) also had "nz" (cp.async without the zero-fill
 # operand), "tma" (now the default), "4x5" (5-deep rings), "fused" / "fused_memset" (split-K

@@ -41,6 +41,18 @@ PAGEDLLM_BINDING(attention, m) {
       py::arg("soft_cap") = 0.0f, py::arg("split_k") = -1, py::arg("stream") = 0,
       py::call_guard<py::gil_scoped_release>(), "Decode paged attention (see pagedllm/attention.h).");
   m.def(
+      "last_cuda_decode_plan",
+      [] {
+        const pagedllm::DecodePlanInfo info = pagedllm::last_cuda_decode_plan();
+        py::dict d;
+        d["kernel"] = info.kernel;
+        d["splits"] = info.splits;
+        d["combine"] = info.combine;
+        return d;
+      },
+      "What this thread's last CUDA paged_attention call ran: {'kernel', 'splits', 'combine'} "
+      "(see pagedllm/attention.h).");
+  m.def(
       "paged_prefill_attention",
       [](const TensorView& out, const TensorView& query, const TensorView& key_cache,
          const TensorView& value_cache, const TensorView& block_tables, const TensorView& seq_lens,

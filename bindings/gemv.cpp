@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <string>
 
 #include "registry.h"
 
@@ -29,18 +30,31 @@ PAGEDLLM_BINDING(gemv, m) {
       "gemv",
       [](const TensorView& out, const TensorView& input, const TensorView& weight,
          const std::optional<TensorView>& bias, bool silu_and_mul, std::uintptr_t stream, int variant, int warps,
-         int splits, int prefetch) {
+         int splits, int prefetch, const std::optional<TensorView>& norm_weight, float eps,
+         const std::optional<TensorView>& residual) {
         const auto config = make_config(variant, warps, splits, prefetch);
-        const TensorView* b = bias ? &*bias : nullptr;
-        if (silu_and_mul) pagedllm::silu_and_mul_gemv(out, input, weight, b, stream, &config);
-        else pagedllm::gemv(out, input, weight, b, stream, &config);
+        pagedllm::GemvFusion fusion;
+        fusion.silu_and_mul = silu_and_mul;
+        fusion.norm_weight = norm_weight ? &*norm_weight : nullptr;
+        fusion.eps = eps;
+        fusion.residual = residual ? &*residual : nullptr;
+        pagedllm::gemv(out, input, weight, bias ? &*bias : nullptr, stream, &config, &fusion);
       },
       py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
       py::arg("silu_and_mul") = false, py::arg("stream") = 0, py::arg("variant") = 0, py::arg("warps") = 0,
-      py::arg("splits") = 0, py::arg("prefetch") = -1, py::call_guard<py::gil_scoped_release>(),
-      "out [M, N] = input [M, K] @ weight [N, K]^T (+ bias); silu_and_mul: input [M, 2K] and the "
-      "product uses SiLU(input[:, :K]) * input[:, K:]. variant/warps/splits/prefetch: GemvConfig "
-      "tuning overrides (0 / -1: automatic).");
+      py::arg("splits") = 0, py::arg("prefetch") = -1, py::arg("norm_weight") = py::none(), py::arg("eps") = 1e-6f,
+      py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>(),
+      "out [M, N] = x [M, K] @ weight [N, K]^T (+ bias) (+ residual [M, N], may be out); x = input, "
+      "or SiLU(input[:, :K]) * input[:, K:] (silu_and_mul, input [M, 2K]), or RMSNorm(input) * "
+      "norm_weight (eps). variant/warps/splits/prefetch: GemvConfig tuning overrides (0 / -1: automatic).");
+  m.def(
+      "gemv_fusion_fits",
+      [](int64_t tokens, int64_t in_features, const std::string& dtype) {
+        return pagedllm::gemv_fusion_fits(tokens, in_features, pagedllm::parse_dtype(dtype));
+      },
+      py::arg("tokens"), py::arg("in_features"), py::arg("dtype"),
+      "Whether a GEMV prologue fusion (norm_weight / silu_and_mul) fits the current CUDA device's "
+      "shared memory for tokens x in_features elements of dtype ('bfloat16' / 'float16').");
   m.def("l2_prefetch", &pagedllm::l2_prefetch, py::arg("tensor"), py::arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>(),
         "Ask the L2 cache to fetch a contiguous CUDA tensor's bytes (asynchronous hint, sm_90).");

@@ -54,6 +54,11 @@ struct AttnParams {
   // set) into num_splits partitions of equal whole 16-token tiles, instead of fixed partitions of
   // partition_tokens (which follow the block-table width); partition_tokens is then unused.
   int even_splits = 0;
+  // Decode v2 only, num_splits > 1: when set, the partitions of a (sequence, KV head, head chunk)
+  // group are combined inside the decode kernel by the last one to finish (arrival counter
+  // split_counters[item / num_splits], zero on entry and reset to zero by that last arriver), and
+  // no reduction kernel runs. nullptr: the partials are left for launch_splitk_reduce.
+  int* split_counters = nullptr;
 };
 
 template <typename T>

@@ -47,6 +47,17 @@ constexpr int kWarpReduceMaxSplits = 8;
 /// w_s = partial_sum * 2^(partial_max - max_s partial_max). An all-empty row is written as 0.
 void launch_splitk_reduce(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
 
+/// In-kernel split-K combine (decode v2, AttnParams::split_counters): arrival counters, one per
+/// (sequence, KV head, 16-head chunk) of a launch, from a persistent zeroed buffer of
+/// kSplitCounterSlabs slabs of kSplitCountersPerSlab per device, one slab per stream
+/// (cuda/split_counters.cu states the concurrency rule). Returns the calling stream's slab, or
+/// nullptr when the reduction kernel must be used instead: `needed` > kSplitCountersPerSlab, every
+/// slab taken by other streams, or the device's buffer not yet allocated while `stream` is
+/// capturing a CUDA graph (it is allocated by the first call outside a capture).
+constexpr int64_t kSplitCountersPerSlab = 16384;
+constexpr int kSplitCounterSlabs = 64;
+int* split_counters_for(cudaStream_t stream, int64_t needed);
+
 /// Raise a kernel's dynamic shared-memory limit to `bytes`, once per device (`done_devices` is
 /// the kernel's own bit set of devices already raised).
 void set_max_dynamic_smem(const void* kernel, size_t bytes, std::atomic<uint64_t>& done_devices);

@@ -1,5 +1,6 @@
 // cuda/gemv.cu — GEMV for decode steps with few tokens (pagedllm/gemv.h):
-// y [M, N] = x [M, K] @ W [N, K]^T (+ bias), M <= 8, optionally x = SiLU(gate) * up.
+// y [M, N] = x [M, K] @ W [N, K]^T (+ bias) (+ residual), M <= 8, where x is the input itself, or
+// RMSNorm(h) of the input h, or SiLU(gate) * up of a fused gate_up input.
 //
 // Work split. A CTA owns a tile of 16 * TILES weight rows and a range of K (the whole K, or 1/S
 // of it when S CTAs of a cluster split K). Its warps split that K range into groups of 32 * U
@@ -18,6 +19,23 @@
 // The per-warp partial sums meet in shared memory; across a cluster, rank 0 adds the other CTAs'
 // sums through distributed shared memory (sm_90). Rank 0 adds the bias and rounds once.
 //
+// Fusions (GemvFusion in pagedllm/gemv.h). Prologue: with a norm weight or SiLU-and-mul, every CTA
+// stages its x (tokens x its K range) in shared memory once, after the PDL wait, and the main loop
+// reads x from there instead of global memory. RMSNorm: pass 1 reads h's whole rows (L2), keeps
+// the CTA's range raw in shared memory and sums squares per token (fp32); a CTA reduction gives
+// inv = rsqrt(sumsq / K + eps) (the rms_norm kernel's formula); pass 2 rewrites the range as
+// T(T(h * inv) * g), rms_norm's roundings. SiLU: x = T(T(SiLU(gate)) * up), silu_and_mul's
+// roundings. Rows are padded so that the 8 token rows a warp reads at once fall on different banks.
+// When M x K does not fit the shared-memory budget the launcher splits K over more cluster CTAs.
+// (Measured on the H200, bench/gpu_engine_notes.md "GEMV fusions": the staged prologue costs
+// more than the separate rms_norm kernel it replaces, whose latency PDL already hides behind the
+// GEMV's first weight loads; computing the norm on the fly instead — operand T(h * g), sums of
+// squares from the lanes' own loads, inv in the epilogue — was slower still. The model therefore
+// keeps these fusions off by default.)
+// Epilogue: with a residual [M, N], y = T(T(acc + bias) + residual) — the rounding of a gemv
+// followed by the residual add of fused_add_rms_norm. Each output element is read and written by
+// one thread, so the residual may be y itself (in-place update of a residual stream).
+//
 // Programmatic dependent launch (cuda/pdl.cuh): the kernel lets the next kernel launch at once,
 // issues the loads of its first two groups of weights — they do not depend on the previous
 // kernel — and only then waits for the previous grid before reading x. (Optionally, config
@@ -34,6 +52,7 @@
 #include "device_guard.h"
 #include "gemv_cuda.h"
 #include "layer_ops_common.cuh"
+#include "pagedllm/errors.h"
 #include "pdl.cuh"
 
 namespace pagedllm::cuda {
@@ -44,16 +63,24 @@ using layer_ops::from_float;
 using layer_ops::round_to;
 using layer_ops::to_float;
 
+/// Where x comes from: the input itself, RMSNorm of the input, or SiLU(gate) * up of the input;
+/// the last two are staged in shared memory.
+enum class Prologue { kNone, kNorm, kSilu };
+
 struct GemvParams {
-  const void* x;
+  const void* x;         // kNone: x [M, K]; kNorm: h [M, K]; kSilu: gate_up [M, 2K]
   const void* w;
-  const void* bias;  // nullptr: none
+  const void* bias;      // nullptr: none
+  const void* norm_w;    // kNorm: g [K]
+  const void* residual;  // nullptr: none; else [M, N], contiguous, may equal y
   void* y;
-  int64_t ldx;       // x row stride in elements
+  int64_t ldx;           // input row stride in elements
   int M, N, K;
-  int splits;        // CTAs (one cluster) per row tile, each over k_per_split columns
-  int k_per_split;   // a multiple of 32
-  int prefetch;      // 1: L2-prefetch the CTA's weight slice before waiting for the previous grid
+  int splits;            // CTAs (one cluster) per row tile, each over k_per_split columns
+  int k_per_split;       // a multiple of 32
+  int prefetch;          // 1: L2-prefetch the CTA's weight slice before waiting for the previous grid
+  int ldxs;              // staged x row stride in elements (kNorm / kSilu)
+  float eps;             // kNorm
 };
 
 template <typename T>
@@ -142,13 +169,12 @@ __device__ __forceinline__ uint4 silu_mul8(uint4 gate, uint4 up) {
   return g.u;
 }
 
-/// One group's registers: U chunks of 8 columns of each tile's rows g and g + 8, and of x (for
-/// kSilu: the gate and the up halves).
-template <int TILES, int U, bool kSilu>
+/// One group's registers: U chunks of 8 columns of each tile's rows g and g + 8, and (when x is
+/// not staged in shared memory) of x.
+template <int TILES, int U, bool kRegX>
 struct Frag {
   uint4 w[TILES][2][U];
-  uint4 x[U];
-  uint4 up[kSilu ? U : 1];
+  uint4 x[kRegX ? U : 1];
 };
 
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
@@ -160,10 +186,92 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #endif
 }
 
-template <typename T, int TILES, int U, bool kVec, bool kSilu>
+/// Stage x for columns [k_begin, k_end) of every token into xs [M][ldxs] (zero-padded to a
+/// multiple of 8 columns), after the PDL wait. kNorm: x = T(T(h * inv) * g) with inv = rsqrt(
+/// sum(h^2) / K + eps) over the whole row (`scratch`: warps * 8 floats, free until the caller's
+/// next barrier). kSilu: x = T(T(SiLU(gate)) * up). Ends with a barrier.
+template <typename T, bool kVec, Prologue kPro>
+__device__ __forceinline__ void stage_x(const GemvParams& p, T* xs, int k_begin, int k_end, float* scratch) {
+  const T* in = static_cast<const T*>(p.x);
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  const int klen8 = (k_end - k_begin + 7) / 8 * 8;
+  if constexpr (kPro == Prologue::kSilu) {
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      if (m >= p.M) break;
+      const T* row = in + static_cast<int64_t>(m) * p.ldx;
+      for (int c = tid * 8; c < klen8; c += nthreads * 8) {
+        const int k = k_begin + c;
+        const uint4 v = silu_mul8<T>(load_act<T, kVec>(row, k, k_end), load_act<T, kVec>(row + p.K, k, k_end));
+        *reinterpret_cast<uint4*>(xs + m * p.ldxs + c) = v;
+      }
+    }
+  } else {
+    // pass 1: sums of squares over whole rows; the CTA's own columns kept raw in xs
+    float ss[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) ss[m] = 0.f;
+    for (int k = tid * 8; k < p.K; k += nthreads * 8) {
+      Pack8<T> h[8];
+#pragma unroll
+      for (int m = 0; m < 8; ++m)
+        if (m < p.M) h[m].u = load_act<T, kVec>(in + static_cast<int64_t>(m) * p.ldx, k, p.K);
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        if (m >= p.M) break;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float v = to_float(h[m].e[e]);
+          ss[m] += v * v;
+        }
+        // k and k_begin are multiples of 8; the K tail past k_end is zero from load_act
+        if (k >= k_begin && k < k_end) *reinterpret_cast<uint4*>(xs + m * p.ldxs + (k - k_begin)) = h[m].u;
+      }
+    }
+    const int lane = tid & 31, warp = tid >> 5, num_warps = nthreads >> 5;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      if (m >= p.M) break;
+      float v = ss[m];
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) scratch[warp * 8 + m] = v;
+    }
+    __syncthreads();
+    float inv[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      if (m >= p.M) break;
+      float s = 0.f;
+      for (int w = 0; w < num_warps; ++w) s += scratch[w * 8 + m];
+      inv[m] = rsqrtf(s / static_cast<float>(p.K) + p.eps);
+    }
+    // pass 2: normalise the staged columns in place (after the barrier above: pass 1 stored them)
+    const T* g = static_cast<const T*>(p.norm_w);
+    for (int k = k_begin + tid * 8; k < k_end; k += nthreads * 8) {
+      Pack8<T> gv;
+      gv.u = load_act<T, kVec>(g, k, k_end);
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        if (m >= p.M) break;
+        Pack8<T>* x = reinterpret_cast<Pack8<T>*>(xs + m * p.ldxs + (k - k_begin));
+        Pack8<T> v = *x;
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          v.e[e] = from_float<T>(round_to<T>(to_float(v.e[e]) * inv[m]) * to_float(gv.e[e]));
+        *x = v;
+      }
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T, int TILES, int U, bool kVec, Prologue kPro>
 __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
-  extern __shared__ float red[];  // [warps][TILES * 128]: per-warp partial sums (row, token)
+  // [warps][TILES * 128] floats: per-warp partial sums (row, token); then, for a staged
+  // prologue, x [M][ldxs] of T
+  extern __shared__ float red[];
   constexpr int kOut = TILES * 128;
+  constexpr bool kStaged = kPro != Prologue::kNone;
   detail::pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -172,6 +280,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   const int k_begin = rank * p.k_per_split;
   const int k_end = min(p.K, k_begin + p.k_per_split);
   const T* w = static_cast<const T*>(p.w);
+  T* xs = reinterpret_cast<T*>(red + num_warps * kOut);
 
   // The weights do not depend on the previous kernel: start pulling this CTA's slice into L2.
   if (kVec && p.prefetch && k_begin < k_end && static_cast<int>(threadIdx.x) < 16 * TILES &&
@@ -187,6 +296,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
       wrow[i][h] = w + static_cast<int64_t>(min(row0 + 16 * i + 8 * h + g, p.N - 1)) * p.K;
   const bool has_x = g < p.M;
   const T* xrow = static_cast<const T*>(p.x) + static_cast<int64_t>(has_x ? g : 0) * p.ldx;
+  const T* xs_row = xs + (has_x ? g : 0) * p.ldxs;  // staged x of token g, from column k_begin
 
   float acc[TILES][4];
 #pragma unroll
@@ -196,7 +306,8 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   // compiler places each MMA right after its own loads and the warp waits for every group).
   const int stride = num_warps * 32 * U;
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  auto load_weights = [&](Frag<TILES, U, kSilu>& f, int kg) {
+  using F = Frag<TILES, U, !kStaged>;
+  auto load_weights = [&](F& f, int kg) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kg + u * 32 + t * 8;
@@ -207,20 +318,25 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
         for (int h = 0; h < 2; ++h) f.w[i][h][u] = ok ? load_w<T, kVec>(wrow[i][h], k, k_end) : zero;
     }
   };
-  auto load_input = [&](Frag<TILES, U, kSilu>& f, int kg) {
+  auto load_input = [&](F& f, int kg) {
+    if constexpr (!kStaged) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = kg + u * 32 + t * 8;
-      const bool ok = k < k_end && has_x;
-      f.x[u] = ok ? load_act<T, kVec>(xrow, k, k_end) : zero;
-      if constexpr (kSilu) f.up[u] = ok ? load_act<T, kVec>(xrow + p.K, k, k_end) : zero;
+      for (int u = 0; u < U; ++u) {
+        const int k = kg + u * 32 + t * 8;
+        f.x[u] = k < k_end && has_x ? load_act<T, kVec>(xrow, k, k_end) : zero;
+      }
     }
   };
-  auto compute = [&](const Frag<TILES, U, kSilu>& f) {
+  auto compute = [&](const F& f, int kg) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      uint4 xv = f.x[u];
-      if constexpr (kSilu) xv = silu_mul8<T>(xv, f.up[u]);
+      uint4 xv;
+      if constexpr (kStaged) {
+        const int k = kg + u * 32 + t * 8;
+        xv = k < k_end && has_x ? *reinterpret_cast<const uint4*>(xs_row + (k - k_begin)) : zero;
+      } else {
+        xv = f.x[u];
+      }
 #pragma unroll
       for (int i = 0; i < TILES; ++i) {
         Mma<T>::run(acc[i], f.w[i][0][u].x, f.w[i][1][u].x, f.w[i][0][u].y, f.w[i][1][u].y, xv.x, xv.y);
@@ -228,24 +344,32 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
       }
     }
   };
-  Frag<TILES, U, kSilu> fa, fb;
+  F fa, fb;
   int kg = k_begin + warp * 32 * U;
   // The first two groups' weights are requested before waiting for the previous kernel (they do
   // not depend on it); x only after.
   if (kg < k_end) load_weights(fa, kg);
   if (kg + stride < k_end) load_weights(fb, kg + stride);
+  if constexpr (kPro == Prologue::kNorm) {  // the norm weight is no output of the previous kernel
+    for (int k = k_begin + static_cast<int>(threadIdx.x) * 8; k < k_end; k += blockDim.x * 8)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const T*>(p.norm_w) + k));
+  }
   detail::pdl_wait();
-  if (kg < k_end) load_input(fa, kg);
-  if (kg + stride < k_end) load_input(fb, kg + stride);
+  if constexpr (kStaged) {
+    stage_x<T, kVec, kPro>(p, xs, k_begin, k_end, red);
+  } else {
+    if (kg < k_end) load_input(fa, kg);
+    if (kg + stride < k_end) load_input(fb, kg + stride);
+  }
   while (kg < k_end) {
-    compute(fa);
+    compute(fa, kg);
     if (kg + 2 * stride < k_end) {
       load_weights(fa, kg + 2 * stride);
       load_input(fa, kg + 2 * stride);
     }
     kg += stride;
     if (kg >= k_end) break;
-    compute(fb);
+    compute(fb, kg);
     if (kg + 2 * stride < k_end) {
       load_weights(fb, kg + 2 * stride);
       load_input(fb, kg + 2 * stride);
@@ -289,45 +413,83 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   if (rank != 0) return;
   T* y = static_cast<T*>(p.y);
   const T* bias = static_cast<const T*>(p.bias);
+  const T* residual = static_cast<const T*>(p.residual);
   for (int j = threadIdx.x; j < kOut; j += blockDim.x) {
     const int row = row0 + (j / 128) * 16 + (j % 128) / 8, token = j % 8;
     if (row < p.N && token < p.M) {
       float v = red[j];
       if (bias != nullptr) v += to_float(bias[row]);
-      y[static_cast<int64_t>(token) * p.N + row] = from_float<T>(v);
+      const int64_t at = static_cast<int64_t>(token) * p.N + row;
+      // the residual element is read and then written by this thread only (y may be residual)
+      if (residual != nullptr) v = to_float(residual[at]) + round_to<T>(v);
+      y[at] = from_float<T>(v);
     }
   }
 }
 
-int sm_count() {
-  static std::atomic<int> cache[64] = {};
+int device_attr(cudaDeviceAttr attr) {
+  static std::atomic<int> cache[2][64] = {};
+  const int which = attr == cudaDevAttrMultiProcessorCount ? 0 : 1;
   int dev = 0;
   PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
   const int slot = dev < 64 ? dev : 63;
-  int n = cache[slot].load();
+  int n = cache[which][slot].load();
   if (n == 0) {
-    PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    cache[slot].store(n);
+    PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&n, attr, dev));
+    cache[which][slot].store(n);
   }
   return n;
 }
 
-template <typename T, int TILES, int U, bool kVec, bool kSilu>
+int sm_count() { return device_attr(cudaDevAttrMultiProcessorCount); }
+/// Dynamic shared memory one CTA may opt into on the current device (bytes).
+int smem_optin() { return device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin); }
+
+/// Staged x per CTA: auto splits grow until it fits this budget (two CTAs per SM on sm_90).
+constexpr int64_t kStageBudget = 100 << 10;
+
+int64_t reduce_bytes(int warps, int tiles) { return static_cast<int64_t>(warps) * tiles * 128 * sizeof(float); }
+
+/// Staged x row stride for k_per_split columns: a multiple of 64 elements plus 32, so that rows
+/// lie 64 bytes (mod 128) apart and the 8 token rows of one warp read hit different banks.
+int staged_ld(int k_per_split) { return (k_per_split + 63) / 64 * 64 + 32; }
+
+int k_per_split(int K, int splits) { return ((K + splits - 1) / splits + 31) / 32 * 32; }
+
+int64_t staged_bytes(int M, int K, int splits, int elem) {
+  return static_cast<int64_t>(M) * staged_ld(k_per_split(K, splits)) * elem;
+}
+
+template <typename T, int TILES, int U, bool kVec, Prologue kPro>
 void launch_kernel(GemvParams p, int warps, cudaStream_t stream, bool pdl) {
-  const auto kernel = gemv_kernel<T, TILES, U, kVec, kSilu>;
+  const auto kernel = gemv_kernel<T, TILES, U, kVec, kPro>;
   const int64_t tiles = (static_cast<int64_t>(p.N) + 16 * TILES - 1) / (16 * TILES);
-  const size_t smem = static_cast<size_t>(warps) * TILES * 128 * sizeof(float);
+  size_t smem = static_cast<size_t>(reduce_bytes(warps, TILES));
+  if constexpr (kPro != Prologue::kNone) {
+    static std::atomic<uint64_t> raised{0};
+    smem += static_cast<size_t>(p.M) * p.ldxs * sizeof(T);
+    detail::set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<size_t>(smem_optin()), raised);
+  }
   detail::launch_ex(kernel, dim3(static_cast<unsigned>(tiles * p.splits)), dim3(32 * warps), smem, stream, pdl,
                     static_cast<unsigned>(p.splits), p);
 }
 
-template <typename T, bool kSilu>
+template <typename T, Prologue kPro>
 void dispatch(GemvParams p, int variant, int warps, bool vec, cudaStream_t stream, bool pdl) {
-  if (!vec) return launch_kernel<T, 1, 2, false, kSilu>(p, warps, stream, pdl);
+  if (!vec) return launch_kernel<T, 1, 2, false, kPro>(p, warps, stream, pdl);
   switch (variant) {
-    case 1: return launch_kernel<T, 1, 4, true, kSilu>(p, warps, stream, pdl);
-    case 2: return launch_kernel<T, 2, 2, true, kSilu>(p, warps, stream, pdl);
-    default: return launch_kernel<T, 1, 2, true, kSilu>(p, warps, stream, pdl);
+    case 1: return launch_kernel<T, 1, 4, true, kPro>(p, warps, stream, pdl);
+    case 2: return launch_kernel<T, 2, 2, true, kPro>(p, warps, stream, pdl);
+    default: return launch_kernel<T, 1, 2, true, kPro>(p, warps, stream, pdl);
+  }
+}
+
+template <typename T>
+void dispatch_prologue(GemvParams p, Prologue pro, int variant, int warps, bool vec, cudaStream_t stream, bool pdl) {
+  switch (pro) {
+    case Prologue::kNorm: return dispatch<T, Prologue::kNorm>(p, variant, warps, vec, stream, pdl);
+    case Prologue::kSilu: return dispatch<T, Prologue::kSilu>(p, variant, warps, vec, stream, pdl);
+    default: return dispatch<T, Prologue::kNone>(p, variant, warps, vec, stream, pdl);
   }
 }
 
@@ -344,7 +506,22 @@ __global__ void l2_prefetch_kernel(const char* begin, int64_t bytes) {
   detail::pdl_wait();
 }
 
+/// Smallest cluster split (1, 2, 4, 8; 1 only below sm_90) at or above `from` whose staged x fits
+/// next to the reduction buffer in `limit` bytes; 0 if none does.
+int staged_splits(int M, int K, int elem, int from, int64_t reduce, int64_t limit, bool hopper) {
+  for (int s = std::max(1, from); s <= (hopper ? 8 : 1); s *= 2)
+    if (reduce + staged_bytes(M, K, s, elem) <= limit) return s;
+  return 0;
+}
+
 }  // namespace
+
+bool gemv_stage_fits(int64_t M, int64_t K, int elem_bytes) {
+  if (M < 1 || K < 1 || K >= (int64_t{1} << 30)) return false;
+  const bool hopper = detail::current_device_major() >= 9;
+  return staged_splits(static_cast<int>(M), static_cast<int>(K), elem_bytes, 1, reduce_bytes(8, 2), smem_optin(),
+                       hopper) > 0;
+}
 
 void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(data);
@@ -358,19 +535,26 @@ void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream) {
 }
 
 void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
-          bool silu, const GemvConfig& config, std::uintptr_t stream) {
+          const GemvFusion& fusion, const GemvConfig& config, std::uintptr_t stream) {
   detail::DeviceGuard guard(input.device_index);
   const auto s = reinterpret_cast<cudaStream_t>(stream);
+  const Prologue pro = fusion.norm_weight != nullptr ? Prologue::kNorm
+                       : fusion.silu_and_mul        ? Prologue::kSilu
+                                                    : Prologue::kNone;
   GemvParams p{};
   p.x = input.data;
   p.w = weight.data;
   p.bias = bias != nullptr ? bias->data : nullptr;
+  p.norm_w = fusion.norm_weight != nullptr ? fusion.norm_weight->data : nullptr;
+  p.residual = fusion.residual != nullptr ? fusion.residual->data : nullptr;
+  p.eps = fusion.eps;
   p.y = out.data;
   p.M = static_cast<int>(input.size(0));
   p.N = static_cast<int>(weight.size(0));
   p.K = static_cast<int>(weight.size(1));
   p.ldx = input.size(0) > 1 ? input.stride(0) : input.size(1);
-  const bool vec = p.K % 8 == 0 && p.ldx % 8 == 0 && aligned16(input.data) && aligned16(weight.data);
+  const bool vec = p.K % 8 == 0 && p.ldx % 8 == 0 && aligned16(input.data) && aligned16(weight.data) &&
+                   (p.norm_w == nullptr || aligned16(p.norm_w));
   const bool hopper = detail::current_device_major() >= 9;
   // Automatic choices, from bench/gemv.py --sweep on the H200 (results/2026-11-29-h200-gemv-run1.json
   // and -run2.json): 16-row tiles with 4 chunks per group and 8 warps were best or within a few %
@@ -390,17 +574,26 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
     while (splits < 8 && tiles * splits < sm_count() && p.K / (2 * splits) >= 32 * U * 8) splits *= 2;
   }
   if (!hopper) splits = 1;  // clusters need sm_90
+  if (pro != Prologue::kNone) {
+    // Staged x: more K splits until it fits the budget (automatic splits) or, for a configured
+    // split or where the budget cannot be met, the device's limit.
+    const int elem = static_cast<int>(dtype_size(input.dtype));
+    const int64_t reduce = reduce_bytes(warps, rows / 16), optin = smem_optin();
+    int fit = config.splits > 0 ? 0 : staged_splits(p.M, p.K, elem, splits, reduce,
+                                                       std::min<int64_t>(kStageBudget, optin), hopper);
+    if (fit == 0) fit = staged_splits(p.M, p.K, elem, splits, reduce, optin, hopper);
+    PAGEDLLM_CHECK(fit > 0, "gemv: the fused prologue stages ", p.M, " x ", p.K,
+                   " input elements in shared memory, more than this device allows (", optin,
+                   " bytes per CTA) even split over ", hopper ? 8 : 1, " CTAs; run rms_norm / silu_and_mul first");
+    splits = fit;
+    p.ldxs = staged_ld(k_per_split(p.K, splits));
+  }
   p.splits = splits;
-  p.k_per_split = ((p.K + splits - 1) / splits + 31) / 32 * 32;
+  p.k_per_split = k_per_split(p.K, splits);
   p.prefetch = config.prefetch >= 0 ? config.prefetch : 0;
   const bool pdl = detail::pdl_enabled_for_current_device();
-  if (input.dtype == DType::kBFloat16) {
-    if (silu) dispatch<__nv_bfloat16, true>(p, variant, warps, vec, s, pdl);
-    else dispatch<__nv_bfloat16, false>(p, variant, warps, vec, s, pdl);
-  } else {
-    if (silu) dispatch<__half, true>(p, variant, warps, vec, s, pdl);
-    else dispatch<__half, false>(p, variant, warps, vec, s, pdl);
-  }
+  if (input.dtype == DType::kBFloat16) dispatch_prologue<__nv_bfloat16>(p, pro, variant, warps, vec, s, pdl);
+  else dispatch_prologue<__half>(p, pro, variant, warps, vec, s, pdl);
 }
 
 }  // namespace pagedllm::cuda

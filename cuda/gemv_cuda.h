@@ -11,10 +11,15 @@
 
 namespace pagedllm::cuda {
 
-/// silu == false: out = input @ weight^T (+ bias). silu == true: input is [M, 2K] and the product
-/// uses SiLU(input[:, :K]) * input[:, K:] rounded as silu_and_mul rounds.
+/// out = x @ weight^T (+ bias) (+ residual) with x = input, RMSNorm(input) or SiLU-and-mul of
+/// input as `fusion` says (validated: not both prologues). Throws InvalidArgument when a staged
+/// prologue does not fit the device's shared memory (see gemv_stage_fits).
 void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
-          bool silu, const GemvConfig& config, std::uintptr_t stream);
+          const GemvFusion& fusion, const GemvConfig& config, std::uintptr_t stream);
+
+/// Whether a prologue fusion can stage M x K input elements of `elem_bytes` bytes in shared
+/// memory on the current device (splitting K over up to 8 cluster CTAs on sm_90).
+bool gemv_stage_fits(int64_t M, int64_t K, int elem_bytes);
 
 /// cp.async.bulk.prefetch.L2 over [data, data + bytes) (16-byte aligned pieces inside it).
 void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream);

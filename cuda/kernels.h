@@ -30,6 +30,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                      const TensorView& seq_lens, float scale, const AttentionOptions& options,
                      std::uintptr_t stream);
 
+/// What this thread's last paged_attention call ran (pagedllm::last_cuda_decode_plan).
+DecodePlanInfo last_decode_plan();
+
 void paged_prefill_attention(const TensorView& out, const TensorView& query,
                              const TensorView& key_cache, const TensorView& value_cache,
                              const TensorView& block_tables, const TensorView& seq_lens,

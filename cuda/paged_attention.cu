@@ -7,7 +7,10 @@
 // caller's stream and freed with cudaFreeAsync after the reduction, so the call stays
 // asynchronous and CUDA-graph capturable (captured as memory-allocation nodes). The device's
 // default memory pool keeps freed memory (release threshold raised once per device), so
-// steady-state calls do not go back to the driver.
+// steady-state calls do not go back to the driver. The partitions are combined by the reduction
+// kernel or, for decode v2 where that measured faster, inside the decode kernel by the last
+// partition of each group to finish (arrival counters from cuda/split_counters.cu, no extra
+// kernel and no memset).
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -35,10 +38,16 @@ int current_device() {
   return d;
 }
 
-void keep_pool_memory() {
+void keep_pool_memory(cudaStream_t stream) {
   static std::atomic<bool> done[kMaxDevices] = {};
   const int dev = current_device();
   if (dev < kMaxDevices && done[dev].load()) return;
+  // Not allowed while the stream captures a graph (cudaErrorStreamCaptureUnsupported, which would
+  // also invalidate the capture): a split decode captured first in a process leaves it to the
+  // next call outside a capture.
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  PAGEDLLM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) return;
   cudaMemPool_t pool;
   PAGEDLLM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
   uint64_t threshold = std::numeric_limits<uint64_t>::max();
@@ -113,6 +122,31 @@ bool even_splits_enabled() {
   return on;
 }
 
+/// How split-K partitions are combined: the reduction kernel after the decode kernel, or the last
+/// partition of each group inside the decode kernel (v2 only; AttnParams::split_counters).
+/// PAGEDLLM_SPLITK_COMBINE=kernel or =inkernel forces one wherever it is possible (for testing and
+/// benchmarking; read once); otherwise in_kernel_combine_pays decides.
+int forced_combine() {  // 0 = model, 1 = reduction kernel, 2 = in-kernel
+  static const int mode = [] {
+    const char* v = std::getenv("PAGEDLLM_SPLITK_COMBINE");
+    if (v == nullptr) return 0;
+    if (std::string(v) == "kernel") return 1;
+    if (std::string(v) == "inkernel") return 2;
+    return 0;
+  }();
+  return mode;
+}
+
+/// Where the in-kernel combine measured faster than the reduction kernel on the H200 (bench/
+/// cuda_kernels_notes.md, run 7): whole-CTA items with at most 8 partitions (1 x 300 with a
+/// 32-block table, 8 splits: 7.23 against 8.06 us; engine-shaped layer 9.72-9.77 against 10.35 us).
+/// It lost everywhere else it was measured: warp items with 2 partitions (64 x 4,096: 254.5-256.5
+/// against 252.5-253.8 us) or 16 (8 x 4,096: 48.6 against 44.0), CTA items with 32 (1 x 4,096:
+/// 14.2-14.6 against 13.0-13.3).
+bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
+  return kind == DecodeKernel::kV2Cta && splits <= 8;
+}
+
 /// Cost of a decode kernel with `s` splits in a wave-aware model: with `units` work units running
 /// at once (warps for v2 warp items, CTAs otherwise) and base = the work items of one partition,
 /// S splits give ceil(base * S / units) waves, each as long as the longest partition (in rounds
@@ -163,6 +197,18 @@ struct DecodePlan {
   DecodeKernel kind;
   int64_t splits;
 };
+
+const char* kind_name(DecodeKernel kind) {
+  switch (kind) {
+    case DecodeKernel::kV1: return "v1";
+    case DecodeKernel::kV2: return "v2-warp";
+    case DecodeKernel::kV2Pair: return "v2-pair";
+    case DecodeKernel::kV2Cta: return "v2-cta";
+    default: return "fp32";
+  }
+}
+
+thread_local DecodePlanInfo g_last_plan;
 
 /// The kernel and flash-decoding split count. split_k > 0 or == 0 fixes the count (1 for 0);
 /// -1: the cheapest count of the cost model (the smallest on ties). v2 kernels: items on warps,
@@ -227,6 +273,8 @@ void set_max_dynamic_smem(const void* kernel, size_t bytes, std::atomic<uint64_t
 
 }  // namespace detail
 
+DecodePlanInfo last_decode_plan() { return detail::g_last_plan; }
+
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
                      const TensorView& seq_lens, float scale, const AttentionOptions& options,
@@ -261,6 +309,14 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     // v2 partitions each sequence's own context evenly (every partition busy at any length).
     p.even_splits = v2 && even_splits_enabled() ? 1 : 0;
   }
+  // Combine the partitions in the decode kernel when the model (or the environment) says so and
+  // the stream has zeroed arrival counters; else the reduction kernel after it.
+  const int64_t groups = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ((p.group + 15) / 16);
+  if (v2 && p.num_splits > 1 && forced_combine() != 1 &&
+      (forced_combine() == 2 || in_kernel_combine_pays(kind, p.num_splits)))
+    p.split_counters = split_counters_for(stream, groups);
+  g_last_plan = DecodePlanInfo{kind_name(kind), p.num_splits,
+                               p.num_splits == 1 ? "none" : p.split_counters != nullptr ? "in-kernel" : "kernel"};
   auto launch = [&] {
     switch (kind) {
       case DecodeKernel::kFp32: return launch_attention_fp32(head_size, p, stream);
@@ -273,7 +329,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 
   if (p.num_splits == 1) return launch();
 
-  keep_pool_memory();
+  keep_pool_memory(stream);
   const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_heads * p.num_splits;
   const size_t bytes = rows * (head_size + 2) * sizeof(float);
   void* workspace = nullptr;
@@ -283,7 +339,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.partial_sum = p.partial_max + rows;
   try {
     launch();
-    launch_splitk_reduce(dtype, head_size, p, stream);
+    if (p.split_counters == nullptr) launch_splitk_reduce(dtype, head_size, p, stream);
   } catch (...) {
     cudaFreeAsync(workspace, stream);
     throw;

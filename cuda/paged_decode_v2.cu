@@ -12,7 +12,9 @@
 // memory into the A fragments. Each item ends with an online-softmax state (FlashAttention-2,
 // Dao 2023); with WPI > 1 the team merges its warps' states in shared memory (one barrier pair
 // per item). The result is written as the output row (one partition) or as flash-decoding
-// partials (Dao et al. 2023) that launch_splitk_reduce combines. WPI = 1 has no barrier at all
+// partials (Dao et al. 2023) that launch_splitk_reduce combines, or that the last partition of
+// each group to finish combines in this kernel (p.split_counters; see combine_splits). WPI = 1 has
+// no barrier at all
 // and suits many items; larger teams finish an item sooner and so need fewer partitions (no
 // reduction at 64 x 4,096 with pairs; fewer partials at batch 1 with whole CTAs). Partitions
 // either follow the block-table width (partition_tokens) or split each sequence's own context
@@ -243,7 +245,44 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
       else asm volatile("bar.sync 2, %0;\n" ::"n"(32 * WPI) : "memory");
     }
   };
-  auto merge_warps_and_store = [&](const DecodeItem& it, const float(&m)[2], const float(&l)[2],
+  // In-kernel split-K combine (p.split_counters set, num_splits > 1), the last-arriver pattern of
+  // the CUDA samples' threadFenceReduction: every team writes its partition's partials, fences
+  // (__threadfence) and adds one to its group's arrival counter; the team that sees num_splits - 1
+  // is the last, reads all the group's partials from L2 (ld.global.cg: never a stale L1 line),
+  // combines them as launch_splitk_reduce does (same formula, same order of partitions, so the
+  // result does not depend on which team came last) and resets the counter to zero for the next
+  // launch. `tid` / `nthreads`: this thread's index within the team and the team's size.
+  auto combine_splits = [&](const DecodeItem& it, int tid, int nthreads) {
+    constexpr int kCols = D / 4;  // float4 columns
+    const int S = p.num_splits;
+    const int64_t row0 = static_cast<int64_t>(it.seq) * p.num_heads + it.h0;
+    for (int idx = tid; idx < it.nrows * kCols; idx += nthreads) {
+      const int r = idx / kCols, c = idx % kCols;
+      const int64_t prow = (row0 + r) * S;
+      float mmax = neg_inf();
+      for (int s = 0; s < S; ++s) mmax = fmaxf(mmax, __ldcg(p.partial_max + prow + s));
+      const float base = mmax == neg_inf() ? 0.f : mmax;  // all partitions empty: weights 0
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+      float total = 0.f;
+#pragma unroll 4
+      for (int s = 0; s < S; ++s) {
+        const float w = __ldcg(p.partial_sum + prow + s) * exp2f(__ldcg(p.partial_max + prow + s) - base);
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial_out + (prow + s) * D) + c);
+        total += w;
+        o.x += w * v.x;
+        o.y += w * v.y;
+        o.z += w * v.z;
+        o.w += w * v.w;
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      T* dst = static_cast<T*>(p.out) + (row0 + r) * D + 4 * c;
+      *reinterpret_cast<uint2*>(dst) =
+          make_uint2(TypeTraits<T>::pack(o.x * inv, o.y * inv), TypeTraits<T>::pack(o.z * inv, o.w * inv));
+    }
+  };
+  __shared__ int s_last_arriver[kTeams];  // WPI > 1: the team's arrival result, shared by the team
+
+  auto merge_warps_and_store = [&](const DecodeItem& it, int item, const float(&m)[2], const float(&l)[2],
                                    const float(&acc)[D / 8][4], int mrows) {
     float* s_m = reinterpret_cast<float*>(smem + C::kMergeOffset);  // [kWarps][16]
     float* s_l = s_m + C::kWarps * 16;                                // [kWarps][16]
@@ -288,6 +327,20 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
           p.partial_sum[prow] = lsum;
         }
       }
+    }
+    if (p.num_splits > 1 && p.split_counters != nullptr) {
+      __threadfence();  // this thread's partials are visible device-wide before the team arrives
+      team_sync();
+      const int tid = threadIdx.x - 32 * w0;
+      int* counter = p.split_counters + item / p.num_splits;
+      if (tid == 0) s_last_arriver[team] = atomicAdd(counter, 1) == p.num_splits - 1;
+      team_sync();  // also: the merge buffers are reused by the next item
+      if (s_last_arriver[team]) {
+        __threadfence();
+        combine_splits(it, tid, 32 * WPI);
+        if (tid == 0) *counter = 0;
+      }
+      return;
     }
     team_sync();  // the merge buffers are reused by the next item
   };
@@ -355,7 +408,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     // ---- this item's rows: the output (one partition) or the flash-decoding partials
     row_sums(l);
     if constexpr (WPI > 1) {
-      merge_warps_and_store(it, m, l, acc, merge_rows);
+      merge_warps_and_store(it, ci, m, l, acc, merge_rows);
     } else {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -379,6 +432,18 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
             p.partial_max[prow] = m[r];
             p.partial_sum[prow] = l[r];
           }
+        }
+      }
+      if (p.num_splits > 1 && p.split_counters != nullptr) {  // last-arriver combine, as above
+        __threadfence();
+        __syncwarp();
+        int* counter = p.split_counters + ci / p.num_splits;
+        int last = 0;
+        if (lane == 0) last = atomicAdd(counter, 1) == p.num_splits - 1;
+        if (__shfl_sync(0xffffffffu, last, 0)) {
+          __threadfence();
+          combine_splits(it, lane, 32);
+          if (lane == 0) *counter = 0;
         }
       }
     }

@@ -134,6 +134,14 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 #endif
 }
 
+DecodePlanInfo last_cuda_decode_plan() {
+#ifdef PAGEDLLM_WITH_CUDA
+  return cuda::last_decode_plan();
+#else
+  return {};
+#endif
+}
+
 void paged_prefill_attention(const TensorView& out, const TensorView& query,
                              const TensorView& key_cache, const TensorView& value_cache,
                              const TensorView& block_tables, const TensorView& seq_lens,

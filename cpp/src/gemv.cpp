@@ -30,7 +30,8 @@ void check_config(const char* op, const GemvConfig& c) {
 }
 
 void run(const char* op, const TensorView& out, const TensorView& input, const TensorView& weight,
-         const TensorView* bias, bool silu, std::uintptr_t stream, const GemvConfig* config) {
+         const TensorView* bias, const GemvFusion& fusion, std::uintptr_t stream, const GemvConfig* config) {
+  const bool silu = fusion.silu_and_mul;
   PAGEDLLM_CHECK(input.device == DeviceType::kCUDA, op, ": input is on ", detail::device_str(input),
                  "; the GEMV kernels are CUDA only (on the cpu use torch.nn.functional.linear)");
   PAGEDLLM_CHECK(input.dtype == DType::kBFloat16 || input.dtype == DType::kFloat16, op, ": input dtype ",
@@ -71,11 +72,31 @@ void run(const char* op, const TensorView& out, const TensorView& input, const T
   PAGEDLLM_CHECK(!overlaps(out, input), op, ": out overlaps input");
   PAGEDLLM_CHECK(!overlaps(out, weight), op, ": out overlaps weight");
   PAGEDLLM_CHECK(bias == nullptr || !overlaps(out, *bias), op, ": out overlaps bias");
+  if (const TensorView* g = fusion.norm_weight; g != nullptr) {
+    PAGEDLLM_CHECK(!silu, op, ": norm_weight (RMSNorm prologue) and silu_and_mul cannot be combined");
+    check_ndim(op, "norm_weight", *g, 1, "[in_features]");
+    check_dtype(op, "norm_weight", *g, input.dtype);
+    check_same_device(op, "norm_weight", *g, "input", input);
+    check_contiguous(op, "norm_weight", *g);
+    check_dim(op, "norm_weight", *g, 0, K, "in_features, must match weight.size(1)");
+    PAGEDLLM_CHECK(fusion.eps >= 0.f && fusion.eps < 1e30f, op, ": eps must be finite and >= 0, got ", fusion.eps);
+    PAGEDLLM_CHECK(!overlaps(out, *g), op, ": out overlaps norm_weight");
+  }
+  if (const TensorView* r = fusion.residual; r != nullptr) {
+    check_ndim(op, "residual", *r, 2, "[num_tokens, out_features]");
+    check_dtype(op, "residual", *r, input.dtype);
+    check_same_device(op, "residual", *r, "input", input);
+    check_contiguous(op, "residual", *r);
+    check_dim(op, "residual", *r, 0, M, "num_tokens, must match input");
+    check_dim(op, "residual", *r, 1, N, "out_features, must match weight.size(0)");
+    PAGEDLLM_CHECK(r->data == out.data || !overlaps(out, *r), op,
+                   ": residual overlaps out without being out (in place: pass the same tensor)");
+  }
   const GemvConfig cfg = config != nullptr ? *config : GemvConfig{};
   check_config(op, cfg);
   if (M == 0) return;
 #if defined(PAGEDLLM_WITH_CUDA)
-  cuda::gemv(out, input, weight, bias, silu, cfg, stream);
+  cuda::gemv(out, input, weight, bias, fusion, cfg, stream);
 #else
   (void)stream;
   throw std::runtime_error(std::string(op) + ": got CUDA tensors but pagedllm was built without CUDA "
@@ -93,14 +114,28 @@ bool gemv_built_with_cuda() {
 #endif
 }
 
+bool gemv_fusion_fits(int64_t tokens, int64_t in_features, DType dtype) {
+#if defined(PAGEDLLM_WITH_CUDA)
+  return cuda::gemv_stage_fits(tokens, in_features, static_cast<int>(dtype_size(dtype)));
+#else
+  (void)tokens;
+  (void)in_features;
+  (void)dtype;
+  return false;
+#endif
+}
+
 void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
-          std::uintptr_t stream, const GemvConfig* config) {
-  run("gemv", out, input, weight, bias, false, stream, config);
+          std::uintptr_t stream, const GemvConfig* config, const GemvFusion* fusion) {
+  const GemvFusion f = fusion != nullptr ? *fusion : GemvFusion{};
+  run(f.silu_and_mul ? "silu_and_mul_gemv" : "gemv", out, input, weight, bias, f, stream, config);
 }
 
 void silu_and_mul_gemv(const TensorView& out, const TensorView& input, const TensorView& weight,
                        const TensorView* bias, std::uintptr_t stream, const GemvConfig* config) {
-  run("silu_and_mul_gemv", out, input, weight, bias, true, stream, config);
+  GemvFusion f;
+  f.silu_and_mul = true;
+  run("silu_and_mul_gemv", out, input, weight, bias, f, stream, config);
 }
 
 void l2_prefetch(const TensorView& tensor, std::uintptr_t stream) {

@@ -268,18 +268,202 @@ def test_prefill_matches_decode(gen):
 
 # ------------------------------------------------------------------------------------ forced decode plans
 @pytest.mark.skipif(bool(os.environ.get("PAGEDLLM_DECODE_MODE")), reason="already under a forced plan")
-@pytest.mark.parametrize("mode,reduce", [("warp", "warp"), ("pair", "cta"), ("cta", "warp"), ("cta", "cta")])
-def test_decode_under_forced_plans(mode, reduce):
-    """The decode tests of this file again with the v2 kernel's work items forced onto single
-    warps, pairs of warps or whole CTAs (PAGEDLLM_DECODE_MODE) and the split-K reduction forced
-    to warp rows or CTA rows (PAGEDLLM_REDUCE), whatever the cost model would choose: both
-    settings are read once per process, so each runs in a child pytest."""
-    env = dict(os.environ, PAGEDLLM_DECODE_MODE=mode, PAGEDLLM_REDUCE=reduce)
+@pytest.mark.parametrize("mode,reduce,combine", [
+    ("warp", "warp", "kernel"), ("pair", "cta", "kernel"), ("cta", "warp", "kernel"), ("cta", "cta", "kernel"),
+    ("warp", "warp", "inkernel"), ("pair", "warp", "inkernel"), ("cta", "warp", "inkernel")])
+def test_decode_under_forced_plans(mode, reduce, combine):
+    """The decode tests of this file (the CUDA-graph, two-stream and empty-batch ones included)
+    again with the v2 kernel's work items forced onto single warps, pairs of warps or whole CTAs
+    (PAGEDLLM_DECODE_MODE), the split-K partitions combined by the reduction kernel (forced to warp
+    rows or CTA rows, PAGEDLLM_REDUCE) or inside the decode kernel by the last partition to finish
+    (PAGEDLLM_SPLITK_COMBINE=inkernel, at every split count), whatever the cost model would choose:
+    these settings are read once per process, so each runs in a child pytest."""
+    env = dict(os.environ, PAGEDLLM_DECODE_MODE=mode, PAGEDLLM_REDUCE=reduce, PAGEDLLM_SPLITK_COMBINE=combine)
     cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-m", "cuda",
-           "-k", "decode and not forced_plans"]
+           "-k", "(decode or graph or combine or empty) and not forced_plans and not fallbacks"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"decode tests under {mode} items / {reduce} reduction failed:\n{r.stdout[-3000:]}"
+    assert r.returncode == 0, f"decode tests under {mode} items / {reduce} reduction / {combine} combine failed:\n{r.stdout[-3000:]}"
     assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-3000:]
+
+
+# ------------------------------------------------------------------------------------ split-K combine
+# With PAGEDLLM_SPLITK_COMBINE=inkernel (the forced-plan children above) every v2 split decode must
+# combine in the kernel (last arriver, persistent zeroed counters), with =kernel never; without it
+# the cost model decides. Each test below therefore checks the plan it got against that setting.
+FORCED_COMBINE = os.environ.get("PAGEDLLM_SPLITK_COMBINE")
+COUNTERS_PER_STREAM = 16384  # kSplitCountersPerSlab (cuda/attention_launch.h)
+
+
+def check_combine(splits, groups=1):
+    """The last call's plan: `splits` partitions, combined as PAGEDLLM_SPLITK_COMBINE says (v2 only)."""
+    plan = ops.last_cuda_decode_plan()
+    assert plan["splits"] == splits, plan
+    if splits == 1:
+        assert plan["combine"] == "none", plan
+    elif not plan["kernel"].startswith("v2") or FORCED_COMBINE == "kernel" or groups > COUNTERS_PER_STREAM:
+        assert plan["combine"] == "kernel", plan
+    elif FORCED_COMBINE == "inkernel":
+        assert plan["combine"] == "in-kernel", plan
+    else:
+        assert plan["combine"] in ("kernel", "in-kernel"), plan
+    return plan
+
+
+@pytest.mark.parametrize("dtype,head_size,hq,hkv", [
+    (torch.bfloat16, 128, 32, 8), (torch.float16, 64, 8, 2), (torch.bfloat16, 96, 40, 2), (torch.float16, 80, 4, 4)],
+    ids=["bf16-d128-32/8", "fp16-d64-8/2", "bf16-d96-40/2", "fp16-d80-4/4"])
+def test_decode_combine_split_counts(dtype, head_size, hq, hkv, gen):
+    """Split counts 2..4 (and 5, 8) on lengths 1, not multiples of the block size, shorter than the
+    partition count in tiles, and long; each split count three times in a row with fresh queries,
+    so a counter left non-zero by one call would corrupt the next."""
+    ctx = [1, 17, 100, 333, 1000, 4095]
+    ks, vs, kc, vc, bt, seq_lens = make_paged(ctx, hkv, head_size, 16, dtype, gen=gen)
+    scale = head_size ** -0.5
+    groups = len(ctx) * hkv * math.ceil(hq // hkv / 16)
+    for split_k in (2, 3, 4, 5, 8):
+        for _ in range(3):
+            q = torch.randn(len(ctx), hq, head_size, generator=gen, device=DEV, dtype=torch.float64).to(dtype)
+            ref = torch.stack([ref_rows(q[i:i + 1].double(), ks[i], vs[i], [ctx[i] - 1], scale)[0]
+                               for i in range(len(ctx))])
+            out = torch.full_like(q, float("nan"))
+            ops.paged_attention(out, q, kc, vc, bt, seq_lens, scale, split_k=split_k)
+            check_combine(split_k, groups)
+            torch.cuda.synchronize()
+            check(out, ref, dtype, f"decode {dtype} D={head_size} {hq}/{hkv} split_k={split_k}")
+
+
+def test_decode_combine_two_streams(gen):
+    """Split decodes enqueued alternately on two streams without synchronising in between (each
+    stream has its own counters): every output matches the reference and its stream's other runs."""
+    dtype, hq, hkv, d = torch.bfloat16, 32, 8, 128
+    sets = []
+    for lens, split_k in (([2048] * 12 + [77, 1], 2), ([1500] * 10 + [3, 999], 3)):
+        ks, vs, kc, vc, bt, seq_lens = make_paged(lens, hkv, d, 16, dtype, gen=gen)
+        q = torch.randn(len(lens), hq, d, generator=gen, device=DEV, dtype=torch.float64).to(dtype)
+        ref = torch.stack([ref_rows(q[i:i + 1].double(), ks[i], vs[i], [lens[i] - 1], 0.09)[0]
+                           for i in range(len(lens))])
+        outs = [torch.full_like(q, float("nan")) for _ in range(6)]
+        sets.append((q, kc, vc, bt, seq_lens, split_k, ref, outs, torch.cuda.Stream()))
+    torch.cuda.synchronize()
+    for i in range(6):
+        for q, kc, vc, bt, seq_lens, split_k, _, outs, stream in sets:
+            with torch.cuda.stream(stream):
+                ops.paged_attention(outs[i], q, kc, vc, bt, seq_lens, 0.09, split_k=split_k)
+            check_combine(split_k)
+    torch.cuda.synchronize()
+    for q, _, _, _, _, split_k, ref, outs, _ in sets:
+        for i, out in enumerate(outs):
+            check(out, ref, dtype, f"two streams, split_k={split_k}, call {i}")
+            assert torch.equal(out, outs[0]), f"split_k={split_k}: call {i} differs from call 0"
+
+
+def test_decode_combine_cuda_graph(gen):
+    """Split decodes (2, 3 and 4 partitions) captured in one CUDA graph and replayed several times
+    with new queries: every replay equals eager calls on the same inputs bit for bit, and the
+    reference."""
+    dtype, hq, hkv, d = torch.bfloat16, 32, 8, 128
+    lens = [4096, 1, 300, 2049, 640]
+    ks, vs, kc, vc, bt, seq_lens = make_paged(lens, hkv, d, 16, dtype, gen=gen)
+    q = torch.randn(len(lens), hq, d, device=DEV).to(dtype)
+    splits = (2, 3, 4)
+    outs = [torch.full_like(q, float("nan")) for _ in splits]
+
+    def step():
+        for out, split_k in zip(outs, splits):
+            ops.paged_attention(out, q, kc, vc, bt, seq_lens, 0.08, split_k=split_k)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the capture (kernel attributes, the counters)
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    check_combine(splits[-1])
+    for _ in range(4):
+        q.copy_(torch.randn(len(lens), hq, d, device=DEV).to(dtype))
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [out.clone() for out in outs]
+        ref = torch.stack([ref_rows(q[i:i + 1].double(), ks[i], vs[i], [lens[i] - 1], 0.08)[0]
+                           for i in range(len(lens))])
+        for out in outs:
+            out.fill_(float("nan"))
+        step()
+        torch.cuda.synchronize()
+        for r, e, split_k in zip(replayed, outs, splits):
+            check(r, ref, dtype, f"graph-replayed decode, split_k={split_k}")
+            assert torch.equal(r, e), f"split_k={split_k}: graph replay differs from the eager call"
+
+
+def test_decode_combine_fallbacks():
+    """In a fresh process with the in-kernel combine forced: a CUDA graph captured before any eager
+    split decode (no counter buffer yet) falls back to the reduction kernel and is still right; an
+    eager call then allocates the counters and a second capture combines in the kernel; a call with
+    more (sequence, KV head) groups than a stream's counters falls back to the reduction kernel."""
+    script = r"""
+import torch, pagedllm.ops as ops
+dev = "cuda"
+def ref(q, kc, vc, bt, lens, scale):
+    rows = []
+    g = q.shape[1] // kc.shape[1]
+    for i, n in enumerate(lens):
+        pos = torch.arange(n, device=dev)
+        k = kc[bt[i, pos // 16].long(), :, pos % 16].double().repeat_interleave(g, 1)
+        v = vc[bt[i, pos // 16].long(), :, pos % 16].double().repeat_interleave(g, 1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[i].double(), k) * scale, -1)
+        rows.append(torch.einsum("hl,lhd->hd", p, v))
+    return torch.stack(rows)
+def close(out, r, what):
+    err = ((out.double() - r).norm() / r.norm()).item()
+    assert err < 8e-3, (what, err)
+lens = [300, 1000, 17]
+kc = torch.randn(200, 8, 16, 128, device=dev).to(torch.bfloat16)
+vc = torch.randn_like(kc)
+bt = torch.randperm(200, device=dev)[:3 * 63].view(3, 63).to(torch.int32)
+sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+q = torch.randn(3, 32, 128, device=dev).to(torch.bfloat16)
+out = torch.full_like(q, float("nan"))
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    ops.paged_attention(out, q, kc, vc, bt, sl, 0.1, split_k=2)
+assert ops.last_cuda_decode_plan()["combine"] == "kernel", ops.last_cuda_decode_plan()
+g.replay(); torch.cuda.synchronize()
+close(out, ref(q, kc, vc, bt, lens, 0.1), "graph captured before the counters")
+out2 = torch.full_like(q, float("nan"))
+ops.paged_attention(out2, q, kc, vc, bt, sl, 0.1, split_k=2)
+assert ops.last_cuda_decode_plan()["combine"] == "in-kernel", ops.last_cuda_decode_plan()
+torch.cuda.synchronize()
+close(out2, ref(q, kc, vc, bt, lens, 0.1), "eager")
+g2 = torch.cuda.CUDAGraph()
+out3 = torch.full_like(q, float("nan"))
+with torch.cuda.graph(g2):
+    ops.paged_attention(out3, q, kc, vc, bt, sl, 0.1, split_k=2)
+assert ops.last_cuda_decode_plan()["combine"] == "in-kernel", ops.last_cuda_decode_plan()
+g2.replay(); torch.cuda.synchronize()
+assert torch.equal(out3, out2), "graph with counters != eager"
+# more groups than one stream's counters: 2100 sequences x 8 KV heads = 16,800 > 16,384
+n = 2100
+lens = torch.randint(1, 40, (n,)).tolist()
+kc = torch.randn(n * 3 + 1, 8, 16, 64, device=dev).to(torch.float16)
+vc = torch.randn_like(kc)
+bt = torch.randperm(n * 3 + 1, device=dev)[:n * 3].view(n, 3).to(torch.int32)
+sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+q = torch.randn(n, 8, 64, device=dev).to(torch.float16)
+out = torch.full_like(q, float("nan"))
+ops.paged_attention(out, q, kc, vc, bt, sl, 0.125, split_k=2)
+assert ops.last_cuda_decode_plan() == {"kernel": "v2-warp", "splits": 2, "combine": "kernel"}, ops.last_cuda_decode_plan()
+torch.cuda.synchronize()
+close(out, ref(q, kc, vc, bt, lens, 0.125), "too many groups")
+print("FALLBACKS OK")
+"""
+    env = dict(os.environ, PAGEDLLM_SPLITK_COMBINE="inkernel", PAGEDLLM_DECODE_MODE="warp")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "FALLBACKS OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------------------ streams, graphs

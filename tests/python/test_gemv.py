@@ -1,4 +1,5 @@
-"""The GEMV kernels of pagedllm/gemv.h (cuda/gemv.cu): gemv and silu_and_mul_gemv.
+"""The GEMV kernels of pagedllm/gemv.h (cuda/gemv.cu): gemv, silu_and_mul_gemv and the fusions
+(RMSNorm prologue, SiLU-and-mul prologue staged in shared memory, residual epilogue).
 
 Each case draws fresh random inputs (the seed is printed) and compares the kernel with a float64
 reference of the same product (x and weight as rounded to the dtype, one rounding at the end):
@@ -7,6 +8,15 @@ bfloat16 and float16, every tuning variant and K split (clusters); silu_and_mul_
 silu_and_mul followed by gemv bit for bit. A CUDA-graph capture with programmatic dependent
 launch on replays the same results as eager launches. CUDA cases carry the `cuda` marker; the
 refusals (CPU tensors, float32, too many tokens, bad shapes) run everywhere the build allows.
+
+Fusions: the RMSNorm prologue against a float64 norm + product on fresh random inputs, and bit for
+bit against rms_norm + gemv (same config) on inputs whose sums of squares are exact in float32 in
+any order (then both kernels compute the same inv; on general inputs the summation order differs
+and a normalised element can move by one ulp on a near tie, so general inputs are checked against
+float64 only); the residual epilogue bit for bit against gemv + a bf16/fp16 add, in place and not,
+and against float64; every tuning config; a fused decoder-layer chain in a CUDA graph with PDL
+equal to eager and close to the unfused ops; the Llama model's fused decode step against its
+unfused one; argument errors.
 """
 
 from __future__ import annotations
@@ -124,10 +134,13 @@ def test_silu_and_mul_gemv(gen, dtype, m, n, k, variant):
     b = rand((n,), dtype, gen)
     act = ops.silu_and_mul(torch.empty((m, k), dtype=dtype, device="cuda"), gate_up)
     fused = ops.gemv(gate_up, w, b, silu_and_mul=True, config=dict(variant=variant))
-    same_cfg = ops.gemv(act, w, b, config=dict(variant=variant, splits=0))
+    # same activation, same kernel arithmetic with the same split: bit for bit (the fused form stages
+    # x in shared memory and may split K further where M x K does not fit: pin the split there)
+    splits = 8 if k > 8192 else 0
+    pinned = ops.gemv(gate_up, w, b, silu_and_mul=True, config=dict(variant=variant, splits=splits))
+    same_cfg = ops.gemv(act, w, b, config=dict(variant=variant, splits=splits))
     torch.cuda.synchronize()
-    # same activation, same kernel arithmetic: bit for bit (splits auto in both)
-    assert torch.equal(fused, same_cfg), f"fused differs from silu_and_mul + gemv in {int((fused != same_cfg).sum())} values"
+    assert torch.equal(pinned, same_cfg), f"fused differs from silu_and_mul + gemv in {int((pinned != same_cfg).sum())} values"
     check(fused, act, w, b, dtype, f"silu_and_mul_gemv m={m} n={n} k={k}")
 
 
@@ -235,3 +248,313 @@ def test_gemv_argument_errors():
     with pytest.raises(ValueError, match="overlaps"):
         ops.gemv(x, w, out=w[:1, :8])
     assert ops.gemv_supported(dev, torch.bfloat16) and not ops.gemv_supported(dev, torch.float32)
+
+
+# ---------------------------------------------------------------- fusions
+ULP = {torch.bfloat16: 2**-8, torch.float16: 2**-11}  # relative rounding error (half an ulp)
+
+
+def norm64(h, g, eps):
+    """rms_norm in float64, no intermediate rounding."""
+    h64 = h.double()
+    return h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+
+
+def check_bound(y, ref, bound, what):
+    torch.cuda.synchronize()
+    err = (y.double() - ref).abs()
+    bad = err > bound
+    if bad.any():
+        i = unravel(int((err - bound).argmax()), tuple(err.shape))
+        raise AssertionError(f"{what}: {int(bad.sum())} of {err.numel()} values off; worst at {i}: "
+                             f"got {float(y[i]):.6g}, expected {float(ref[i]):.6g} (bound {float(bound[i]):.3g})")
+
+
+def check_norm_gemv(y, h, g, eps, w, bias, dtype, what, residual=None):
+    """y against float64 rms_norm(h) @ w^T (+ bias) (+ residual): x is rounded twice in the kernel
+    (h * inv, then * g), the product once, and the residual sum once more."""
+    x64 = norm64(h, g, eps)
+    prod = x64 @ w.double().T + (0 if bias is None else bias.double())
+    mag = x64.abs() @ w.double().abs().T
+    ulp = ULP[dtype]
+    bound = ulp * prod.abs() + 2.05 * ulp * mag + 1e-6 * mag + 1e-6
+    ref = prod
+    if residual is not None:
+        ref = prod + residual.double()
+        bound = bound + ulp * ref.abs()
+    check_bound(y, ref, bound, what)
+
+
+def exact_rows(shape, dtype, gen):
+    """Values k / 8 with |k| <= 32: squares are multiples of 1/64 up to 16, so any sum of up to
+    16,384 of them is exact in float32 (whatever the order)."""
+    return (torch.randint(-32, 33, shape, generator=gen).double() / 8).to(dtype).cuda()
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 896), (515, 333), (33, 4104), (7, 1), (130, 14336)])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gemv_rms_norm_prologue(gen, dtype, m, n, k, bias):
+    eps = random.Random(gen.initial_seed()).choice([1e-6, 1e-5, 0.25])
+    w = rand((n, k), dtype, gen, 0.05)
+    b = rand((n,), dtype, gen) if bias else None
+    g = (rand((k,), dtype, gen, 0.3).double() + 1).to(dtype)
+    # fresh random h: against float64
+    h = rand((m, k), dtype, gen, 3.0)
+    y = ops.gemv(h, w, b, norm_weight=g, eps=eps)
+    check_norm_gemv(y, h, g, eps, w, b, dtype, f"norm gemv m={m} n={n} k={k} eps={eps}")
+    # sums of squares exact in float32: bit for bit equal to rms_norm + gemv with the same split
+    he = exact_rows((m, k), dtype, gen)
+    splits = random.Random(gen.initial_seed() + 1).choice([2, 4, 8] if m * k > 50000 else [0, 1, 2, 4, 8])
+    fused = ops.gemv(he, w, b, norm_weight=g, eps=eps, config=dict(splits=splits))
+    x = ops.rms_norm(torch.empty_like(he), he, g, eps)
+    unfused = ops.gemv(x, w, b, config=dict(splits=splits))
+    torch.cuda.synchronize()
+    assert torch.equal(fused, unfused), (f"norm gemv differs from rms_norm + gemv (splits={splits}) in "
+                                         f"{int((fused != unfused).sum())} of {fused.numel()} values")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 14336), (515, 333), (7, 1), (33, 4104)])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "out"])
+def test_gemv_residual_epilogue(gen, dtype, m, n, k, bias, inplace):
+    x = rand((m, k), dtype, gen)
+    w = rand((n, k), dtype, gen, 0.05)
+    b = rand((n,), dtype, gen) if bias else None
+    r = rand((m, n), dtype, gen, 2.0)
+    r_before = r.clone()
+    if inplace:
+        y = ops.gemv(x, w, b, out=r, residual=r)
+        assert y.data_ptr() == r.data_ptr()
+    else:
+        y = ops.gemv(x, w, b, residual=r)
+        assert torch.equal(r, r_before)
+    expected = ops.gemv(x, w, b) + r_before  # torch rounds the sum once: T(T(x W^T + b) + r)
+    torch.cuda.synchronize()
+    assert torch.equal(y, expected), f"residual gemv differs from gemv + add in {int((y != expected).sum())} values"
+    prod = reference(x, w, b)
+    ref = prod + r_before.double()
+    ulp = ULP[dtype]
+    mag = x.double().abs() @ w.double().abs().T
+    check_bound(y, ref, ulp * (prod.abs() + ref.abs()) + 1e-6 * mag + 1e-6, f"residual gemv m={m} n={n} k={k}")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("variant", [1, 2, 3])
+@pytest.mark.parametrize("warps", [1, 8])
+@pytest.mark.parametrize("splits", [0, 2, 8])
+@pytest.mark.parametrize("kind", ["norm", "silu", "norm+residual", "silu+residual"])
+def test_fused_gemv_every_config(gen, dtype, variant, warps, splits, kind):
+    m, n, k = random.Random(gen.initial_seed()).choice([(1, 6144, 4096), (4, 200, 2056), (8, 48, 14336),
+                                                        (3, 77, 1000), (5, 300, 333)])
+    cfg = dict(variant=variant, warps=warps, splits=splits)
+    w = rand((n, k), dtype, gen, 0.05)
+    b = rand((n,), dtype, gen)
+    r = rand((m, n), dtype, gen) if "residual" in kind else None
+    what = f"{kind} gemv {cfg} m={m} n={n} k={k}"
+    if kind.startswith("norm"):
+        h = rand((m, k), dtype, gen, 2.0)
+        g = (rand((k,), dtype, gen, 0.3).double() + 1).to(dtype)
+        y = ops.gemv(h, w, b, norm_weight=g, eps=1e-5, residual=r, config=cfg)
+        check_norm_gemv(y, h, g, 1e-5, w, b, dtype, what, residual=r)
+    else:
+        gate_up = rand((m, 2 * k), dtype, gen, 2.0)
+        act = ops.silu_and_mul(torch.empty((m, k), dtype=dtype, device="cuda"), gate_up)
+        y = ops.gemv(gate_up, w, b, silu_and_mul=True, residual=r, config=cfg)
+        if r is None:
+            check(y, act, w, b, dtype, what)
+        else:
+            prod = reference(act, w, b)
+            ref = prod + r.double()
+            mag = act.double().abs() @ w.double().abs().T
+            check_bound(y, ref, ULP[dtype] * (prod.abs() + ref.abs()) + 1e-6 * mag + 1e-6, what)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_fused_layer_chain_graph_matches_eager_and_unfused(gen, pdl, m):
+    """A decoder layer's projections with the fusions (norm + qkv, o + residual in place, norm +
+    gate_up, SiLU + down + residual in place, norm + LM head) as a CUDA graph with PDL on or off:
+    replays equal the eager fused chain bit for bit (also after the input changes); the fused chain
+    stays within bf16 rounding of the same chain of unfused ops (rms_norm / fused_add_rms_norm,
+    silu_and_mul, gemv)."""
+    dtype, h, inter, qkv_n, vocab = torch.bfloat16, 1024, 2816, 1536, 3000
+    before = ops.pdl_enabled()
+    ops.set_pdl_enabled(pdl)
+    try:
+        x0 = rand((m, h), dtype, gen)
+        n1, n2, n3 = [(rand((h,), dtype, gen, 0.2).double() + 1).to(dtype) for _ in range(3)]
+        w_qkv = rand((qkv_n, h), dtype, gen, 0.03)
+        w_o = rand((h, h), dtype, gen, 0.03)
+        w_gu = rand((2 * inter, h), dtype, gen, 0.03)
+        w_down = rand((h, inter), dtype, gen, 0.03)
+        w_head = rand((vocab, h), dtype, gen, 0.03)
+
+        def fused(inp):
+            stream = inp.clone()
+            for _ in range(2):  # two layers
+                qkv = ops.gemv(stream, w_qkv, norm_weight=n1, eps=1e-5)
+                ops.gemv(qkv[:, :h], w_o, out=stream, residual=stream)
+                gu = ops.gemv(stream, w_gu, norm_weight=n2, eps=1e-5)
+                ops.gemv(gu, w_down, out=stream, residual=stream, silu_and_mul=True)
+            return ops.gemv(stream, w_head, norm_weight=n3, eps=1e-5)
+
+        def unfused(inp):
+            residual = inp.clone()
+            hidden = ops.rms_norm(torch.empty_like(inp), inp, n1, 1e-5)
+            for layer in range(2):
+                if layer:
+                    ops.fused_add_rms_norm(hidden, residual, n1, 1e-5)
+                qkv = ops.gemv(hidden, w_qkv)
+                o = ops.gemv(qkv[:, :h], w_o)
+                ops.fused_add_rms_norm(o, residual, n2, 1e-5)
+                gu = ops.gemv(o, w_gu)
+                act = ops.silu_and_mul(torch.empty((m, inter), dtype=dtype, device="cuda"), gu)
+                hidden = ops.gemv(act, w_down)
+            ops.fused_add_rms_norm(hidden, residual, n3, 1e-5)
+            return ops.gemv(hidden, w_head)
+
+        eager = fused(x0)
+        ref = unfused(x0)
+        torch.cuda.synchronize()
+        scale = float(ref.abs().max())
+        diff = float((eager.float() - ref.float()).abs().max())
+        assert scale > 0.1 and diff < 0.03 * scale, f"fused chain differs from the unfused ops by {diff} (max {scale})"
+        static_x = x0.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fused(static_x)  # warm-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                static_out = fused(static_x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager)
+        x2 = rand((m, h), dtype, gen)
+        static_x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, fused(x2))
+    finally:
+        ops.set_pdl_enabled(before)
+
+
+LLAMA_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512, intermediate_size=1376,
+                    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1000,
+                    max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+QWEN2_CONFIG = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=320, intermediate_size=604,
+                    num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1, vocab_size=777,
+                    max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("config", [LLAMA_CONFIG, QWEN2_CONFIG], ids=["llama", "qwen2"])
+def test_model_gemv_fusion_levels_agree(tmp_path, gen, monkeypatch, config):
+    """The Llama model's decode steps (3 sequences, 1..3 steps after a prefill) with PAGEDLLM_GEMV_FUSE
+    0 (separate norm / residual / SiLU kernels), 1 and 2, same weights and caches: the fused levels
+    take the fused path and their logits agree with level 0 to bf16 rounding."""
+    import json
+
+    from pagedllm.model_executor.attention import AttentionMetadata
+    from pagedllm.model_executor.config import ModelConfig
+    from pagedllm.model_executor.dummy import init_dummy_weights
+    from pagedllm.model_executor.models import LlamaForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    dev, dtype, bs = torch.device("cuda"), torch.bfloat16, 16
+    model = LlamaForCausalLM(cfg, dtype, dev, max_positions=256)
+    init_dummy_weights(model, seed=int(torch.randint(0, 1000, (1,), generator=gen)), std=0.08)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    lens = [30, 12, 19]
+    ids = [torch.randint(0, cfg.vocab_size, (n + 3,), generator=gen) for n in lens]
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], dtype=torch.int32)
+
+    def meta_for(chunks):
+        tok, pos, slot, qsl, seq_lens, tab = [], [], [], [0], [], []
+        for s, a, b in chunks:
+            for p in range(a, b):
+                tok.append(int(ids[s][p]))
+                pos.append(p)
+                slot.append(int(tables[s, p // bs]) * bs + p % bs)
+            qsl.append(qsl[-1] + b - a)
+            seq_lens.append(b)
+            tab.append(tables[s])
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot, device=dev), block_tables=torch.stack(tab).to(dev),
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                                 query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+                                 decode_only=all(b - a == 1 for _, a, b in chunks))
+        return torch.tensor(tok, device=dev), torch.tensor(pos, device=dev), meta
+
+    results = {}
+    for level in (0, 1, 2):
+        monkeypatch.setenv("PAGEDLLM_GEMV_FUSE", str(level))
+        caches = [ops.allocate_kv_cache(10, bs, cfg.num_key_value_heads, cfg.head_dim, dtype, dev)
+                  for _ in range(cfg.num_hidden_layers)]
+        steps = [[(s, 0, n) for s, n in enumerate(lens)]]  # prefill (> 8 tokens: unfused)
+        steps += [[(s, n + i, n + i + 1) for s, n in enumerate(lens)][: 3 - i] for i in range(3)]  # 3, 2, 1 tokens
+        logits = []
+        for chunks in steps:
+            tok, pos, meta = meta_for(chunks)
+            assert model._gemv_fusion(len(tok)) == (level if len(tok) <= 8 else 0)
+            logits.append(model(tok, pos, caches, meta, torch.arange(len(tok), device=dev)).cpu())
+        results[level] = torch.cat(logits)
+    scale = float(results[0].abs().max())
+    for level in (1, 2):
+        diff = float((results[level] - results[0]).abs().max())
+        assert scale > 0.1 and diff < 0.03 * scale, f"level {level} logits differ from level 0 by {diff} (max {scale})"
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_fused_gemv_argument_errors():
+    dev, bf = "cuda", torch.bfloat16
+    w = torch.zeros(8, 16, dtype=bf, device=dev)
+    x = torch.zeros(2, 16, dtype=bf, device=dev)
+    g = torch.ones(16, dtype=bf, device=dev)
+    with pytest.raises(ValueError, match=r"norm_weight dimension 0 \(in_features, must match weight.size\(1\)\) must be 16, got 15"):
+        ops.gemv(x, w, norm_weight=g[:15])
+    with pytest.raises(ValueError, match="norm_weight must be 1-D"):
+        ops.gemv(x, w, norm_weight=g.view(2, 8))
+    with pytest.raises(ValueError, match="norm_weight must be bfloat16, got float16"):
+        ops.gemv(x, w, norm_weight=g.half())
+    with pytest.raises(ValueError, match="eps must be finite and >= 0, got -1"):
+        ops.gemv(x, w, norm_weight=g, eps=-1.0)
+    with pytest.raises(ValueError, match="norm_weight .* and silu_and_mul cannot be combined"):
+        ops.gemv(torch.zeros(2, 32, dtype=bf, device=dev), w, norm_weight=g, silu_and_mul=True)
+    with pytest.raises(ValueError, match="out overlaps norm_weight"):
+        big = torch.ones(64, dtype=bf, device=dev)
+        ops.gemv(x, w, norm_weight=big[:16], out=big[:16].view(2, 8))
+    r = torch.zeros(2, 8, dtype=bf, device=dev)
+    with pytest.raises(ValueError, match=r"residual dimension 1 \(out_features, must match weight.size\(0\)\) must be 8, got 7"):
+        ops.gemv(x, w, residual=torch.zeros(2, 7, dtype=bf, device=dev))
+    with pytest.raises(ValueError, match=r"residual dimension 0 \(num_tokens, must match input\) must be 2, got 3"):
+        ops.gemv(x, w, residual=torch.zeros(3, 8, dtype=bf, device=dev))
+    with pytest.raises(ValueError, match="residual must be bfloat16, got float32"):
+        ops.gemv(x, w, residual=r.float())
+    with pytest.raises(ValueError, match="residual must be contiguous"):
+        ops.gemv(x, w, residual=torch.zeros(8, 2, dtype=bf, device=dev).T)
+    buf = torch.zeros(24, dtype=bf, device=dev)
+    with pytest.raises(ValueError, match="residual overlaps out without being out"):
+        ops.gemv(x, w, out=buf[:16].view(2, 8), residual=buf[8:24].view(2, 8))
+    with pytest.raises(ValueError, match="more than this device allows"):
+        ops.gemv(torch.zeros(8, 1 << 20, dtype=bf, device=dev), torch.zeros(1, 1 << 20, dtype=bf, device=dev),
+                 norm_weight=torch.ones(1 << 20, dtype=bf, device=dev))
+    assert ops.gemv_fusion_fits(8, 14336, bf) and not ops.gemv_fusion_fits(8, 1 << 20, bf)

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "pagedllm/tensor_view.h"
@@ -88,6 +89,22 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                      const TensorView& value_cache, const TensorView& block_tables,
                      const TensorView& seq_lens, double scale, const AttentionOptions& options = {},
                      std::uintptr_t stream = 0);
+
+/// What the last CUDA paged_attention call made by this thread ran (for tests and benchmarks; the
+/// choice depends on the device, the shapes and PAGEDLLM_* environment settings):
+///   kernel   "v2-warp", "v2-pair", "v2-cta" (decode v2 work items on one warp, two warps or a
+///            whole CTA), "v1" (CTA per item), "fp32"; empty before the first call and in a
+///            CPU-only build (an empty batch launches nothing and leaves the record as it was)
+///   splits   flash-decoding partitions per sequence (1 = single pass)
+///   combine  "none" (one partition), "kernel" (the split-K reduction kernel after the decode
+///            kernel) or "in-kernel" (the last partition of each group to finish combines them
+///            inside the decode kernel, arrival counters in a persistent zeroed buffer)
+struct DecodePlanInfo {
+  std::string kernel;
+  int32_t splits = 0;
+  std::string combine;
+};
+DecodePlanInfo last_cuda_decode_plan();
 
 /// Variable-length causal attention over the paged context: chunked prefill, prefix-cache hits,
 /// and decode rows mixed in, in one launch (FlashAttention-2 style online softmax,

@@ -4,6 +4,16 @@
 //   silu_and_mul_gemv  out [M, N] = (SiLU(input[:, :K]) * input[:, K:]) @ weight [N, K]^T (+ bias)
 //                      (layer_ops.h's silu_and_mul fused into the product: a Llama MLP's
 //                      down projection reads the gate_up output directly)
+//   gemv with a GemvFusion: any of
+//     prologue  x = RMSNorm(input) = T(T(input * rsqrt(mean(input^2) + eps)) * norm_weight) per
+//               token row (layer_ops.h's rms_norm fused in: a decoder layer's input norm before
+//               the qkv / gate_up projection, the final norm before the LM head), or
+//               x = SiLU(gate) * up as silu_and_mul_gemv;
+//     epilogue  out = T(T(x @ weight^T + bias) + residual [M, N]); residual may be out itself
+//               (in-place update of the residual stream after the o / down projection: the
+//               residual add of fused_add_rms_norm fused in).
+//   The prologues stage x in shared memory once per CTA (every CTA recomputes the row's sum of
+//   squares; no cross-CTA dependency); when M x K does not fit, K is split over more cluster CTAs.
 //
 // M (tokens) is 1..kGemvMaxTokens. At these sizes a linear layer only streams its weight once, so
 // the kernel is built for memory bandwidth: 16-byte weight loads, several in flight per thread,
@@ -16,14 +26,23 @@
 // Numerics: products and sums in float32 (the summation order differs from cuBLAS), bias added in
 // float32, one rounding to the output dtype — as F.linear / cuBLAS round. silu_and_mul_gemv rounds
 // SiLU(gate) and SiLU(gate) * up to the dtype exactly as silu_and_mul does, so it equals
-// silu_and_mul followed by gemv bit for bit.
+// silu_and_mul followed by gemv (same config) bit for bit. The residual epilogue rounds as gemv
+// followed by fused_add_rms_norm's add: bit for bit. The RMSNorm prologue rounds as rms_norm, but
+// sums the squares in another order, so inv (fp32) can differ in the last bit and a normalised
+// element by one ulp of the dtype where its rounding was a near tie: within the dtype's rounding
+// of rms_norm + gemv, equal in the vast majority of elements.
 //
 // Arguments (launchers validate all, throwing InvalidArgument naming the bad value):
 //   input   [M, K] (silu_and_mul_gemv: [M, 2K]) bfloat16 or float16 (float32 is refused: use
 //           F.linear), on a CUDA device; rows may be strided (stride(1) == 1)
 //   weight  [N, K], contiguous, same dtype and device
 //   bias    nullptr or [N], contiguous, same dtype and device
-//   out     [M, N], contiguous, same dtype and device, not overlapping input, weight or bias
+//   out     [M, N], contiguous, same dtype and device, not overlapping input, weight, bias or
+//           norm_weight
+//   fusion.norm_weight  nullptr or [K], contiguous, same dtype and device (not with silu_and_mul);
+//           fusion.eps >= 0, finite
+//   fusion.residual     nullptr or [M, N], contiguous, same dtype and device; either exactly out
+//           (same data and shape) or not overlapping it
 //   stream  a cudaStream_t as an integer (0 = legacy default stream); never synchronizes, so
 //           CUDA graphs can capture it.
 // K and N may be any positive size; rows whose byte size is a multiple of 16 (K % 8 == 0) with
@@ -48,12 +67,25 @@ struct GemvConfig {
   int prefetch = -1; ///< 1/0: do / don't prefetch the weight slice into L2 first; -1: automatic
 };
 
+/// What the GEMV does around the product (see the header comment); the defaults do nothing.
+struct GemvFusion {
+  const TensorView* norm_weight = nullptr;  ///< [K]: x = RMSNorm(input) * norm_weight
+  float eps = 1e-6f;                        ///< RMSNorm epsilon (with norm_weight)
+  bool silu_and_mul = false;                ///< input [M, 2K]: x = SiLU(input[:, :K]) * input[:, K:]
+  const TensorView* residual = nullptr;     ///< [M, N]: out = T(T(x @ W^T + bias) + residual)
+};
+
 /// Whether this build has the GEMV kernels (a CUDA build).
 bool gemv_built_with_cuda();
 
-/// out [M, N] = input [M, K] @ weight [N, K]^T (+ bias [N]); see the header comment.
+/// Whether a prologue fusion (norm_weight or silu_and_mul) fits the current CUDA device's shared
+/// memory for `tokens` rows of `in_features` elements of `dtype` (false without CUDA).
+bool gemv_fusion_fits(int64_t tokens, int64_t in_features, DType dtype);
+
+/// out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) (+ residual), x = input or the prologue
+/// of `fusion` applied to it; see the header comment.
 void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
-          std::uintptr_t stream = 0, const GemvConfig* config = nullptr);
+          std::uintptr_t stream = 0, const GemvConfig* config = nullptr, const GemvFusion* fusion = nullptr);
 
 /// out [M, N] = (SiLU(input[:, :K]) * input[:, K:]) @ weight [N, K]^T (+ bias [N]) for input [M, 2K].
 void silu_and_mul_gemv(const TensorView& out, const TensorView& input, const TensorView& weight,

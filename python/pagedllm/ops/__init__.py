@@ -28,6 +28,7 @@ __all__ = [
     "reshape_and_cache",
     "paged_attention",
     "paged_prefill_attention",
+    "last_cuda_decode_plan",
     "copy_blocks",
     "swap_blocks",
     "set_num_threads",
@@ -45,6 +46,7 @@ __all__ = [
     "GEMV_MAX_TOKENS",
     "gemv",
     "gemv_supported",
+    "gemv_fusion_fits",
     "l2_prefetch",
     "pdl_enabled",
     "set_pdl_enabled",
@@ -152,6 +154,15 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                        -1 if split_k is None else int(split_k), _stream(key_cache))
 
 
+def last_cuda_decode_plan() -> dict:
+    """What this thread's last CUDA :func:`paged_attention` call ran (for tests and benchmarks):
+    ``{'kernel': 'v2-warp' | 'v2-pair' | 'v2-cta' | 'v1' | 'fp32', 'splits': int,
+    'combine': 'none' | 'kernel' | 'in-kernel'}`` — the decode kernel, its flash-decoding partitions
+    per sequence and how they were combined (reduction kernel, or by the last partition inside the
+    decode kernel). Empty strings before the first call (see ``pagedllm/attention.h``)."""
+    return dict(_C.last_cuda_decode_plan())
+
+
 def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
@@ -197,6 +208,7 @@ from pagedllm.ops.cpu_linear import amx_linear, amx_linear_supported, amx_pack_l
 from pagedllm.ops.gemv import (  # noqa: E402
     GEMV_MAX_TOKENS,
     gemv,
+    gemv_fusion_fits,
     gemv_supported,
     l2_prefetch,
     pdl_enabled,

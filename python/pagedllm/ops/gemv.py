@@ -1,7 +1,13 @@
 """GEMV for decode steps with few tokens (``cpp/include/pagedllm/gemv.h``), called with torch
-tensors: ``y [M, N] = x [M, K] @ weight [N, K]^T (+ bias)`` for M <= :data:`GEMV_MAX_TOKENS`, and
-the same product with ``x = SiLU(gate) * up`` read from a fused gate_up output (a Llama MLP's down
-projection with ``silu_and_mul`` folded in).
+tensors: ``y [M, N] = x [M, K] @ weight [N, K]^T (+ bias)`` for M <= :data:`GEMV_MAX_TOKENS`, with
+optional fusions that save a kernel launch each in a decoder layer:
+
+* ``silu_and_mul=True``: ``x = SiLU(gate) * up`` read from a fused gate_up output (a Llama MLP's
+  down projection with ``silu_and_mul`` folded in);
+* ``norm_weight=g, eps=e``: ``x = rms_norm(input, g, e)`` (the input / post-attention norm before
+  the qkv / gate_up projection, the final norm before the LM head);
+* ``residual=r``: ``y = y + r`` rounded as gemv then fused_add_rms_norm's add; ``out=r`` updates a
+  residual stream in place (after the o / down projection).
 
 CUDA only (bfloat16, float16; float32 is refused — use ``torch.nn.functional.linear``), launched
 on ``torch.cuda.current_stream()`` so CUDA graphs capture it. fp32 accumulation and one rounding,
@@ -29,14 +35,22 @@ def gemv_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, *, silu_and_mul: bool = False,
-         config: dict | None = None) -> torch.Tensor:
-    """``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N])``; with ``silu_and_mul=True`` x is
-    ``[M, 2K]`` and the product uses ``SiLU(x[:, :K]) * x[:, K:]`` (rounded as
-    :func:`pagedllm.ops.silu_and_mul`). ``x`` rows may be strided (last dim contiguous);
-    ``weight``, ``bias`` and ``out`` contiguous. Returns ``out`` (allocated when None).
+         norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+         residual: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) (+ residual [M, N])``.
+
+    With ``silu_and_mul=True`` x is ``[M, 2K]`` and the product uses ``SiLU(x[:, :K]) * x[:, K:]``
+    (rounded as :func:`pagedllm.ops.silu_and_mul`). With ``norm_weight`` ``[K]`` the product uses
+    ``rms_norm(x, norm_weight, eps)`` (rounded as :func:`pagedllm.ops.rms_norm`; the fp32 sum of
+    squares is taken in another order, so an element can differ by one ulp where its rounding was
+    a near tie). With ``residual`` the rounded product plus ``residual`` is rounded again (as
+    gemv followed by :func:`pagedllm.ops.fused_add_rms_norm`'s add); ``out`` may be ``residual``
+    itself (in place). ``x`` rows may be strided (last dim contiguous); ``weight``, ``bias``,
+    ``norm_weight``, ``residual`` and ``out`` contiguous. Returns ``out`` (allocated when None).
     ``config``: tuning overrides for benchmarks (keys variant, warps, splits, prefetch; see
     ``GemvConfig`` in gemv.h). Raises ValueError on CPU tensors, float32, more than
-    GEMV_MAX_TOKENS rows, or mismatched shapes."""
+    GEMV_MAX_TOKENS rows, mismatched shapes or dtypes, or a prologue too large for the device's
+    shared memory (see :func:`gemv_fusion_fits`)."""
     if not (isinstance(x, torch.Tensor) and x.is_cuda):
         where = x.device.type if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"gemv: x is on {where}; the GEMV kernels are CUDA only (on the cpu use "
@@ -46,8 +60,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     cfg = config or {}
     _C.gemv(_view(out), _view(x), _view(weight), None if bias is None else _view(bias), bool(silu_and_mul),
             _stream(x), int(cfg.get("variant", 0)), int(cfg.get("warps", 0)), int(cfg.get("splits", 0)),
-            int(cfg.get("prefetch", -1)))
+            int(cfg.get("prefetch", -1)), None if norm_weight is None else _view(norm_weight), float(eps),
+            None if residual is None else _view(residual))
     return out
+
+
+def gemv_fusion_fits(tokens: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether the ``norm_weight`` / ``silu_and_mul`` prologues of :func:`gemv` (which stage
+    tokens x in_features elements in shared memory per CTA) fit the current CUDA device."""
+    return bool(_C.gemv_fusion_fits(int(tokens), int(in_features), str(dtype).removeprefix("torch.")))
 
 
 def l2_prefetch(tensor: torch.Tensor) -> None:

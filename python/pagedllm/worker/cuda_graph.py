@@ -142,14 +142,15 @@ class DecodeGraphRunner:
         shared = self._handover is not None and size > PER_SIZE_HANDOVER_MAX
         if k == 0:
             state = self.model.embed(d["input_ids"], d["positions"])
-        elif shared:
-            state = (self._handover[0][:size], self._handover[1][:size], state[2])
+        elif shared:  # (residual is None under GEMV fusion: the hidden buffer is the residual stream)
+            state = (self._handover[0][:size], None if state[1] is None else self._handover[1][:size], state[2])
         state = self.model.forward_layers(state, d["positions"], self.kv_caches, meta, bounds[k], bounds[k + 1])
         if k == len(bounds) - 2:
             self._logits[:size].copy_(self.model.logits(state, self._rows[:size]))
         elif shared:
             self._handover[0][:size].copy_(state[0])
-            self._handover[1][:size].copy_(state[1])
+            if state[1] is not None:
+                self._handover[1][:size].copy_(state[1])
         return state
 
     @torch.inference_mode()

@@ -17,7 +17,13 @@ PyTorch modules do.
 On CUDA in bfloat16/float16, steps with at most `gemv_max_tokens` tokens (decode at small batch;
 the crossover against cuBLAS measured by bench/gemv.py) run every projection and the LM head
 through pagedllm.ops.gemv, a bandwidth-bound GEMV (launched as a programmatic dependent: it
-starts streaming its weight while the kernel before it finishes); larger steps use F.linear. On
+starts streaming its weight while the kernel before it finishes); larger steps use F.linear. Such
+steps can also fuse the layer's elementwise ops into the GEMVs (PAGEDLLM_GEMV_FUSE=1 or 2, see
+_gemv_fusion; off by default: measured slower on the H200): the input / post-attention / final
+RMSNorm into the qkv / gate_up / LM-head GEMV's prologue, the residual adds into the o / down
+GEMVs' epilogue (the residual stream updated in place), optionally SiLU-and-mul into the down
+GEMV — per layer [norm+qkv] -> rotary/cache -> attention -> [o+residual] -> [norm+gate_up] ->
+(silu) -> [down+residual], with forward()'s roundings (the norms up to one ulp on near ties). On
 the CPU in bfloat16, pack_weights() (called by the model runner) swaps the projections for
 AmxLinear (steps of at most 128 tokens through pagedllm.ops.amx_linear, larger ones through
 oneDNN's packed weight) or, without AMX, for PackedLinear; float32 uses F.linear. Every path
@@ -158,6 +164,12 @@ def gemv_max_tokens(device: torch.device, dtype: torch.dtype) -> int:
 #: Steps of up to this many tokens use the GEMV (bench/gemv.py, H200, Llama-3-8B shapes).
 GEMV_CROSSOVER_TOKENS = 8
 
+#: GEMV fusion level for such steps (LlamaForCausalLM._gemv_fusion): 0 = none, 1 = norms and
+#: residual adds in the GEMVs, 2 = also SiLU-and-mul in the down GEMV. Off: on the H200 both fused
+#: levels measured slower than separate kernels with PDL (batch-1 decode 4.67 / 4.64 vs 4.49 ms per
+#: token; bench/gpu_engine_notes.md "GEMV fusions").
+GEMV_FUSE_DEFAULT = 0
+
 
 def _l2_prefetch_fits(weight: torch.Tensor) -> bool:
     """Whether to prefetch `weight` (the O projection's) into L2 while rotary + attention run: only
@@ -220,6 +232,47 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_and_norm(hidden, residual)
         qkv = _project(self.qkv_proj, h, gemv)
+        attn = self._attention(qkv, positions, cos_sin, rotary, kv_cache, meta, gemv)
+        hidden = _project(self.o_proj, attn, gemv)
+        h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        gate_up = _project(self.gate_up_proj, h, gemv)
+        if self.fused:
+            act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device), gate_up)
+        else:
+            gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
+            act = F.silu(gate) * up
+        return _project(self.down_proj, act, gemv), residual
+
+    def forward_gemv_fused(self, stream: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                           kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                           silu_in_down: bool) -> None:
+        """The layer for a CUDA step of at most gemv_max_tokens tokens with the norms and residual
+        adds fused into the GEMVs: `stream` [T, hidden_size] is the residual stream (after the
+        previous layer's residual add), updated in place. qkv = gemv(rms_norm(stream)); stream +=
+        gemv(attention); gate_up = gemv(rms_norm(stream)); stream += gemv(SiLU(gate) * up) — with
+        silu_in_down the SiLU is the down GEMV's prologue, else one silu_and_mul kernel. Same
+        roundings as forward() (the norms up to one ulp on near ties: ops.gemv)."""
+        T = stream.shape[0]
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = ops.gemv(stream, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=n1.weight, eps=n1.eps)
+        attn = self._attention(qkv, positions, None, rotary, kv_cache, meta, True)
+        ops.gemv(attn, self.o_proj.weight, self.o_proj.bias, out=stream, residual=stream)
+        gate_up = ops.gemv(stream, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=n2.weight,
+                           eps=n2.eps)
+        if silu_in_down:
+            act = gate_up
+        else:
+            act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=stream.dtype, device=stream.device),
+                                   gate_up)
+        ops.gemv(act, self.down_proj.weight, self.down_proj.bias, out=stream, residual=stream,
+                 silu_and_mul=silu_in_down)
+
+    def _attention(self, qkv: torch.Tensor, positions: torch.Tensor,
+                   cos_sin: tuple[torch.Tensor, torch.Tensor] | None, rotary: RotaryEmbedding,
+                   kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, gemv: bool) -> torch.Tensor:
+        """qkv [T, q_size + 2 kv_size] -> attention output [T, q_size] (rotary, KV cache write,
+        paged attention)."""
+        T = qkv.shape[0]
         if gemv:
             if self.prefetch_o is None:
                 self.prefetch_o = _l2_prefetch_fits(self.o_proj.weight)
@@ -247,17 +300,7 @@ class DecoderLayer(nn.Module):
             # fused (CPU): rotate q and k in place; the CPU kernels read q, k, v as views of qkv
             ops.rotary_embedding(positions, q, k, rotary.cos_sin_cache)
             attn = self.attn.forward(q, k, v, kv_cache, meta)
-        hidden = _project(self.o_proj, attn.view(T, self.q_size), gemv)
-        h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        gate_up = _project(self.gate_up_proj, h, gemv)
-        if self.fused:
-            act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device), gate_up)
-        else:
-            gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
-            act = F.silu(gate) * up
-        # (ops.gemv(gate_up, ..., silu_and_mul=True) folds the SiLU into the down projection, but
-        # measured slower on the H200: bench/gpu_engine_notes.md, "GEMV".)
-        return _project(self.down_proj, act, gemv), residual
+        return attn.view(T, self.q_size)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -282,6 +325,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: nn.Module | None = None  # AmxLinear or PackedLinear, set by pack_weights()
         self.fused = ops.layer_ops_supported(device, dtype)
         self.gemv_max_tokens = gemv_max_tokens(device, dtype)
+        self._fusion_fits: dict[int, tuple[bool, bool]] = {}
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
         )
@@ -301,7 +345,10 @@ class LlamaForCausalLM(nn.Module):
 
     # forward in three pieces, so that a decode CUDA graph can be captured as several segments
     # (pagedllm.worker.cuda_graph): state = (hidden [T, hidden_size], residual [T, hidden_size] or
-    # None before the first layer, the RoPE (cos, sin) tables of the PyTorch path or None).
+    # None, the RoPE (cos, sin) tables of the PyTorch path or None). With GEMV fusion (one level
+    # for every piece of a step: it depends on T only) hidden is the residual stream, updated in
+    # place by the o and down GEMVs, and residual stays None; otherwise residual is None only
+    # before the first layer.
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple:
         """input_ids int [T] -> the state before layer 0."""
         return self.embed_tokens(input_ids), None, None if self.fused else self.rotary.cos_sin(positions)
@@ -310,18 +357,44 @@ class LlamaForCausalLM(nn.Module):
                        meta: AttentionMetadata, start: int, end: int) -> tuple:
         """Layers [start, end) over `state`; kv_caches holds every layer's (k, v)."""
         hidden, residual, cos_sin = state
+        fusion = self._gemv_fusion(hidden.shape[0])
         for i in range(start, end):
-            hidden, residual = self.layers[i](hidden, residual, positions, cos_sin, self.rotary, kv_caches[i], meta)
+            if fusion:
+                self.layers[i].forward_gemv_fused(hidden, positions, self.rotary, kv_caches[i], meta, fusion >= 2)
+            else:
+                hidden, residual = self.layers[i](hidden, residual, positions, cos_sin, self.rotary, kv_caches[i],
+                                                  meta)
         return hidden, residual, cos_sin
 
     def logits(self, state: tuple, logits_indices: torch.Tensor) -> torch.Tensor:
         """The state after the last layer -> float32 logits [R, vocab_size] of rows logits_indices."""
         hidden, residual, _ = state
+        if self.layers and self._gemv_fusion(hidden.shape[0]):  # the final norm in the LM head's GEMV
+            rows = hidden.index_select(0, logits_indices)
+            return ops.gemv(rows, self.lm_head_weight, norm_weight=self.norm.weight, eps=self.norm.eps).float()
         if residual is None:  # no layers
             return self.compute_logits(hidden.index_select(0, logits_indices))
         normed, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
                                            residual.index_select(0, logits_indices))
         return self._lm_head(normed)
+
+    def _gemv_fusion(self, tokens: int) -> int:
+        """For a step of `tokens` tokens: 0 (no GEMV fusion), 1 (norms and residual adds fused into
+        the GEMVs: DecoderLayer.forward_gemv_fused) or 2 (also SiLU-and-mul into the down GEMV).
+        Needs the fused CUDA layer ops, a GEMV-sized step and prologues that fit the device's shared
+        memory; the level is PAGEDLLM_GEMV_FUSE (default GEMV_FUSE_DEFAULT, 0 turns it off)."""
+        if not (self.fused and self.packed_lm_head is None and 0 < tokens <= self.gemv_max_tokens):
+            return 0
+        env = os.environ.get("PAGEDLLM_GEMV_FUSE")
+        level = max(0, min(2, int(env) if env not in (None, "") else GEMV_FUSE_DEFAULT))
+        if tokens not in self._fusion_fits:  # (hidden fits, intermediate fits) on this device
+            cfg = self.config
+            self._fusion_fits[tokens] = (ops.gemv_fusion_fits(tokens, cfg.hidden_size, self.dtype),
+                                         ops.gemv_fusion_fits(tokens, cfg.intermediate_size, self.dtype))
+        hidden_fits, inter_fits = self._fusion_fits[tokens]
+        if not hidden_fits:
+            return 0
+        return 1 if level == 2 and not inter_fits else level
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden_size] (the residual stream, pre final norm) -> float32 logits [R, vocab_size]."""
