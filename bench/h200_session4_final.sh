@@ -32,6 +32,6 @@ t0=$(date +%s)
 timeout 100 python3 bench/batch1_breakdown.py --out "$OUT" --name "batch1_breakdown-$NAME" > "$OUT/$NAME-b1.log" 2>&1
 echo "batch1_breakdown: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
 t0=$(date +%s)
-timeout 80 python3 bench/cuda_kernels.py --quick --out "$OUT" > "$OUT/$NAME-kernels.log" 2>&1
+timeout 80 python3 bench/cuda_kernels.py --quick --tag "$NAME" --out "$OUT" > "$OUT/$NAME-kernels.log" 2>&1
 echo "cuda_kernels --quick: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
 tail -15 "$OUT/$NAME-kernels.log" >> "$OUT/summary.log"
