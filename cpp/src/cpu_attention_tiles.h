@@ -43,7 +43,7 @@ struct Context {
 /// Per-thread scratch, sized for up to `rows` query rows (rounded up to 16 for the row-tiled
 /// prefill path, whose transposed query qt, probabilities pt and fp32 K chunk kf live here too).
 struct Workspace {
-  std::vector<float> q, acc, m, l, s, vf, qt, pt, kf, acct;
+  std::vector<float> q, acc, m, l, corr, s, vf, qt, pt, kf, acct;
   std::vector<bf16> qb;
   std::vector<int32_t> pos;
   Workspace(int rows, int head_size, int block_size) {
@@ -52,6 +52,7 @@ struct Workspace {
     acc.resize(r16 * d);
     m.resize(r16);
     l.resize(r16);
+    corr.resize(r16);
     s.resize(r16 * block_size);
     vf.resize(size_t(block_size) * d);
     qb.resize(r16 * d);
@@ -102,13 +103,6 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
         __builtin_prefetch(nv + off);
       }
     }
-    const float* vp;
-    if constexpr (std::is_same_v<T, float>) {
-      vp = c.value_cache + tile;
-    } else {
-      to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
-      vp = w.vf.data();
-    }
     // Scores S = Q K^T for this block, 16 tokens at a time (bs is a multiple of 16); a chunk's
     // K rows stay in L1 for all R rows. Rows outside [t0, t1) are computed but never used.
     for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16)
@@ -148,7 +142,11 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
           mxv = _mm512_max_ps(mxv, x);
         }
         const float mx = _mm512_reduce_max_ps(mxv);
-        if (mx == kNegInf) continue;  // nothing visible to this row in this block
+        if (mx == kNegInf) {  // nothing visible to this row in this block: p = 0, acc unchanged
+          std::fill(sr + t0, sr + t1, 0.0f);
+          w.corr[r] = 1.0f;
+          continue;
+        }
         m_new = std::max(m[r], mx);
         corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
         __m512 sv = _mm512_setzero_ps();
@@ -181,7 +179,11 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
       float mx = kNegInf;
 #pragma omp simd reduction(max : mx)
       for (int t = t0; t < t1; ++t) mx = std::max(mx, sr[t]);
-      if (mx == kNegInf) continue;  // nothing visible to this row in this block
+      if (mx == kNegInf) {  // nothing visible to this row in this block: p = 0, acc unchanged
+        std::fill(sr + t0, sr + t1, 0.0f);
+        w.corr[r] = 1.0f;
+        continue;
+      }
       m_new = std::max(m[r], mx);
       corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
       sum = 0.0f;
@@ -195,8 +197,9 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
 #endif
       m[r] = m_new;
       l[r] = l[r] * corr + sum;
-      pv_row<D>(acc + r * D, corr, sr, vp, t0, t1);
+      w.corr[r] = corr;
     }
+    pv_rows<T, D>(acc, w.corr.data(), s, bs, c.value_cache + tile, t0, t1, R);
   }
 }
 

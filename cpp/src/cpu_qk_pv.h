@@ -1,7 +1,8 @@
 // cpu_qk_pv.h — internal: the two inner products of the CPU attention kernels, on one chunk of
 // a (block, kv head) K/V tile:
 //   qk_chunk16: s[t] = q . k_t for the 16 tokens of a chunk (one query row),
-//   pv_row:     acc += sum_t p[t] * v_t over tokens [t0, t1) (one query row).
+//   pv_row:     acc += sum_t p[t] * v_t over tokens [t0, t1) (one query row, fp32 V),
+//   pv_rows:    the same for R rows at once over the cache's own V rows (decode).
 // AVX-512 versions (the build uses -march=native): QK accumulates 16 tokens in 16 registers and
 // reduces them with one 16x16 transpose-add tree (45 shuffles/adds for 16 dot products instead of
 // 16 horizontal reductions); bfloat16 K uses VDPBF16PS (exact bf16 products, fp32 sums) on the
@@ -154,6 +155,67 @@ inline void pv_row(float* __restrict acc, float corr, const float* __restrict p,
   }
 #pragma omp simd
   for (int d = 0; d < D; ++d) acc[d] = a[d];
+#endif
+}
+
+#if defined(__AVX512F__)
+/// pv_rows for RG (<= 4) consecutive rows and d-chunks of W vectors: each V vector is loaded (and
+/// widened from bf16) once per token for all RG rows.
+template <typename T, int D, int W, int RG>
+inline void pv_group(float* __restrict acc, const float* __restrict corr, const float* __restrict p,
+                     int p_stride, const T* __restrict v, int t0, int t1) {
+  constexpr int NV = D / 16;
+  for (int c0 = 0; c0 < NV; c0 += W) {
+    __m512 a[RG][W];
+    for (int r = 0; r < RG; ++r) {
+      const __m512 cr = _mm512_set1_ps(corr[r]);
+      for (int c = 0; c < W; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * (c0 + c)), cr);
+    }
+    for (int t = t0; t < t1; ++t) {
+      __m512 vv[W];
+      for (int c = 0; c < W; ++c) vv[c] = load16(v + t * D + 16 * (c0 + c));
+      for (int r = 0; r < RG; ++r) {
+        const __m512 pt = _mm512_set1_ps(p[r * p_stride + t]);
+        for (int c = 0; c < W; ++c) a[r][c] = _mm512_fmadd_ps(pt, vv[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < RG; ++r)
+      for (int c = 0; c < W; ++c) _mm512_storeu_ps(acc + r * D + 16 * (c0 + c), a[r][c]);
+  }
+}
+#endif
+
+/// For each of R rows: acc[r][0..D) = acc[r] * corr[r] + sum_{t in [t0, t1)} p[r * p_stride + t] *
+/// v[t*D ..], with v the tile's rows in the cache dtype (bf16 widened to fp32 exactly). The same
+/// arithmetic, in the same order, as pv_row over fp32 rows — so results are bit-identical — but
+/// with AVX-512 rows go in groups of up to 4 that share each loaded V vector (the decode loop's
+/// GQA group: one V read from L1 per token instead of one per row, and no fp32 copy of V).
+template <typename T, int D>
+inline void pv_rows(float* __restrict acc, const float* __restrict corr, const float* __restrict p,
+                    int p_stride, const T* __restrict v, int t0, int t1, int R) {
+#if defined(__AVX512F__)
+  constexpr int NV = D / 16;
+  constexpr int W = NV % 4 == 0 ? 4 : (NV % 5 == 0 ? 5 : (NV % 3 == 0 ? 3 : 1));
+  int r = 0;
+  for (; r + 4 <= R; r += 4) pv_group<T, D, W, 4>(acc + r * D, corr + r, p + r * p_stride, p_stride, v, t0, t1);
+  switch (R - r) {
+    case 3: pv_group<T, D, W, 3>(acc + r * D, corr + r, p + r * p_stride, p_stride, v, t0, t1); break;
+    case 2: pv_group<T, D, W, 2>(acc + r * D, corr + r, p + r * p_stride, p_stride, v, t0, t1); break;
+    case 1: pv_group<T, D, W, 1>(acc + r * D, corr + r, p + r * p_stride, p_stride, v, t0, t1); break;
+    default: break;
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    float* a = acc + r * D;
+    const float* pr = p + r * p_stride;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) a[d] *= corr[r];
+    for (int t = t0; t < t1; ++t) {
+      const float pt = pr[t];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) a[d] += pt * to_float(v[t * D + d]);
+    }
+  }
 #endif
 }
 
