@@ -142,8 +142,8 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
           mxv = _mm512_max_ps(mxv, x);
         }
         const float mx = _mm512_reduce_max_ps(mxv);
-        if (mx == kNegInf) {  // nothing visible to this row in this block: p = 0, acc unchanged
-          std::fill(sr + t0, sr + t1, 0.0f);
+        if (mx == kNegInf) {  // nothing visible to this row in this block: p = 0, corr = 1 leaves
+          std::fill(sr + t0, sr + t1, 0.0f);  // acc unchanged (V in [t0, t1) is owned, finite)
           w.corr[r] = 1.0f;
           continue;
         }

@@ -1,8 +1,8 @@
 // cpu_qk_pv.h — internal: the two inner products of the CPU attention kernels, on one chunk of
 // a (block, kv head) K/V tile:
 //   qk_chunk16: s[t] = q . k_t for the 16 tokens of a chunk (one query row),
-//   pv_row:     acc += sum_t p[t] * v_t over tokens [t0, t1) (one query row, fp32 V),
-//   pv_rows:    the same for R rows at once over the cache's own V rows (decode).
+//   pv_rows:    acc[r] = acc[r] * corr[r] + sum_t p[r][t] * v_t over tokens [t0, t1), for the R
+//               query rows of a work item at once, over the cache's own V rows.
 // AVX-512 versions (the build uses -march=native): QK accumulates 16 tokens in 16 registers and
 // reduces them with one 16x16 transpose-add tree (45 shuffles/adds for 16 dot products instead of
 // 16 horizontal reductions); bfloat16 K uses VDPBF16PS (exact bf16 products, fp32 sums) on the
@@ -125,39 +125,6 @@ inline void qk_chunk16(const float* __restrict q, const bf16* __restrict qb, flo
 #endif
 }
 
-/// acc[0..D) = acc * corr + sum_{t in [t0, t1)} p[t * p_stride] * v[t*D ..] (v: fp32 rows).
-template <int D>
-inline void pv_row(float* __restrict acc, float corr, const float* __restrict p,
-                   const float* __restrict v, int t0, int t1, int p_stride = 1) {
-#if defined(__AVX512F__)
-  constexpr int NV = D / 16;
-  // Up to 8 accumulators in registers per pass (D = 256 takes two passes).
-  constexpr int W = NV > 8 ? 8 : NV;
-  for (int c0 = 0; c0 < NV; c0 += W) {
-    __m512 a[W];
-    const __m512 cr = _mm512_set1_ps(corr);
-    for (int c = 0; c < W; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * (c0 + c)), cr);
-    for (int t = t0; t < t1; ++t) {
-      const __m512 pt = _mm512_set1_ps(p[t * p_stride]);
-      const float* vt = v + t * D + 16 * c0;
-      for (int c = 0; c < W; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 16 * c), a[c]);
-    }
-    for (int c = 0; c < W; ++c) _mm512_storeu_ps(acc + 16 * (c0 + c), a[c]);
-  }
-#else
-  float a[D];
-#pragma omp simd
-  for (int d = 0; d < D; ++d) a[d] = acc[d] * corr;
-  for (int t = t0; t < t1; ++t) {
-    const float pt = p[t * p_stride];
-#pragma omp simd
-    for (int d = 0; d < D; ++d) a[d] += pt * v[t * D + d];
-  }
-#pragma omp simd
-  for (int d = 0; d < D; ++d) acc[d] = a[d];
-#endif
-}
-
 #if defined(__AVX512F__)
 /// pv_rows for RG (<= 4) consecutive rows and d-chunks of W vectors: each V vector is loaded (and
 /// widened from bf16) once per token for all RG rows.
@@ -186,10 +153,11 @@ inline void pv_group(float* __restrict acc, const float* __restrict corr, const 
 #endif
 
 /// For each of R rows: acc[r][0..D) = acc[r] * corr[r] + sum_{t in [t0, t1)} p[r * p_stride + t] *
-/// v[t*D ..], with v the tile's rows in the cache dtype (bf16 widened to fp32 exactly). The same
-/// arithmetic, in the same order, as pv_row over fp32 rows — so results are bit-identical — but
-/// with AVX-512 rows go in groups of up to 4 that share each loaded V vector (the decode loop's
-/// GQA group: one V read from L1 per token instead of one per row, and no fp32 copy of V).
+/// v[t*D ..], with v the tile's rows in the cache dtype (bf16 widened to fp32 exactly). With
+/// AVX-512 rows go in groups of up to 4 that share each loaded V vector (the decode loop's GQA
+/// group: one V read from L1 per token instead of one per row, and no fp32 copy of V); each row's
+/// arithmetic is the per-row loop's (acc * corr, then one FMA per token in order). A row with
+/// p = 0 and corr = 1 keeps its acc as long as V is finite in [t0, t1) (tokens the sequence owns).
 template <typename T, int D>
 inline void pv_rows(float* __restrict acc, const float* __restrict corr, const float* __restrict p,
                     int p_stride, const T* __restrict v, int t0, int t1, int R) {

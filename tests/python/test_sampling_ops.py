@@ -63,12 +63,15 @@ def _plant(logits, n, gen):
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,width,vocab,offset", [
-    (1, 128256, 0, 0), (1, 128256, 0, 1), (3, 151936, 151646, 0), (4, 49152, 0, 3),
-    (256, 32000, 0, 0), (2, 7, 0, 0), (5, 1000, 999, 1), (3, 33, 17, 0)])
-def test_argmax_rows_cuda_matches_torch(dtype, rows, width, vocab, offset, gen):
-    wide = torch.randn(rows, width + offset + 5, generator=gen).to(dtype).cuda()
-    logits = wide[:, offset:offset + width]  # row stride width + offset + 5; offset 1/3: misaligned
+@pytest.mark.parametrize("rows,width,vocab,offset,pad", [
+    (1, 128256, 0, 0, 5), (1, 128256, 0, 1, 5), (3, 151936, 151646, 0, 5), (4, 49152, 0, 3, 5),
+    (256, 32000, 0, 0, 5), (2, 7, 0, 0, 5), (5, 1000, 999, 1, 5), (3, 33, 17, 0, 5),
+    (4, 32000, 0, 0, 0), (6, 128256, 128000, 0, 0)])
+def test_argmax_rows_cuda_matches_torch(dtype, rows, width, vocab, offset, pad, gen):
+    wide = torch.randn(rows, width + offset + pad, generator=gen).to(dtype).cuda()
+    # row stride width + offset + pad: pad 0 with offset 0 gives contiguous 16-byte-aligned rows
+    # (the vectorised kernel); otherwise rows (or the start) are misaligned (the scalar kernel)
+    logits = wide[:, offset:offset + width]
     n = vocab or width
     first = _plant(logits, n, gen)
     got = ops.argmax_rows(logits, vocab)

@@ -1,7 +1,8 @@
 // pagedllm/sampling_ops.h — kernels of the sampler's hot path.
 //
 //   argmax_rows  out[r] = the index of the largest of logits[r, :vocab] (the first one on a tie,
-//                as torch.argmax); NaN is never chosen over a number.
+//                as torch.argmax); unlike torch.argmax, NaN is never chosen over a number (a
+//                row of NaN only gives 0).
 //
 // dtypes: logits float32 or bfloat16 on the CPU, also float16 on CUDA (any row stride, contiguous
 // last dimension); out int64 [R], contiguous, on the logits' device. On CUDA the kernel runs on

@@ -6,9 +6,9 @@ layer's reshape_and_cache and paged_attention, the final norm and the LM head â€
 buffers, writing one shared float32 logits buffer [max_num_seqs, vocab]; the graphs share one
 memory pool (captured largest first). A decode step of n <= max sequences fills the first n rows
 of the next larger size's inputs in pinned host memory, pads the rest (slot -1: nothing written;
-seq_len 1 over block 0: a harmless read), copies them with ONE host-to-device copy (each size's
-inputs are one contiguous byte buffer: positions and slot_mapping int64, then input_ids, seq_lens
-and block_tables int32) and replays; the logits of the real rows are returned.
+seq_len 1 over block 0: a harmless read), copies them with ONE host-to-device copy (a size's
+inputs are the first bytes of one byte buffer: positions and slot_mapping int64, then input_ids,
+seq_lens and block_tables int32) and replays; the logits of the real rows are returned.
 
 Segments: launching a graph costs the host about 1 us per kernel node, and the GPU starts only
 once the launch is submitted â€” for a 32-layer model (~330 nodes) ~0.3 ms per decode step in which
@@ -17,8 +17,8 @@ few graphs in sequence (layers [0, 1), [1, 4), [4, L) for L >= 8, see `segment_b
 first, small one starts the GPU while the host submits the others. Segments are replayed in
 capture order on one stream. Their hand-over states (hidden and residual, [size, hidden_size]
 each) stay allocated per size up to PER_SIZE_HANDOVER_MAX; larger sizes copy them through one
-shared pair of buffers (`boundary_state_bytes`, counted in the KV budget: ~86 MB for Llama-3-8B
-with max_num_seqs 1024).
+shared pair of buffers and keep nothing of their own (`boundary_state_bytes`, counted in the KV
+budget: ~86 MB for Llama-3-8B with max_num_seqs 1024).
 
 The paged-attention launcher chooses its flash-decoding split from the block-table width, which
 is fixed (ceil(max_model_len / block_size)), so a captured launch stays valid for any step.
@@ -107,18 +107,18 @@ class DecodeGraphRunner:
         self.bounds = segment_bounds(len(model.layers))
         self.num_replays = 0
         m = self.max_blocks_per_seq
-        # one device byte buffer per size (its graphs read the typed views), one pinned host buffer
-        self._dev_buf = {s: torch.zeros(_buffer_bytes(s, m), dtype=torch.uint8, device=device) for s in self.sizes}
-        self._dev = {s: _field_views(self._dev_buf[s], s, m) for s in self.sizes}
+        # One device byte buffer and one pinned host buffer of the largest size; size s's graphs
+        # read typed views of the first _buffer_bytes(s) bytes (only one size runs at a time, and
+        # each step rewrites its whole prefix, padding included).
+        self._dev_buf = torch.zeros(_buffer_bytes(self.max_size, m), dtype=torch.uint8, device=device)
+        self._dev = {s: _field_views(self._dev_buf, s, m) for s in self.sizes}
         self._host_buf = torch.zeros(_buffer_bytes(self.max_size, m), dtype=torch.uint8, pin_memory=True)
         self._host = {s: {k: v.numpy() for k, v in _field_views(self._host_buf, s, m).items()} for s in self.sizes}
-        for s in self.sizes:
-            self._dev[s]["slot_mapping"].fill_(-1)
-            self._dev[s]["seq_lens"].fill_(1)
+        self._copied = torch.cuda.Event()  # the last input copy (the host buffer is rewritten after it)
         self._rows = torch.arange(self.max_size + 1, dtype=torch.int64, device=device)
         self._query_start_loc = self._rows.to(torch.int32)
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self._boundary_states: dict[int, list[tuple]] = {}  # keeps the segments' hand-over tensors
+        self._boundary_states: dict[int, list[tuple]] = {}  # keeps the segments' hand-over tensors alive
         # One float32 logits buffer for every graph (each graph copies its rows in): a graph's own
         # output would stay allocated per graph (sum of the ladder x vocab x 4 bytes).
         self._logits = torch.empty((self.max_size, model.config.vocab_size), dtype=torch.float32, device=device)
@@ -142,7 +142,7 @@ class DecodeGraphRunner:
         shared = self._handover is not None and size > PER_SIZE_HANDOVER_MAX
         if k == 0:
             state = self.model.embed(d["input_ids"], d["positions"])
-        elif shared:  # (residual is None under GEMV fusion: the hidden buffer is the residual stream)
+        elif shared:  # (residual None = GEMV fusion, whose steps have <= 8 tokens: not reached today)
             state = (self._handover[0][:size], None if state[1] is None else self._handover[1][:size], state[2])
         state = self.model.forward_layers(state, d["positions"], self.kv_caches, meta, bounds[k], bounds[k + 1])
         if k == len(bounds) - 2:
@@ -161,16 +161,24 @@ class DecodeGraphRunner:
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
                 meta = self._meta(size)
+                d = self._dev[size]  # every row a padding row for the warm-up (writes nothing)
+                for key, value in _PAD.items():
+                    d[key].fill_(value)
                 state = None
                 for k in range(len(self.bounds) - 1):  # warm-up outside capture (cuBLAS workspaces, lazy init)
                     state = self._segment(size, k, state, meta)
                 graphs, states, state = [], [], None
+                shared = self._handover is not None and size > PER_SIZE_HANDOVER_MAX
                 for k in range(len(self.bounds) - 1):
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         state = self._segment(size, k, state, meta)
                     graphs.append(graph)
-                    states.append(state)
+                    # What a later segment of this size reads must stay allocated: the hand-over
+                    # state (only the RoPE tables for shared sizes, which read the shared pair);
+                    # nothing after the last segment.
+                    if k < len(self.bounds) - 2:
+                        states.append((None, None, state[2]) if shared else state)
                 self._graphs[size] = graphs
                 self._boundary_states[size] = states
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -197,6 +205,7 @@ class DecodeGraphRunner:
         bt = np.asarray(sched.block_tables)
         if bt.shape[1] != self.max_blocks_per_seq:
             raise ValueError(f"block_tables width {bt.shape[1]} differs from the captured {self.max_blocks_per_seq}")
+        self._copied.synchronize()  # the previous step's input copy has left the host buffer
         h = self._host[size]
         h["input_ids"][:n] = sched.input_ids[:n]
         h["positions"][:n] = sched.positions[:n]
@@ -206,10 +215,10 @@ class DecodeGraphRunner:
         if n < size:  # padding rows: write nothing, attend to one token of block 0
             for key, value in _PAD.items():
                 h[key][n:size] = value
-        buf = self._dev_buf[size]  # one raw async copy (the pinned buffer is rewritten only after
-        # the sampler has waited for this step, which follows the copy in stream order)
-        _C.cuda_copy_async(buf.data_ptr(), self._host_buf.data_ptr(), buf.numel(),
-                           torch.cuda.current_stream(self.device).cuda_stream)
+        stream = torch.cuda.current_stream(self.device)  # one raw async copy of this size's prefix
+        nbytes = _buffer_bytes(size, self.max_blocks_per_seq)
+        _C.cuda_copy_async(self._dev_buf.data_ptr(), self._host_buf.data_ptr(), nbytes, stream.cuda_stream)
+        self._copied.record(stream)
         self.replay(size)
         self.num_replays += 1
         logits = self._logits
