@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_gpu import SHAPES  # noqa: E402
+from throughput_gpu import SHAPES, host_profile  # noqa: E402
 
 
 def cuda_time_us(fn, reps: int = 200) -> float:
@@ -145,18 +145,7 @@ def main(argv=None) -> int:
         steps.append(time.perf_counter() - t0)
     engine.core, engine.sampler = orig[0], orig[2]
     del runner.execute_model
-    import cProfile
-    import io
-    import pstats
-
-    host = cProfile.Profile()
-    host.enable()
-    for _ in range(50):
-        engine.step()
-    host.disable()
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
-    host_profile = text.getvalue()
+    host_text = host_profile(engine, 50, 30)
     while engine.has_unfinished_requests():
         engine.step()
     med = lambda xs: statistics.median(xs) * 1e6  # noqa: E731
@@ -196,7 +185,7 @@ def main(argv=None) -> int:
     path = out_dir / f"{datetime.date.today().isoformat()}-{args.machine}-{args.name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     path.with_name(path.stem + "-host-profile.txt").write_text(
-        "cProfile of 50 batch-1 decode steps (engine.step), by own time\n" + host_profile)
+        "cProfile of 50 batch-1 decode steps (engine.step), by own time\n" + host_text)
     print(json.dumps(result, indent=1))
     return 0
 

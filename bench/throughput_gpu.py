@@ -106,6 +106,22 @@ def roofline(cfg: dict, dev: dict, n_req: int, n_in: int, n_out: int, batch: int
             "batch1_floor_s_per_token": m["weight_bytes_read_per_step"] / dev["copy_bytes_per_s"]}
 
 
+def host_profile(engine, steps: int, rows: int) -> str:
+    """cProfile of `steps` calls of engine.step(): the `rows` functions with the most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(steps):
+        engine.step()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(rows)
+    return text.getvalue()
+
+
 def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
     from pagedllm import LLM, SamplingParams
 
@@ -167,24 +183,14 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
             engine.step()
         torch.cuda.synchronize()
         step_s = (time.perf_counter() - t4) / 4
-    import cProfile
-    import io
-    import pstats
-
-    host = cProfile.Profile()
-    host.enable()
-    for _ in range(3):
-        engine.step()
-    host.disable()
-    host_text = io.StringIO()
-    pstats.Stats(host, stream=host_text).sort_stats("tottime").print_stats(25)
+    host_text = host_profile(engine, 3, 25)
     while engine.has_unfinished_requests():
         engine.step()
     profile_path.write_text(
         f"4 engine steps (decode, batch {prof_batch}), {step_s * 1e3:.2f} ms per step under the profiler\n\n"
         + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n"
         + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
-        + "\n\nHost (cProfile, 3 decode steps, by own time):\n" + host_text.getvalue() + "\n\n" + b1_text)
+        + "\n\nHost (cProfile, 3 decode steps, by own time):\n" + host_text + "\n\n" + b1_text)
     result = {
         "output_tokens": n_out, "seconds": seconds, "output_tok_s": n_out / seconds,
         "total_tok_s": (n_out + len(prompts) * args.input_len) / seconds, "startup_s": startup,
