@@ -270,13 +270,15 @@ def test_prefill_matches_decode(gen):
 @pytest.mark.skipif(bool(os.environ.get("PAGEDLLM_DECODE_MODE")), reason="already under a forced plan")
 @pytest.mark.parametrize("mode,reduce,combine", [
     ("warp", "warp", "kernel"), ("pair", "cta", "kernel"), ("cta", "warp", "kernel"), ("cta", "cta", "kernel"),
-    ("warp", "warp", "inkernel"), ("pair", "warp", "inkernel"), ("cta", "warp", "inkernel")])
+    ("warp", "warp", "inkernel"), ("pair", "warp", "inkernel"), ("cta", "warp", "inkernel"),
+    ("cta", "warp", "cluster")])
 def test_decode_under_forced_plans(mode, reduce, combine):
     """The decode tests of this file (the CUDA-graph, two-stream and empty-batch ones included)
     again with the v2 kernel's work items forced onto single warps, pairs of warps or whole CTAs
     (PAGEDLLM_DECODE_MODE), the split-K partitions combined by the reduction kernel (forced to warp
-    rows or CTA rows, PAGEDLLM_REDUCE) or inside the decode kernel by the last partition to finish
-    (PAGEDLLM_SPLITK_COMBINE=inkernel, at every split count), whatever the cost model would choose:
+    rows or CTA rows, PAGEDLLM_REDUCE), inside the decode kernel by the last partition to finish
+    (PAGEDLLM_SPLITK_COMBINE=inkernel, at every split count) or by the CTAs of a cluster through
+    distributed shared memory (=cluster: CTA items of 2..16 partitions), whatever the cost model would choose:
     these settings are read once per process, so each runs in a child pytest."""
     env = dict(os.environ, PAGEDLLM_DECODE_MODE=mode, PAGEDLLM_REDUCE=reduce, PAGEDLLM_SPLITK_COMBINE=combine)
     cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-m", "cuda",
@@ -288,24 +290,32 @@ def test_decode_under_forced_plans(mode, reduce, combine):
 
 # ------------------------------------------------------------------------------------ split-K combine
 # With PAGEDLLM_SPLITK_COMBINE=inkernel (the forced-plan children above) every v2 split decode must
-# combine in the kernel (last arriver, persistent zeroed counters), with =kernel never; without it
-# the cost model decides. Each test below therefore checks the plan it got against that setting.
+# combine in the kernel (last arriver, persistent zeroed counters), with =cluster every split decode
+# on CTA items of at most 16 partitions through a cluster's distributed shared memory, with =kernel
+# never in the decode kernel; without it the cost model decides. Each test below therefore checks
+# the plan it got against that setting.
 FORCED_COMBINE = os.environ.get("PAGEDLLM_SPLITK_COMBINE")
 COUNTERS_PER_STREAM = 16384  # kSplitCountersPerSlab (cuda/attention_launch.h)
+MAX_CLUSTER_SPLITS = 16  # kMaxClusterSplits (cuda/attention_common.cuh)
 
 
 def check_combine(splits, groups=1):
     """The last call's plan: `splits` partitions, combined as PAGEDLLM_SPLITK_COMBINE says (v2 only)."""
     plan = ops.last_cuda_decode_plan()
     assert plan["splits"] == splits, plan
+    cluster_possible = plan["kernel"] == "v2-cta" and splits <= MAX_CLUSTER_SPLITS
     if splits == 1:
         assert plan["combine"] == "none", plan
-    elif not plan["kernel"].startswith("v2") or FORCED_COMBINE == "kernel" or groups > COUNTERS_PER_STREAM:
+    elif FORCED_COMBINE == "cluster" and cluster_possible:
+        assert plan["combine"] == "cluster", plan
+    elif not plan["kernel"].startswith("v2") or FORCED_COMBINE in ("kernel", "cluster"):
         assert plan["combine"] == "kernel", plan
     elif FORCED_COMBINE == "inkernel":
-        assert plan["combine"] == "in-kernel", plan
+        assert plan["combine"] == ("kernel" if groups > COUNTERS_PER_STREAM else "in-kernel"), plan
     else:
-        assert plan["combine"] in ("kernel", "in-kernel"), plan
+        assert plan["combine"] in ("kernel", "in-kernel", "cluster"), plan
+        assert plan["combine"] != "cluster" or cluster_possible, plan
+        assert plan["combine"] != "in-kernel" or groups <= COUNTERS_PER_STREAM, plan
     return plan
 
 
@@ -313,14 +323,14 @@ def check_combine(splits, groups=1):
     (torch.bfloat16, 128, 32, 8), (torch.float16, 64, 8, 2), (torch.bfloat16, 96, 40, 2), (torch.float16, 80, 4, 4)],
     ids=["bf16-d128-32/8", "fp16-d64-8/2", "bf16-d96-40/2", "fp16-d80-4/4"])
 def test_decode_combine_split_counts(dtype, head_size, hq, hkv, gen):
-    """Split counts 2..4 (and 5, 8) on lengths 1, not multiples of the block size, shorter than the
+    """Split counts 2..4 (and 5, 8, 16) on lengths 1, not multiples of the block size, shorter than the
     partition count in tiles, and long; each split count three times in a row with fresh queries,
     so a counter left non-zero by one call would corrupt the next."""
     ctx = [1, 17, 100, 333, 1000, 4095]
     ks, vs, kc, vc, bt, seq_lens = make_paged(ctx, hkv, head_size, 16, dtype, gen=gen)
     scale = head_size ** -0.5
     groups = len(ctx) * hkv * math.ceil(hq // hkv / 16)
-    for split_k in (2, 3, 4, 5, 8):
+    for split_k in (2, 3, 4, 5, 8, 16):
         for _ in range(3):
             q = torch.randn(len(ctx), hq, head_size, generator=gen, device=DEV, dtype=torch.float64).to(dtype)
             ref = torch.stack([ref_rows(q[i:i + 1].double(), ks[i], vs[i], [ctx[i] - 1], scale)[0]

@@ -1,0 +1,35 @@
+# bench/h200_lib.sh — shell helpers shared by the H200 device batch scripts (source it; bash).
+#   h200_build OUT             install this tree in place (pip -e, CUDAARCHS=90a); on failure copy
+#                              build.log to OUT, print its errors and exit 1
+#   h200_tests LOGDIR T SPEC.. run each SPEC = "name|pytest arguments" (shell words, quotes kept)
+#                              as its own pytest process,
+#                              all in parallel, each under `timeout T`; logs LOGDIR/name.log end with rc=N
+#   h200_test_summary LOGDIR   one line per log: the pytest result line and the exit status
+export CUDAARCHS=${CUDAARCHS:-90a} PYTHONUNBUFFERED=1
+H200_PYTEST="-q -rf -p no:cacheprovider --maxfail=10 -m cuda"
+
+h200_build() {
+  local out=$1 t0
+  t0=$(date +%s)
+  python3 -m pip install --no-build-isolation --no-deps -e . > build.log 2>&1 ||
+    { cp build.log "$out/"; grep -E "error" build.log | head -30; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s (${PAGEDLLM_COMMIT:-unknown})"
+}
+
+h200_tests() {
+  local dir=$1 limit=$2 spec name args
+  shift 2
+  mkdir -p "$dir"
+  for spec in "$@"; do
+    name=${spec%%|*}
+    args=${spec#*|}
+    # eval: the arguments are shell words, quotes included (-k 'not slow')
+    ( eval "timeout $limit python3 -m pytest $args $H200_PYTEST" > "$dir/$name.log" 2>&1; echo "rc=$?" >> "$dir/$name.log" ) &
+  done
+  wait
+}
+
+h200_test_summary() {
+  local f
+  for f in "$1"/*.log; do echo "== $f: $(grep -E 'passed|failed|error' "$f" | tail -1) $(tail -1 "$f")"; done
+}
