@@ -39,15 +39,14 @@ VARIANTS = {
     "inkernel2": {"PAGEDLLM_SPLITK_COMBINE": "inkernel"},
     "kernel3": {"PAGEDLLM_SPLITK_COMBINE": "kernel"},
     "inkernel3": {"PAGEDLLM_SPLITK_COMBINE": "inkernel"},
-    # Session 5: CTA items combined by a thread-block cluster through distributed shared memory,
-    # against the same CTA plans with the other two combines; TMA L2 promotion at 64 x 4,096.
-    "cluster": {"PAGEDLLM_DECODE_MODE": "cta", "PAGEDLLM_SPLITK_COMBINE": "cluster"},
-    "ctakernel": {"PAGEDLLM_DECODE_MODE": "cta", "PAGEDLLM_SPLITK_COMBINE": "kernel"},
-    "ctainkernel": {"PAGEDLLM_DECODE_MODE": "cta", "PAGEDLLM_SPLITK_COMBINE": "inkernel"},
-    "cluster2": {"PAGEDLLM_DECODE_MODE": "cta", "PAGEDLLM_SPLITK_COMBINE": "cluster"},
-    "promo_none": {"PAGEDLLM_DECODE_L2PROMO": "none"},
-    "promo64": {"PAGEDLLM_DECODE_L2PROMO": "64"},
-    "promo256": {"PAGEDLLM_DECODE_L2PROMO": "256"},
+    # Session 5 (run 8b): work items with the KV head fastest (the warps of a CTA read the heads of
+    # the same blocks side by side); the single-pass plans of 64 x 4,096 again; the launch floor.
+    "heads": {"PAGEDLLM_DECODE_ORDER": "heads"},
+    "heads2": {"PAGEDLLM_DECODE_ORDER": "heads"},
+    "pair2": {"PAGEDLLM_DECODE_MODE": "pair"},
+    "cta2": {"PAGEDLLM_DECODE_MODE": "cta"},
+    "floor": {},
+    "floorin": {"PAGEDLLM_SPLITK_COMBINE": "inkernel", "PAGEDLLM_DECODE_MODE": "cta"},
 }
 DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, max_model_len 512)
     "base": "1x4096,8x4096,16x1024,64x4096,256x1024,128x2048,1x32768,1x300:w32,4x300:w32,1x300:w256,"
@@ -68,13 +67,12 @@ DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, m
     "inkernel2": "64x4096,1x4096",
     "kernel3": "64x4096",
     "inkernel3": "64x4096",
-    "cluster": "1x4096:s8,1x4096:s12,1x4096:s16,1x300:w32,1x300:w32:s4,1x300:w32:s16,8x4096:s4,1x32768:s16",
-    "ctakernel": "1x4096:s16,1x4096:s32,1x300:w32,8x4096:s4",
-    "ctainkernel": "1x4096:s16,1x300:w32",
-    "cluster2": "1x4096:s8,1x4096:s12,1x4096:s16,1x300:w32",
-    "promo_none": "64x4096",
-    "promo64": "64x4096",
-    "promo256": "64x4096,1x4096",
+    "heads": "64x4096,1x4096,1x300:w32,8x4096,256x1024",
+    "heads2": "64x4096,1x4096,1x300:w32",
+    "pair2": "64x4096:s0",
+    "cta2": "64x4096:s0",
+    "floor": "1x16:s0,1x16:s2,1x16:s16,1x4096",
+    "floorin": "1x16:s2,1x16:s16",
 }
 # Run 4's first device call (commit 23a08c7) also had "nz" (cp.async without the zero-fill
 # operand), "tma" (now the default), "4x5" (5-deep rings), "fused" / "fused_memset" (split-K

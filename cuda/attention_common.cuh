@@ -59,14 +59,10 @@ struct AttnParams {
   // split_counters[item / num_splits], zero on entry and reset to zero by that last arriver), and
   // no reduction kernel runs. nullptr: the partials are left for launch_splitk_reduce.
   int* split_counters = nullptr;
-  // Decode v2 whole-CTA items only, 1 < num_splits <= kMaxClusterSplits, sm_90: one CTA per item,
-  // launched in clusters of num_splits CTAs (the partitions of one group) that combine through
-  // distributed shared memory; no partials, counters or reduction kernel. 0: off.
-  int cluster_combine = 0;
+  // Decode v2 only: work items ordered with the KV head fastest instead of the partition (see
+  // decode_item in paged_decode_v2.cu). 0: partition fastest.
+  int heads_fastest = 0;
 };
-
-/// The largest cluster of the cluster combine (the non-portable cluster size limit of sm_90).
-constexpr int kMaxClusterSplits = 16;
 
 template <typename T>
 struct TypeTraits;

@@ -29,10 +29,6 @@ void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, int warps
 /// warps_per_item warps for v2 (`group` = Hq / Hkv sizes the merge buffers of shared items), CTAs
 /// for the CTA-per-item kernel and the float32 kernel.
 int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group);
-/// Clusters of `splits` whole-CTA items (AttnParams::cluster_combine) resident at once on the
-/// current device; 0 when such a cluster cannot be launched (below sm_90, splits outside
-/// 2..kMaxClusterSplits, or too little room on one GPC).
-int decode_v2_active_clusters(DType dtype, int head_size, int group, int splits);
 int decode_v1_units(DType dtype, int head_size);
 int attention_fp32_units(int head_size);
 

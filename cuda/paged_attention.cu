@@ -122,19 +122,26 @@ bool even_splits_enabled() {
   return on;
 }
 
-/// How split-K partitions are combined: the reduction kernel after the decode kernel, the last
-/// partition of each group inside the decode kernel (v2 only; AttnParams::split_counters), or the
-/// CTAs of a cluster through distributed shared memory (v2 whole-CTA items, sm_90;
-/// AttnParams::cluster_combine). PAGEDLLM_SPLITK_COMBINE=kernel, =inkernel or =cluster forces one
-/// wherever it is possible (for testing and benchmarking; read once); otherwise
-/// cluster_combine_pays and in_kernel_combine_pays decide.
-int forced_combine() {  // 0 = model, 1 = reduction kernel, 2 = in-kernel, 3 = cluster
+/// PAGEDLLM_DECODE_ORDER=heads orders v2's work items with the KV head fastest (for benchmarking;
+/// read once).
+bool heads_fastest_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("PAGEDLLM_DECODE_ORDER");
+    return v != nullptr && std::string(v) == "heads";
+  }();
+  return on;
+}
+
+/// How split-K partitions are combined: the reduction kernel after the decode kernel, or the last
+/// partition of each group inside the decode kernel (v2 only; AttnParams::split_counters).
+/// PAGEDLLM_SPLITK_COMBINE=kernel or =inkernel forces one wherever it is possible (for testing and
+/// benchmarking; read once); otherwise in_kernel_combine_pays decides.
+int forced_combine() {  // 0 = model, 1 = reduction kernel, 2 = in-kernel
   static const int mode = [] {
     const char* v = std::getenv("PAGEDLLM_SPLITK_COMBINE");
     if (v == nullptr) return 0;
     if (std::string(v) == "kernel") return 1;
     if (std::string(v) == "inkernel") return 2;
-    if (std::string(v) == "cluster") return 3;
     return 0;
   }();
   return mode;
@@ -148,13 +155,6 @@ int forced_combine() {  // 0 = model, 1 = reduction kernel, 2 = in-kernel, 3 = c
 /// 14.2-14.6 against 13.0-13.3).
 bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
   return kind == DecodeKernel::kV2Cta && splits <= 8;
-}
-
-/// Where the cluster combine is used unless forced: not yet measured, so nowhere by default.
-bool cluster_combine_pays(DecodeKernel kind, int64_t splits) {
-  (void)kind;
-  (void)splits;
-  return false;
 }
 
 /// Cost of a decode kernel with `s` splits in a wave-aware model: with `units` work units running
@@ -319,21 +319,15 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     // v2 partitions each sequence's own context evenly (every partition busy at any length).
     p.even_splits = v2 && even_splits_enabled() ? 1 : 0;
   }
+  p.heads_fastest = v2 && heads_fastest_enabled() ? 1 : 0;
   // Combine the partitions in the decode kernel when the model (or the environment) says so and
   // the stream has zeroed arrival counters; else the reduction kernel after it.
   const int64_t groups = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ((p.group + 15) / 16);
-  const int forced = forced_combine();
-  if (kind == DecodeKernel::kV2Cta && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
-      (forced == 3 || (forced == 0 && cluster_combine_pays(kind, p.num_splits))) &&
-      decode_v2_active_clusters(dtype, head_size, p.group, p.num_splits) > 0)
-    p.cluster_combine = 1;
-  else if (v2 && p.num_splits > 1 && forced != 1 && (forced == 2 || in_kernel_combine_pays(kind, p.num_splits)))
+  if (v2 && p.num_splits > 1 && forced_combine() != 1 &&
+      (forced_combine() == 2 || in_kernel_combine_pays(kind, p.num_splits)))
     p.split_counters = split_counters_for(stream, groups);
   g_last_plan = DecodePlanInfo{kind_name(kind), p.num_splits,
-                               p.num_splits == 1          ? "none"
-                               : p.cluster_combine        ? "cluster"
-                               : p.split_counters != nullptr ? "in-kernel"
-                                                             : "kernel"};
+                               p.num_splits == 1 ? "none" : p.split_counters != nullptr ? "in-kernel" : "kernel"};
   auto launch = [&] {
     switch (kind) {
       case DecodeKernel::kFp32: return launch_attention_fp32(head_size, p, stream);
@@ -344,7 +338,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     }
   };
 
-  if (p.num_splits == 1 || p.cluster_combine) return launch();
+  if (p.num_splits == 1) return launch();
 
   keep_pool_memory(stream);
   const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_heads * p.num_splits;

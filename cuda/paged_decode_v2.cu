@@ -26,7 +26,6 @@
 // other tiles (block edges, the sequence's last tile) go by cp.async into the same swizzled
 // layout. kLoadCpAsync: 16-byte cp.async per lane into padded rows (other head sizes, other GPUs,
 // or PAGEDLLM_DECODE_TMA=0). TMA was 3% faster at 64 x 4,096 on the H200 (run 4, notes).
-#include <cooperative_groups.h>
 #include <cuda.h>  // CUtensorMap and its enums (types only; the encoder is fetched at run time)
 
 #include <cstdlib>
@@ -36,8 +35,6 @@
 
 namespace pagedllm::cuda::detail {
 namespace {
-
-namespace cg = cooperative_groups;
 
 enum LoadKind : int { kLoadCpAsync = 0, kLoadTma = 1 };
 
@@ -71,19 +68,33 @@ struct DecodeV2Cfg {
 
 struct DecodeItem {
   int seq, kv_head, h0, nrows, split, start, end, ntiles;
+  int group;  // (sequence, KV head, head chunk) index: the item's split-K arrival counter
   const int32_t* bt;
 };
 
-/// Item index -> (sequence, KV head, head chunk, partition); partition fastest.
+/// Item index -> (sequence, KV head, head chunk, partition): partition fastest, or with
+/// p.heads_fastest (sequence, partition, head chunk, KV head), so that consecutive items (the
+/// warps of a CTA, or neighbouring CTAs) read the KV heads of the same blocks side by side.
 __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, int head_chunks) {
   DecodeItem it;
   const int splits = p.num_splits;
-  it.split = idx % splits;
-  idx /= splits;
-  const int hc = idx % head_chunks;
-  idx /= head_chunks;
-  it.kv_head = idx % p.num_kv_heads;
-  it.seq = idx / p.num_kv_heads;
+  int hc;
+  if (p.heads_fastest) {
+    it.kv_head = idx % p.num_kv_heads;
+    idx /= p.num_kv_heads;
+    hc = idx % head_chunks;
+    idx /= head_chunks;
+    it.split = idx % splits;
+    it.seq = idx / splits;
+  } else {
+    it.split = idx % splits;
+    idx /= splits;
+    hc = idx % head_chunks;
+    idx /= head_chunks;
+    it.kv_head = idx % p.num_kv_heads;
+    it.seq = idx / p.num_kv_heads;
+  }
+  it.group = (it.seq * p.num_kv_heads + it.kv_head) * head_chunks + hc;
   it.h0 = it.kv_head * p.group + hc * 16;
   it.nrows = min(16, p.group - hc * 16);
   const int seq_len = p.seq_lens[it.seq];
@@ -284,59 +295,8 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     }
   };
   __shared__ int s_last_arriver[kTeams];  // WPI > 1: the team's arrival result, shared by the team
-  __shared__ float s_cm[16], s_cl[16];     // cluster combine: this CTA's merged row maxima and sums
 
-  // Cluster combine (p.cluster_combine; whole-CTA items, one item per CTA, the num_splits CTAs of
-  // a cluster = the partitions of one group, cluster rank = partition): every CTA has left its
-  // partition's normalised rows in s_o[0][r][d] and (max, sum) in s_cm / s_cl; after a cluster
-  // barrier the CTAs read each other's through distributed shared memory (CUDA Programming Guide,
-  // "Distributed Shared Memory"), each CTA combining an interleaved share of the group's float4
-  // outputs with the reduction kernel's formula and partition order, then a second barrier keeps
-  // every CTA's shared memory alive until all have read it. No global partials, no counters, no
-  // second kernel.
-  auto cluster_combine = [&](const DecodeItem& it, const float* s_o) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();  // all partitions' rows are in their CTAs' shared memory
-    constexpr int kCols = D / 4;
-    const int S = p.num_splits, rank = it.split;
-    const int64_t row0 = static_cast<int64_t>(it.seq) * p.num_heads + it.h0;
-    for (int idx = rank + S * static_cast<int>(threadIdx.x); idx < it.nrows * kCols; idx += S * blockDim.x) {
-      const int r = idx / kCols, c = idx % kCols;
-      float pm[kMaxClusterSplits];
-      float mmax = neg_inf();
-#pragma unroll
-      for (int s = 0; s < kMaxClusterSplits; ++s) {
-        if (s < S) {
-          pm[s] = *cluster.map_shared_rank(s_cm + r, s);
-          mmax = fmaxf(mmax, pm[s]);
-        }
-      }
-      const float base = mmax == neg_inf() ? 0.f : mmax;  // all partitions empty: weights 0
-      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-      float total = 0.f;
-#pragma unroll
-      for (int s = 0; s < kMaxClusterSplits; ++s) {
-        if (s < S) {
-          const float w = *cluster.map_shared_rank(s_cl + r, s) * exp2f(pm[s] - base);
-          const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(s_o + r * D + 4 * c, s));
-          total += w;
-          o.x += w * v.x;
-          o.y += w * v.y;
-          o.z += w * v.z;
-          o.w += w * v.w;
-        }
-      }
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      T* dst = static_cast<T*>(p.out) + (row0 + r) * D + 4 * c;
-      *reinterpret_cast<uint2*>(dst) =
-          make_uint2(TypeTraits<T>::pack(o.x * inv, o.y * inv), TypeTraits<T>::pack(o.z * inv, o.w * inv));
-    }
-    cluster.sync();  // this CTA's shared memory stays alive until every CTA has read it
-#endif
-  };
-
-  auto merge_warps_and_store = [&](const DecodeItem& it, int item, const float(&m)[2], const float(&l)[2],
+  auto merge_warps_and_store = [&](const DecodeItem& it, const float(&m)[2], const float(&l)[2],
                                    const float(&acc)[D / 8][4], int mrows) {
     float* s_m = reinterpret_cast<float*>(smem + C::kMergeOffset);  // [kWarps][16]
     float* s_l = s_m + C::kWarps * 16;                                // [kWarps][16]
@@ -371,13 +331,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
       const int64_t row = row0 + r;
-      if (WPI == W_ && p.cluster_combine) {  // in place: only this thread reads s_o[.][r][d]
-        s_o[r * D + d] = lsum > 0.f ? o / lsum : 0.f;
-        if (d == 0) {
-          s_cm[r] = mmax;
-          s_cl[r] = lsum;
-        }
-      } else if (p.num_splits == 1) {
+      if (p.num_splits == 1) {
         static_cast<T*>(p.out)[row * D + d] = TypeTraits<T>::from_float(lsum > 0.f ? o / lsum : 0.f);
       } else {
         const int64_t prow = row * p.num_splits + it.split;
@@ -388,15 +342,11 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
     }
-    if (WPI == W_ && p.cluster_combine) {
-      cluster_combine(it, s_o);  // its barriers also order the merge buffers' reuse
-      return;
-    }
     if (p.num_splits > 1 && p.split_counters != nullptr) {
       __threadfence();  // this thread's partials are visible device-wide before the team arrives
       team_sync();
       const int tid = threadIdx.x - 32 * w0;
-      int* counter = p.split_counters + item / p.num_splits;
+      int* counter = p.split_counters + it.group;
       if (tid == 0) s_last_arriver[team] = atomicAdd(counter, 1) == p.num_splits - 1;
       team_sync();  // also: the merge buffers are reused by the next item
       if (s_last_arriver[team]) {
@@ -472,7 +422,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     // ---- this item's rows: the output (one partition) or the flash-decoding partials
     row_sums(l);
     if constexpr (WPI > 1) {
-      merge_warps_and_store(it, ci, m, l, acc, merge_rows);
+      merge_warps_and_store(it, m, l, acc, merge_rows);
     } else {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -501,7 +451,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
       if (p.num_splits > 1 && p.split_counters != nullptr) {  // last-arriver combine, as above
         __threadfence();
         __syncwarp();
-        int* counter = p.split_counters + ci / p.num_splits;
+        int* counter = p.split_counters + it.group;
         int last = 0;
         if (lane == 0) last = atomicAdd(counter, 1) == p.num_splits - 1;
         if (__shfl_sync(0xffffffffu, last, 0)) {
@@ -537,20 +487,6 @@ EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-/// L2 promotion of the TMA tile loads: 128 B by default; PAGEDLLM_DECODE_L2PROMO=none, 64 or 256
-/// picks another (for benchmarking; read once).
-CUtensorMapL2promotion l2_promotion() {
-  static const CUtensorMapL2promotion promo = [] {
-    const char* v = std::getenv("PAGEDLLM_DECODE_L2PROMO");
-    const std::string s = v == nullptr ? "" : v;
-    if (s == "none") return CU_TENSOR_MAP_L2_PROMOTION_NONE;
-    if (s == "64") return CU_TENSOR_MAP_L2_PROMOTION_L2_64B;
-    if (s == "256") return CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-    return CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-  }();
-  return promo;
-}
-
 /// [rows, D] view of a cache with 64-column x 16-row boxes and the 128-byte swizzle.
 template <typename T, int D>
 CUtensorMap cache_map(const void* cache, int64_t rows) {
@@ -563,7 +499,7 @@ CUtensorMap cache_map(const void* cache, int64_t rows) {
       TypeTraits<T>::kIsBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult r = encode_tiled()(&map, type, 2, const_cast<void*>(cache), dims, strides, box, elem_strides,
                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    l2_promotion(), CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error("CUDA decode: cuTensorMapEncodeTiled failed with code " + std::to_string(static_cast<int>(r)));
   return map;
@@ -613,49 +549,6 @@ struct V2 {
     return ctas * (W / wpi);
   }
 
-  // Clusters of up to kMaxClusterSplits CTAs (beyond the portable 8) for the CTA-item kernel, once
-  // per device.
-  static void allow_large_clusters() {
-    static std::atomic<uint64_t> done{0};
-    int dev = 0;
-    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
-    const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
-    if (bit != 0 && (done.load() & bit)) return;
-    PAGEDLLM_CUDA_CHECK(
-        cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel<W>()), cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    done.fetch_or(bit);
-  }
-
-  // Clusters of `splits` CTA items that can be resident at once on the current device (0: such a
-  // cluster cannot be launched), cached per split count; 0 below sm_90.
-  static int active_clusters(int merge_rows, int splits) {
-    static std::atomic<int> cached[kMaxClusterSplits + 1][17] = {};
-    if (splits < 2 || splits > kMaxClusterSplits || current_device_major() < 9) return 0;
-    const int r = std::clamp(merge_rows, 1, 16);
-    std::atomic<int>& c = cached[splits][r];
-    if (c.load() > 0) return c.load() - 1;
-    raise_smem();
-    allow_large_clusters();
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(splits));
-    config.blockDim = dim3(C::kThreads);
-    config.dynamicSmemBytes = smem_bytes(W, r);
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(splits);
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, kernel<W>(), &config) != cudaSuccess) {
-      (void)cudaGetLastError();  // not a sticky error: clear it; such clusters are just not used
-      n = 0;
-    }
-    c.store(n + 1);
-    return n;
-  }
-
   static void launch(const AttnParams& p, int wpi, cudaStream_t stream) {
     const int merge_rows = std::min(16, p.group);
     const int units_ = units(wpi, merge_rows);
@@ -673,16 +566,6 @@ struct V2 {
     }
     std::atomic<uint64_t> none{~uint64_t{0}};
     const size_t smem = smem_bytes(wpi, merge_rows);
-    if (p.cluster_combine) {  // one CTA per item, a cluster per group (its partitions)
-      if (wpi != W || p.num_splits < 2 || p.num_splits > kMaxClusterSplits)
-        throw std::runtime_error("CUDA decode: the cluster combine needs whole-CTA items and 2.." +
-                                 std::to_string(kMaxClusterSplits) + " partitions, got " +
-                                 std::to_string(p.num_splits) + " partitions of " + std::to_string(wpi) + " warps");
-      allow_large_clusters();
-      launch_ex(kernel<W>(), static_cast<unsigned>(items), C::kThreads, smem, stream, false,
-                static_cast<unsigned>(p.num_splits), p, static_cast<int>(items), head_chunks, merge_rows, maps);
-      return;
-    }
     with_kernel(wpi, [&](auto kern) {
       launch_checked(kern, ctas, C::kThreads, smem, stream, none, p, static_cast<int>(items), head_chunks,
                      merge_rows, maps);
@@ -723,16 +606,6 @@ int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group) {
     using T = typename decltype(tag)::type;
     return with_config<T>(head_size, nullptr,
                           [&](auto cfg) { return decltype(cfg)::units(warps_per_item, std::min(16, group)); });
-  });
-}
-
-int decode_v2_active_clusters(DType dtype, int head_size, int group, int splits) {
-  if (!decode_v2_supports(dtype, head_size)) return 0;
-  return dispatch_mma_dtype(dtype, "CUDA decode v2", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    return with_config<T>(head_size, nullptr, [&](auto cfg) {
-      return decltype(cfg)::active_clusters(std::min(16, group), splits);
-    });
   });
 }
 

@@ -270,15 +270,13 @@ def test_prefill_matches_decode(gen):
 @pytest.mark.skipif(bool(os.environ.get("PAGEDLLM_DECODE_MODE")), reason="already under a forced plan")
 @pytest.mark.parametrize("mode,reduce,combine", [
     ("warp", "warp", "kernel"), ("pair", "cta", "kernel"), ("cta", "warp", "kernel"), ("cta", "cta", "kernel"),
-    ("warp", "warp", "inkernel"), ("pair", "warp", "inkernel"), ("cta", "warp", "inkernel"),
-    ("cta", "warp", "cluster")])
+    ("warp", "warp", "inkernel"), ("pair", "warp", "inkernel"), ("cta", "warp", "inkernel")])
 def test_decode_under_forced_plans(mode, reduce, combine):
     """The decode tests of this file (the CUDA-graph, two-stream and empty-batch ones included)
     again with the v2 kernel's work items forced onto single warps, pairs of warps or whole CTAs
     (PAGEDLLM_DECODE_MODE), the split-K partitions combined by the reduction kernel (forced to warp
-    rows or CTA rows, PAGEDLLM_REDUCE), inside the decode kernel by the last partition to finish
-    (PAGEDLLM_SPLITK_COMBINE=inkernel, at every split count) or by the CTAs of a cluster through
-    distributed shared memory (=cluster: CTA items of 2..16 partitions), whatever the cost model would choose:
+    rows or CTA rows, PAGEDLLM_REDUCE) or inside the decode kernel by the last partition to finish
+    (PAGEDLLM_SPLITK_COMBINE=inkernel, at every split count), whatever the cost model would choose:
     these settings are read once per process, so each runs in a child pytest."""
     env = dict(os.environ, PAGEDLLM_DECODE_MODE=mode, PAGEDLLM_REDUCE=reduce, PAGEDLLM_SPLITK_COMBINE=combine)
     cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-m", "cuda",
@@ -290,32 +288,25 @@ def test_decode_under_forced_plans(mode, reduce, combine):
 
 # ------------------------------------------------------------------------------------ split-K combine
 # With PAGEDLLM_SPLITK_COMBINE=inkernel (the forced-plan children above) every v2 split decode must
-# combine in the kernel (last arriver, persistent zeroed counters), with =cluster every split decode
-# on CTA items of at most 16 partitions through a cluster's distributed shared memory, with =kernel
-# never in the decode kernel; without it the cost model decides. Each test below therefore checks
-# the plan it got against that setting.
+# combine in the kernel (last arriver, persistent zeroed counters) unless a stream's counters are too
+# few for its groups, with =kernel never; without it the cost model decides. Each test below
+# therefore checks the plan it got against that setting.
 FORCED_COMBINE = os.environ.get("PAGEDLLM_SPLITK_COMBINE")
 COUNTERS_PER_STREAM = 16384  # kSplitCountersPerSlab (cuda/attention_launch.h)
-MAX_CLUSTER_SPLITS = 16  # kMaxClusterSplits (cuda/attention_common.cuh)
 
 
 def check_combine(splits, groups=1):
     """The last call's plan: `splits` partitions, combined as PAGEDLLM_SPLITK_COMBINE says (v2 only)."""
     plan = ops.last_cuda_decode_plan()
     assert plan["splits"] == splits, plan
-    cluster_possible = plan["kernel"] == "v2-cta" and splits <= MAX_CLUSTER_SPLITS
     if splits == 1:
         assert plan["combine"] == "none", plan
-    elif FORCED_COMBINE == "cluster" and cluster_possible:
-        assert plan["combine"] == "cluster", plan
-    elif not plan["kernel"].startswith("v2") or FORCED_COMBINE in ("kernel", "cluster"):
+    elif not plan["kernel"].startswith("v2") or FORCED_COMBINE == "kernel" or groups > COUNTERS_PER_STREAM:
         assert plan["combine"] == "kernel", plan
     elif FORCED_COMBINE == "inkernel":
-        assert plan["combine"] == ("kernel" if groups > COUNTERS_PER_STREAM else "in-kernel"), plan
+        assert plan["combine"] == "in-kernel", plan
     else:
-        assert plan["combine"] in ("kernel", "in-kernel", "cluster"), plan
-        assert plan["combine"] != "cluster" or cluster_possible, plan
-        assert plan["combine"] != "in-kernel" or groups <= COUNTERS_PER_STREAM, plan
+        assert plan["combine"] in ("kernel", "in-kernel"), plan
     return plan
 
 

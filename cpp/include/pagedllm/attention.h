@@ -97,10 +97,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 ///            CPU-only build (an empty batch launches nothing and leaves the record as it was)
 ///   splits   flash-decoding partitions per sequence (1 = single pass)
 ///   combine  "none" (one partition), "kernel" (the split-K reduction kernel after the decode
-///            kernel), "in-kernel" (the last partition of each group to finish combines them
-///            inside the decode kernel, arrival counters in a persistent zeroed buffer) or
-///            "cluster" (whole-CTA partitions of a group launched as one thread-block cluster,
-///            combined through distributed shared memory; sm_90)
+///            kernel) or "in-kernel" (the last partition of each group to finish combines them
+///            inside the decode kernel, arrival counters in a persistent zeroed buffer)
 struct DecodePlanInfo {
   std::string kernel;
   int32_t splits = 0;
