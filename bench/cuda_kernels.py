@@ -93,9 +93,10 @@ def num_sets(bytes_per_call: int) -> int:
     return max(1, min(256, math.ceil(4 * l2 / bytes_per_call)))
 
 
-def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=None) -> dict:
+def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=None, block_size=BS) -> dict:
     """width: block-table width in blocks (default: just the context), as the engine's
-    ceil(max_model_len / block_size)."""
+    ceil(max_model_len / block_size); block_size: tokens per cache block (16 unless a case says)."""
+    BS = block_size  # noqa: N806 (the module default, overridden per case)
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     nsets = num_sets(kv_bytes)
     blocks_per_seq = math.ceil(ctx / BS)
@@ -150,7 +151,7 @@ def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=Non
     torch.cuda.empty_cache()
     return {
         "batch": batch, "context": ctx, "split_k": "auto" if split_k is None else split_k,
-        "block_table_width": bts.shape[2],
+        "block_table_width": bts.shape[2], "block_size": BS,
         "block_ids": "sequential" if sequential else "shuffled",
         "kv_bytes": kv_bytes, "buffer_sets": nsets,
         "ours_us": round(t_ours, 2), "ours_TBps": round(kv_bytes / t_ours / 1e6, 3),
@@ -224,9 +225,9 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. a variant)")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--cases", default="",
-                    help="decode cases instead of the default grid: BxCTX[:sSPLIT][:seq][:wWIDTH], "
-                         "comma-separated (e.g. 1x4096,1x4096:s16,64x4096:s2,1x300:w32); wWIDTH: block-table "
-                         "width in blocks")
+                    help="decode cases instead of the default grid: BxCTX[:sSPLIT][:seq][:wWIDTH][:bBLOCK], "
+                         "comma-separated (e.g. 1x4096,1x4096:s16,64x4096:s2,1x300:w32,64x4096:b32); wWIDTH: "
+                         "block-table width in blocks; bBLOCK: block size in tokens (default 16)")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -246,6 +247,8 @@ def main() -> None:
             for extra in parts[1:]:
                 if extra == "seq":
                     kw["sequential"] = True
+                elif extra.startswith("b"):
+                    kw["block_size"] = int(extra[1:])
                 elif extra.startswith("s"):
                     kw["split_k"] = int(extra[1:])
                 elif extra.startswith("w"):

@@ -47,6 +47,15 @@ VARIANTS = {
     "cta2": {"PAGEDLLM_DECODE_MODE": "cta"},
     "floor": {},
     "floorin": {"PAGEDLLM_SPLITK_COMBINE": "inkernel", "PAGEDLLM_DECODE_MODE": "cta"},
+    # Run 8c: the in-kernel combine's arrival by one acquire-release atomic (default now) against the
+    # old fence per thread, next to the reduction kernel; block size 32.
+    "ctain": {"PAGEDLLM_DECODE_MODE": "cta", "PAGEDLLM_SPLITK_COMBINE": "inkernel"},
+    "ctainfence": {"PAGEDLLM_DECODE_MODE": "cta", "PAGEDLLM_SPLITK_COMBINE": "inkernel", "PAGEDLLM_SPLITK_ARRIVE": "fence"},
+    "ctakern": {"PAGEDLLM_DECODE_MODE": "cta", "PAGEDLLM_SPLITK_COMBINE": "kernel"},
+    "warpin": {"PAGEDLLM_DECODE_MODE": "warp", "PAGEDLLM_SPLITK_COMBINE": "inkernel"},
+    "warpinfence": {"PAGEDLLM_DECODE_MODE": "warp", "PAGEDLLM_SPLITK_COMBINE": "inkernel", "PAGEDLLM_SPLITK_ARRIVE": "fence"},
+    "warpkern": {"PAGEDLLM_DECODE_MODE": "warp", "PAGEDLLM_SPLITK_COMBINE": "kernel"},
+    "bs32": {},
 }
 DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, max_model_len 512)
     "base": "1x4096,8x4096,16x1024,64x4096,256x1024,128x2048,1x32768,1x300:w32,4x300:w32,1x300:w256,"
@@ -73,6 +82,13 @@ DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, m
     "cta2": "64x4096:s0",
     "floor": "1x16:s0,1x16:s2,1x16:s16,1x4096",
     "floorin": "1x16:s2,1x16:s16",
+    "ctain": "1x16:s2,1x16:s8,1x16:s16,1x4096:s16,1x4096:s8,1x300:w32,1x2000:w256",
+    "ctainfence": "1x16:s2,1x16:s8,1x16:s16,1x4096:s16,1x4096:s8,1x300:w32,1x2000:w256",
+    "ctakern": "1x16:s2,1x16:s8,1x16:s16,1x4096:s16,1x4096:s8,1x300:w32,1x2000:w256",
+    "warpin": "1x16:s2,64x4096:s2,8x4096:s16,16x1024:s3",
+    "warpinfence": "1x16:s2,64x4096:s2,8x4096:s16,16x1024:s3",
+    "warpkern": "1x16:s2,64x4096:s2,8x4096:s16,16x1024:s3",
+    "bs32": "64x4096:b32,64x4096,1x4096:b32,1x4096,256x1024:b32,256x1024",
 }
 # Run 4's first device call (commit 23a08c7) also had "nz" (cp.async without the zero-fill
 # operand), "tma" (now the default), "4x5" (5-deep rings), "fused" / "fused_memset" (split-K
@@ -117,7 +133,9 @@ def main() -> None:
             continue
         for r in v["decode"]:
             case = f"{r['batch']}x{r['context']}" + ("" if r["split_k"] == "auto" else f":s{r['split_k']}")
-            case += (f":w{r['block_table_width']}" if r.get("block_table_width", 0) * 16 > r["context"] + 15 else "")
+            bs = r.get("block_size", 16)
+            case += (f":w{r['block_table_width']}" if r.get("block_table_width", 0) * bs > r["context"] + bs - 1 else "")
+            case += f":b{bs}" if bs != 16 else ""
             print(f"{name:13s} {case:16s} {r['ours_us']:9.2f} {r['sdpa_us']:9.2f} {r['speed_vs_sdpa']:6.3f} "
                   f"{r['rel_l2_vs_sdpa_fp32']:8.1e}")
 

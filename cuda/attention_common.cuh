@@ -62,7 +62,19 @@ struct AttnParams {
   // Decode v2 only: work items ordered with the KV head fastest instead of the partition (see
   // decode_item in paged_decode_v2.cu). 0: partition fastest.
   int heads_fastest = 0;
+  // Decode v2 in-kernel combine: arrive with __threadfence in every thread and a relaxed atomic
+  // (the CUDA samples' form) instead of one acquire-release atomic after the team's barrier.
+  int arrive_fence = 0;
 };
+
+/// atom.add with acquire-release semantics at GPU scope (PTX ISA, "Memory Consistency Model"):
+/// returns the old value. After a CTA (or warp) barrier, one thread's release covers the stores
+/// of every thread before the barrier (cumulativity); its acquire covers the loads after the next.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* addr, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(addr), "r"(v) : "memory");
+  return old;
+}
 
 template <typename T>
 struct TypeTraits;

@@ -132,6 +132,16 @@ bool heads_fastest_enabled() {
   return on;
 }
 
+/// PAGEDLLM_SPLITK_ARRIVE=fence: the in-kernel combine's arrival with a __threadfence per thread
+/// and a relaxed atomic (for benchmarking; read once).
+bool arrive_fence_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("PAGEDLLM_SPLITK_ARRIVE");
+    return v != nullptr && std::string(v) == "fence";
+  }();
+  return on;
+}
+
 /// How split-K partitions are combined: the reduction kernel after the decode kernel, or the last
 /// partition of each group inside the decode kernel (v2 only; AttnParams::split_counters).
 /// PAGEDLLM_SPLITK_COMBINE=kernel or =inkernel forces one wherever it is possible (for testing and
@@ -320,6 +330,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     p.even_splits = v2 && even_splits_enabled() ? 1 : 0;
   }
   p.heads_fastest = v2 && heads_fastest_enabled() ? 1 : 0;
+  p.arrive_fence = arrive_fence_enabled() ? 1 : 0;
   // Combine the partitions in the decode kernel when the model (or the environment) says so and
   // the stream has zeroed arrival counters; else the reduction kernel after it.
   const int64_t groups = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ((p.group + 15) / 16);

@@ -119,6 +119,81 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   return it;
 }
 
+// In-kernel split-K combine (p.split_counters set, num_splits > 1), the last-arriver pattern of
+// the CUDA samples' threadFenceReduction: every team writes its partition's partials, then (after
+// the team's barrier, which orders those stores before it) one thread adds one to its group's
+// arrival counter with an acquire-release atomic at GPU scope (as CUTLASS's GenericBarrier;
+// p.arrive_fence: a __threadfence in every thread and a relaxed atomic instead); the team that
+// sees num_splits - 1 is the last, reads all the group's partials from L2 (ld.global.cg: never a stale L1 line),
+// combines them as launch_splitk_reduce does (same formula, same order of partitions, so the
+// result does not depend on which team came last) and resets the counter to zero for the next
+// launch. `tid` / `nthreads`: this thread's index within the team and the team's size. Not inlined:
+// its loads-first form would otherwise raise the register count of the whole kernel (168 -> 255).
+template <typename T, int D>
+__device__ __forceinline__ void combine_splits(const AttnParams& p, const DecodeItem& it, int tid, int nthreads) {
+  constexpr int kCols = D / 4;  // float4 columns
+  constexpr int kFew = 8;       // up to this many partitions: every load issued before any use
+  const int S = p.num_splits;
+  const int64_t row0 = static_cast<int64_t>(it.seq) * p.num_heads + it.h0;
+  for (int idx = tid; idx < it.nrows * kCols; idx += nthreads) {
+    const int r = idx / kCols, c = idx % kCols;
+    const int64_t prow = (row0 + r) * S;
+    T* dst = static_cast<T*>(p.out) + (row0 + r) * D + 4 * c;
+    if (S <= kFew) {  // one L2 round trip; the same formula and order as the loop below
+      float pm[kFew], ps[kFew];
+      float4 pv[kFew];
+#pragma unroll
+      for (int s = 0; s < kFew; ++s) {
+        if (s < S) {
+          pm[s] = __ldcg(p.partial_max + prow + s);
+          ps[s] = __ldcg(p.partial_sum + prow + s);
+          pv[s] = __ldcg(reinterpret_cast<const float4*>(p.partial_out + (prow + s) * D) + c);
+        }
+      }
+      float mmax = neg_inf();
+#pragma unroll
+      for (int s = 0; s < kFew; ++s)
+        if (s < S) mmax = fmaxf(mmax, pm[s]);
+      const float base = mmax == neg_inf() ? 0.f : mmax;
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+      float total = 0.f;
+#pragma unroll
+      for (int s = 0; s < kFew; ++s) {
+        if (s < S) {
+          const float w = ps[s] * exp2f(pm[s] - base);
+          total += w;
+          o.x += w * pv[s].x;
+          o.y += w * pv[s].y;
+          o.z += w * pv[s].z;
+          o.w += w * pv[s].w;
+        }
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      *reinterpret_cast<uint2*>(dst) =
+          make_uint2(TypeTraits<T>::pack(o.x * inv, o.y * inv), TypeTraits<T>::pack(o.z * inv, o.w * inv));
+      continue;
+    }
+    float mmax = neg_inf();
+    for (int s = 0; s < S; ++s) mmax = fmaxf(mmax, __ldcg(p.partial_max + prow + s));
+    const float base = mmax == neg_inf() ? 0.f : mmax;  // all partitions empty: weights 0
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    float total = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < S; ++s) {
+      const float w = __ldcg(p.partial_sum + prow + s) * exp2f(__ldcg(p.partial_max + prow + s) - base);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial_out + (prow + s) * D) + c);
+      total += w;
+      o.x += w * v.x;
+      o.y += w * v.y;
+      o.z += w * v.z;
+      o.w += w * v.w;
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    *reinterpret_cast<uint2*>(dst) =
+        make_uint2(TypeTraits<T>::pack(o.x * inv, o.y * inv), TypeTraits<T>::pack(o.z * inv, o.w * inv));
+  }
+}
+
 /// WPI warps per work item. WPI == 1: a work item per warp (items first, first + W, ... for W
 /// warps in the grid). WPI > 1 (2, or W_ for a whole CTA): the CTA's warps form W_ / WPI teams,
 /// team j of CTA b takes items b * (W_ / WPI) + j, + gridDim.x * (W_ / WPI), ...; warp w of a team
@@ -259,41 +334,6 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
       else asm volatile("bar.sync 2, %0;\n" ::"n"(32 * WPI) : "memory");
     }
   };
-  // In-kernel split-K combine (p.split_counters set, num_splits > 1), the last-arriver pattern of
-  // the CUDA samples' threadFenceReduction: every team writes its partition's partials, fences
-  // (__threadfence) and adds one to its group's arrival counter; the team that sees num_splits - 1
-  // is the last, reads all the group's partials from L2 (ld.global.cg: never a stale L1 line),
-  // combines them as launch_splitk_reduce does (same formula, same order of partitions, so the
-  // result does not depend on which team came last) and resets the counter to zero for the next
-  // launch. `tid` / `nthreads`: this thread's index within the team and the team's size.
-  auto combine_splits = [&](const DecodeItem& it, int tid, int nthreads) {
-    constexpr int kCols = D / 4;  // float4 columns
-    const int S = p.num_splits;
-    const int64_t row0 = static_cast<int64_t>(it.seq) * p.num_heads + it.h0;
-    for (int idx = tid; idx < it.nrows * kCols; idx += nthreads) {
-      const int r = idx / kCols, c = idx % kCols;
-      const int64_t prow = (row0 + r) * S;
-      float mmax = neg_inf();
-      for (int s = 0; s < S; ++s) mmax = fmaxf(mmax, __ldcg(p.partial_max + prow + s));
-      const float base = mmax == neg_inf() ? 0.f : mmax;  // all partitions empty: weights 0
-      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-      float total = 0.f;
-#pragma unroll 4
-      for (int s = 0; s < S; ++s) {
-        const float w = __ldcg(p.partial_sum + prow + s) * exp2f(__ldcg(p.partial_max + prow + s) - base);
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial_out + (prow + s) * D) + c);
-        total += w;
-        o.x += w * v.x;
-        o.y += w * v.y;
-        o.z += w * v.z;
-        o.w += w * v.w;
-      }
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      T* dst = static_cast<T*>(p.out) + (row0 + r) * D + 4 * c;
-      *reinterpret_cast<uint2*>(dst) =
-          make_uint2(TypeTraits<T>::pack(o.x * inv, o.y * inv), TypeTraits<T>::pack(o.z * inv, o.w * inv));
-    }
-  };
   __shared__ int s_last_arriver[kTeams];  // WPI > 1: the team's arrival result, shared by the team
 
   auto merge_warps_and_store = [&](const DecodeItem& it, const float(&m)[2], const float(&l)[2],
@@ -343,15 +383,21 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
       }
     }
     if (p.num_splits > 1 && p.split_counters != nullptr) {
-      __threadfence();  // this thread's partials are visible device-wide before the team arrives
-      team_sync();
       const int tid = threadIdx.x - 32 * w0;
       int* counter = p.split_counters + it.group;
-      if (tid == 0) s_last_arriver[team] = atomicAdd(counter, 1) == p.num_splits - 1;
-      team_sync();  // also: the merge buffers are reused by the next item
+      if (p.arrive_fence) {  // every thread fences, a relaxed atomic, a fence before the reads
+        __threadfence();  // this thread's partials are visible device-wide before the team arrives
+        team_sync();
+        if (tid == 0) s_last_arriver[team] = atomicAdd(counter, 1) == p.num_splits - 1;
+        team_sync();  // also: the merge buffers are reused by the next item
+        if (s_last_arriver[team]) __threadfence();
+      } else {  // the barrier orders the team's stores before one acquire-release arrival
+        team_sync();
+        if (tid == 0) s_last_arriver[team] = atomic_add_acq_rel_gpu(counter, 1) == p.num_splits - 1;
+        team_sync();  // the last team's reads come after the acquire; the merge buffers are reused next
+      }
       if (s_last_arriver[team]) {
-        __threadfence();
-        combine_splits(it, tid, 32 * WPI);
+        combine_splits<T, D>(p, it, tid, 32 * WPI);
         if (tid == 0) *counter = 0;
       }
       return;
@@ -449,14 +495,15 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
       if (p.num_splits > 1 && p.split_counters != nullptr) {  // last-arriver combine, as above
-        __threadfence();
+        if (p.arrive_fence) __threadfence();
         __syncwarp();
         int* counter = p.split_counters + it.group;
         int last = 0;
-        if (lane == 0) last = atomicAdd(counter, 1) == p.num_splits - 1;
+        if (lane == 0)
+          last = (p.arrive_fence ? atomicAdd(counter, 1) : atomic_add_acq_rel_gpu(counter, 1)) == p.num_splits - 1;
         if (__shfl_sync(0xffffffffu, last, 0)) {
-          __threadfence();
-          combine_splits(it, lane, 32);
+          if (p.arrive_fence) __threadfence();
+          combine_splits<T, D>(p, it, lane, 32);
           if (lane == 0) *counter = 0;
         }
       }
