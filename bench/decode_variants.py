@@ -39,23 +39,21 @@ VARIANTS = {
     "inkernel2": {"PAGEDLLM_SPLITK_COMBINE": "inkernel"},
     "kernel3": {"PAGEDLLM_SPLITK_COMBINE": "kernel"},
     "inkernel3": {"PAGEDLLM_SPLITK_COMBINE": "inkernel"},
-    # Session 5 (run 8b): work items with the KV head fastest (the warps of a CTA read the heads of
-    # the same blocks side by side); the single-pass plans of 64 x 4,096 again; the launch floor.
-    "heads": {"PAGEDLLM_DECODE_ORDER": "heads"},
-    "heads2": {"PAGEDLLM_DECODE_ORDER": "heads"},
+    # Session 5 (run 8b-8d; the heads-fastest order, the fence arrival and the cluster combine were
+    # removed after losing): the single-pass plans of 64 x 4,096 again; the launch floor; CTA and
+    # warp items under each combine; block size 32; 2-deep TMA rings.
     "pair2": {"PAGEDLLM_DECODE_MODE": "pair"},
     "cta2": {"PAGEDLLM_DECODE_MODE": "cta"},
     "floor": {},
     "floorin": {"PAGEDLLM_SPLITK_COMBINE": "inkernel", "PAGEDLLM_DECODE_MODE": "cta"},
-    # Run 8c: the in-kernel combine's arrival by one acquire-release atomic (default now) against the
-    # old fence per thread, next to the reduction kernel; block size 32.
     "ctain": {"PAGEDLLM_DECODE_MODE": "cta", "PAGEDLLM_SPLITK_COMBINE": "inkernel"},
-    "ctainfence": {"PAGEDLLM_DECODE_MODE": "cta", "PAGEDLLM_SPLITK_COMBINE": "inkernel", "PAGEDLLM_SPLITK_ARRIVE": "fence"},
     "ctakern": {"PAGEDLLM_DECODE_MODE": "cta", "PAGEDLLM_SPLITK_COMBINE": "kernel"},
     "warpin": {"PAGEDLLM_DECODE_MODE": "warp", "PAGEDLLM_SPLITK_COMBINE": "inkernel"},
-    "warpinfence": {"PAGEDLLM_DECODE_MODE": "warp", "PAGEDLLM_SPLITK_COMBINE": "inkernel", "PAGEDLLM_SPLITK_ARRIVE": "fence"},
     "warpkern": {"PAGEDLLM_DECODE_MODE": "warp", "PAGEDLLM_SPLITK_COMBINE": "kernel"},
     "bs32": {},
+    "stages2": {"PAGEDLLM_DECODE_STAGES": "2"},
+    "stages2b": {"PAGEDLLM_DECODE_STAGES": "2"},
+    "base3": {},
 }
 DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, max_model_len 512)
     "base": "1x4096,8x4096,16x1024,64x4096,256x1024,128x2048,1x32768,1x300:w32,4x300:w32,1x300:w256,"
@@ -76,19 +74,18 @@ DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, m
     "inkernel2": "64x4096,1x4096",
     "kernel3": "64x4096",
     "inkernel3": "64x4096",
-    "heads": "64x4096,1x4096,1x300:w32,8x4096,256x1024",
-    "heads2": "64x4096,1x4096,1x300:w32",
     "pair2": "64x4096:s0",
     "cta2": "64x4096:s0",
     "floor": "1x16:s0,1x16:s2,1x16:s16,1x4096",
     "floorin": "1x16:s2,1x16:s16",
     "ctain": "1x16:s2,1x16:s8,1x16:s16,1x4096:s16,1x4096:s8,1x300:w32,1x2000:w256",
-    "ctainfence": "1x16:s2,1x16:s8,1x16:s16,1x4096:s16,1x4096:s8,1x300:w32,1x2000:w256",
     "ctakern": "1x16:s2,1x16:s8,1x16:s16,1x4096:s16,1x4096:s8,1x300:w32,1x2000:w256",
     "warpin": "1x16:s2,64x4096:s2,8x4096:s16,16x1024:s3",
-    "warpinfence": "1x16:s2,64x4096:s2,8x4096:s16,16x1024:s3",
     "warpkern": "1x16:s2,64x4096:s2,8x4096:s16,16x1024:s3",
     "bs32": "64x4096:b32,64x4096,1x4096:b32,1x4096,256x1024:b32,256x1024",
+    "stages2": "64x4096,1x4096,1x300:w32,256x1024,8x4096",
+    "stages2b": "64x4096,1x4096,1x300:w32,256x1024,8x4096",
+    "base3": "64x4096,1x4096,1x300:w32,256x1024,8x4096",
 }
 # Run 4's first device call (commit 23a08c7) also had "nz" (cp.async without the zero-fill
 # operand), "tma" (now the default), "4x5" (5-deep rings), "fused" / "fused_memset" (split-K

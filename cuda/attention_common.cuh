@@ -59,12 +59,6 @@ struct AttnParams {
   // split_counters[item / num_splits], zero on entry and reset to zero by that last arriver), and
   // no reduction kernel runs. nullptr: the partials are left for launch_splitk_reduce.
   int* split_counters = nullptr;
-  // Decode v2 only: work items ordered with the KV head fastest instead of the partition (see
-  // decode_item in paged_decode_v2.cu). 0: partition fastest.
-  int heads_fastest = 0;
-  // Decode v2 in-kernel combine: arrive with __threadfence in every thread and a relaxed atomic
-  // (the CUDA samples' form) instead of one acquire-release atomic after the team's barrier.
-  int arrive_fence = 0;
 };
 
 /// atom.add with acquire-release semantics at GPU scope (PTX ISA, "Memory Consistency Model"):

@@ -122,26 +122,6 @@ bool even_splits_enabled() {
   return on;
 }
 
-/// PAGEDLLM_DECODE_ORDER=heads orders v2's work items with the KV head fastest (for benchmarking;
-/// read once).
-bool heads_fastest_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("PAGEDLLM_DECODE_ORDER");
-    return v != nullptr && std::string(v) == "heads";
-  }();
-  return on;
-}
-
-/// PAGEDLLM_SPLITK_ARRIVE=fence: the in-kernel combine's arrival with a __threadfence per thread
-/// and a relaxed atomic (for benchmarking; read once).
-bool arrive_fence_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("PAGEDLLM_SPLITK_ARRIVE");
-    return v != nullptr && std::string(v) == "fence";
-  }();
-  return on;
-}
-
 /// How split-K partitions are combined: the reduction kernel after the decode kernel, or the last
 /// partition of each group inside the decode kernel (v2 only; AttnParams::split_counters).
 /// PAGEDLLM_SPLITK_COMBINE=kernel or =inkernel forces one wherever it is possible (for testing and
@@ -158,13 +138,16 @@ int forced_combine() {  // 0 = model, 1 = reduction kernel, 2 = in-kernel
 }
 
 /// Where the in-kernel combine measured faster than the reduction kernel on the H200 (bench/
-/// cuda_kernels_notes.md, run 7): whole-CTA items with at most 8 partitions (1 x 300 with a
-/// 32-block table, 8 splits: 7.23 against 8.06 us; engine-shaped layer 9.72-9.77 against 10.35 us).
-/// It lost everywhere else it was measured: warp items with 2 partitions (64 x 4,096: 254.5-256.5
-/// against 252.5-253.8 us) or 16 (8 x 4,096: 48.6 against 44.0), CTA items with 32 (1 x 4,096:
-/// 14.2-14.6 against 13.0-13.3).
+/// cuda_kernels_notes.md, runs 7 and 8): whole-CTA items with at most 16 partitions (run 8, with
+/// the acquire-release arrival: 1 x 300 with a 32-block table, 8 splits, 6.77 against 8.05 us;
+/// 1 x 4,096 with 8 / 16 splits 15.14 / 12.78 against 16.37 / 12.84; 1 x 16 with 2 / 8 / 16 splits
+/// 6.09 / 6.29 / 7.11 against 6.38 / 7.12 / 7.26). Not for warp items, where it lost or tied
+/// (8 x 4,096 with 16 splits: 48.8 against 45.4 us; 1 x 16 with 2: 6.88 against 5.69; 64 x 4,096 with
+/// 2: 256.2 against 257.3 in run 8 but 254.5-256.5 against 252.5-253.8 in run 7), nor for CTA items
+/// with more than 16 partitions (1 x 4,096 with 32: 14.2-14.6 against 13.0-13.3 in run 7).
+constexpr int64_t kInKernelCtaMaxSplits = 16;
 bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
-  return kind == DecodeKernel::kV2Cta && splits <= 8;
+  return kind == DecodeKernel::kV2Cta && splits <= kInKernelCtaMaxSplits;
 }
 
 /// Cost of a decode kernel with `s` splits in a wave-aware model: with `units` work units running
@@ -172,8 +155,9 @@ bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
 /// S splits give ceil(base * S / units) waves, each as long as the longest partition (in rounds
 /// of `tokens_per_round` tokens) plus a fixed per-item cost; a split also costs the reduction:
 /// for v2, 1 + S / 8 rounds for the warp-row reduction (S <= kWarpReduceMaxSplits; a lane walks
-/// S partials) and 2 + S / 64 for the CTA-row one (8 groups walk them); 1 round for the others.
-/// Partitions are kept >= `min_partition` tokens (returned in s_max). Fitted to runs 4 and 5 on
+/// S partials) and 2 + S / 64 for the CTA-row one (8 groups walk them), half a round where the
+/// in-kernel combine replaces it (CTA items up to in_kernel_max_splits; run 8); 1 round for the
+/// others. Partitions are kept >= `min_partition` tokens (returned in s_max). Fitted to runs 4 and 5 on
 /// the H200 (bench/cuda_kernels_notes.md): whole-CTA items for short contexts at batch 1
 /// (1 x 300 with a 32-block table: 7.9 us against 9.1 us with 8 warp items), warp items where
 /// the two are within noise (8 x 4,096, 64 x 4,096) or warp items measured faster (1 x 32,768,
@@ -181,6 +165,7 @@ bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
 struct CostModel {
   int64_t base = 1, units = 1, tokens_per_round = 16, fixed = 1, min_partition = 64;
   bool v2_reduce = false;  // the v2 reduction costs above; otherwise the reduction is 1 round
+  int64_t in_kernel_max_splits = 0;  // up to this many partitions the in-kernel combine: half a round
 
   double cost(const AttnParams& p, int64_t s) const {
     const int64_t max_blocks = p.max_blocks_per_seq;
@@ -188,6 +173,7 @@ struct CostModel {
     const int64_t waves = (base * s + units - 1) / units;
     double reduce = 0;
     if (s > 1 && !v2_reduce) reduce = 1;
+    else if (s > 1 && s <= in_kernel_max_splits) reduce = 0.5;
     else if (s > 1) reduce = s <= kWarpReduceMaxSplits ? 1.0 + s / 8.0 : 2.0 + s / 64.0;
     const double rounds =
         static_cast<double>((part_tokens + tokens_per_round - 1) / tokens_per_round + fixed) + reduce;
@@ -207,7 +193,8 @@ CostModel cost_model(DecodeKernel kind, DType dtype, int head_size, const AttnPa
     case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, 1, p.group), 16, 1, 64, true};
     case DecodeKernel::kV2Pair: return {items, decode_v2_units(dtype, head_size, 2, p.group), 32, 3, 64, true};
     case DecodeKernel::kV2Cta:
-      return {items, decode_v2_units(dtype, head_size, kDecodeV2Warps, p.group), 16 * kDecodeV2Warps, 3, 64, true};
+      return {items, decode_v2_units(dtype, head_size, kDecodeV2Warps, p.group), 16 * kDecodeV2Warps, 3, 64, true,
+              forced_combine() == 1 ? 0 : kInKernelCtaMaxSplits};
     case DecodeKernel::kV1: return {items, decode_v1_units(dtype, head_size), 64, 1, 128};
     default: return {static_cast<int64_t>(p.num_seqs) * p.num_heads, attention_fp32_units(head_size), 4, 1, 64};
   }
@@ -329,8 +316,6 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     // v2 partitions each sequence's own context evenly (every partition busy at any length).
     p.even_splits = v2 && even_splits_enabled() ? 1 : 0;
   }
-  p.heads_fastest = v2 && heads_fastest_enabled() ? 1 : 0;
-  p.arrive_fence = arrive_fence_enabled() ? 1 : 0;
   // Combine the partitions in the decode kernel when the model (or the environment) says so and
   // the stream has zeroed arrival counters; else the reduction kernel after it.
   const int64_t groups = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ((p.group + 15) / 16);

@@ -72,28 +72,16 @@ struct DecodeItem {
   const int32_t* bt;
 };
 
-/// Item index -> (sequence, KV head, head chunk, partition): partition fastest, or with
-/// p.heads_fastest (sequence, partition, head chunk, KV head), so that consecutive items (the
-/// warps of a CTA, or neighbouring CTAs) read the KV heads of the same blocks side by side.
+/// Item index -> (sequence, KV head, head chunk, partition); partition fastest.
 __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, int head_chunks) {
   DecodeItem it;
   const int splits = p.num_splits;
-  int hc;
-  if (p.heads_fastest) {
-    it.kv_head = idx % p.num_kv_heads;
-    idx /= p.num_kv_heads;
-    hc = idx % head_chunks;
-    idx /= head_chunks;
-    it.split = idx % splits;
-    it.seq = idx / splits;
-  } else {
-    it.split = idx % splits;
-    idx /= splits;
-    hc = idx % head_chunks;
-    idx /= head_chunks;
-    it.kv_head = idx % p.num_kv_heads;
-    it.seq = idx / p.num_kv_heads;
-  }
+  it.split = idx % splits;
+  idx /= splits;
+  const int hc = idx % head_chunks;
+  idx /= head_chunks;
+  it.kv_head = idx % p.num_kv_heads;
+  it.seq = idx / p.num_kv_heads;
   it.group = (it.seq * p.num_kv_heads + it.kv_head) * head_chunks + hc;
   it.h0 = it.kv_head * p.group + hc * 16;
   it.nrows = min(16, p.group - hc * 16);
@@ -122,8 +110,8 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
 // In-kernel split-K combine (p.split_counters set, num_splits > 1), the last-arriver pattern of
 // the CUDA samples' threadFenceReduction: every team writes its partition's partials, then (after
 // the team's barrier, which orders those stores before it) one thread adds one to its group's
-// arrival counter with an acquire-release atomic at GPU scope (as CUTLASS's GenericBarrier;
-// p.arrive_fence: a __threadfence in every thread and a relaxed atomic instead); the team that
+// arrival counter with an acquire-release atomic at GPU scope (as CUTLASS's GenericBarrier; it
+// measured faster than a __threadfence in every thread, bench/cuda_kernels_notes.md run 8); the team that
 // sees num_splits - 1 is the last, reads all the group's partials from L2 (ld.global.cg: never a stale L1 line),
 // combines them as launch_splitk_reduce does (same formula, same order of partitions, so the
 // result does not depend on which team came last) and resets the counter to zero for the next
@@ -385,17 +373,9 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     if (p.num_splits > 1 && p.split_counters != nullptr) {
       const int tid = threadIdx.x - 32 * w0;
       int* counter = p.split_counters + it.group;
-      if (p.arrive_fence) {  // every thread fences, a relaxed atomic, a fence before the reads
-        __threadfence();  // this thread's partials are visible device-wide before the team arrives
-        team_sync();
-        if (tid == 0) s_last_arriver[team] = atomicAdd(counter, 1) == p.num_splits - 1;
-        team_sync();  // also: the merge buffers are reused by the next item
-        if (s_last_arriver[team]) __threadfence();
-      } else {  // the barrier orders the team's stores before one acquire-release arrival
-        team_sync();
-        if (tid == 0) s_last_arriver[team] = atomic_add_acq_rel_gpu(counter, 1) == p.num_splits - 1;
-        team_sync();  // the last team's reads come after the acquire; the merge buffers are reused next
-      }
+      team_sync();  // orders the team's partial stores before tid 0's release
+      if (tid == 0) s_last_arriver[team] = atomic_add_acq_rel_gpu(counter, 1) == p.num_splits - 1;
+      team_sync();  // the last team's reads come after the acquire; the merge buffers are reused next
       if (s_last_arriver[team]) {
         combine_splits<T, D>(p, it, tid, 32 * WPI);
         if (tid == 0) *counter = 0;
@@ -495,14 +475,11 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
       if (p.num_splits > 1 && p.split_counters != nullptr) {  // last-arriver combine, as above
-        if (p.arrive_fence) __threadfence();
-        __syncwarp();
+        __syncwarp();  // orders the warp's partial stores before lane 0's release
         int* counter = p.split_counters + it.group;
         int last = 0;
-        if (lane == 0)
-          last = (p.arrive_fence ? atomicAdd(counter, 1) : atomic_add_acq_rel_gpu(counter, 1)) == p.num_splits - 1;
+        if (lane == 0) last = atomic_add_acq_rel_gpu(counter, 1) == p.num_splits - 1;
         if (__shfl_sync(0xffffffffu, last, 0)) {
-          if (p.arrive_fence) __threadfence();
           combine_splits<T, D>(p, it, lane, 32);
           if (lane == 0) *counter = 0;
         }
@@ -636,9 +613,22 @@ bool use_tma(const AttnParams* p) {
 }
 
 /// Calls f(V2<...>{}) with the configuration of (T, head_size) and the parameters.
+/// PAGEDLLM_DECODE_STAGES=2: 2-deep TMA rings for head size 128 (fewer bytes in flight; for
+/// benchmarking; read once).
+int tma_stages() {
+  static const int stages = [] {
+    const char* v = std::getenv("PAGEDLLM_DECODE_STAGES");
+    return v != nullptr && std::string(v) == "2" ? 2 : 3;
+  }();
+  return stages;
+}
+
 template <typename T, typename F>
 auto with_config(int head_size, const AttnParams* p, F&& f) {
-  if (head_size == 128 && use_tma(p)) return f(V2<T, 128, 4, 3, 128, kLoadTma>{});
+  if (head_size == 128 && use_tma(p)) {
+    if (tma_stages() == 2) return f(V2<T, 128, 4, 2, 128, kLoadTma>{});
+    return f(V2<T, 128, 4, 3, 128, kLoadTma>{});
+  }
   return dispatch_head_size<128>(head_size, "CUDA decode v2", [&](auto d) { return f(V2<T, decltype(d)::value>{}); });
 }
 
