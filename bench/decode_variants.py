@@ -41,7 +41,8 @@ VARIANTS = {
     "inkernel3": {"PAGEDLLM_SPLITK_COMBINE": "inkernel"},
     # Session 5 (run 8b-8d; the heads-fastest order, the fence arrival and the cluster combine were
     # removed after losing): the single-pass plans of 64 x 4,096 again; the launch floor; CTA and
-    # warp items under each combine; block size 32; 2-deep TMA rings.
+    # warp items under each combine; block size 32. Run 8d's 2-deep TMA rings
+    # (PAGEDLLM_DECODE_STAGES=2 then) are the default now.
     "pair2": {"PAGEDLLM_DECODE_MODE": "pair"},
     "cta2": {"PAGEDLLM_DECODE_MODE": "cta"},
     "floor": {},
@@ -51,8 +52,6 @@ VARIANTS = {
     "warpin": {"PAGEDLLM_DECODE_MODE": "warp", "PAGEDLLM_SPLITK_COMBINE": "inkernel"},
     "warpkern": {"PAGEDLLM_DECODE_MODE": "warp", "PAGEDLLM_SPLITK_COMBINE": "kernel"},
     "bs32": {},
-    "stages2": {"PAGEDLLM_DECODE_STAGES": "2"},
-    "stages2b": {"PAGEDLLM_DECODE_STAGES": "2"},
     "base3": {},
 }
 DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, max_model_len 512)
@@ -83,8 +82,6 @@ DEFAULT_CASES = {  # 1x300:w32 is the engine's batch-1 step (Llama-3-8B shape, m
     "warpin": "1x16:s2,64x4096:s2,8x4096:s16,16x1024:s3",
     "warpkern": "1x16:s2,64x4096:s2,8x4096:s16,16x1024:s3",
     "bs32": "64x4096:b32,64x4096,1x4096:b32,1x4096,256x1024:b32,256x1024",
-    "stages2": "64x4096,1x4096,1x300:w32,256x1024,8x4096",
-    "stages2b": "64x4096,1x4096,1x300:w32,256x1024,8x4096",
     "base3": "64x4096,1x4096,1x300:w32,256x1024,8x4096",
 }
 # Run 4's first device call (commit 23a08c7) also had "nz" (cp.async without the zero-fill

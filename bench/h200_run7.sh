@@ -12,28 +12,23 @@
 set -uo pipefail
 OUT=${OUT:?set OUT}
 PHASE=${PHASE:-a}
-export CUDAARCHS=90a PYTHONUNBUFFERED=1
+source bench/h200_lib.sh
 export PAGEDLLM_COMMIT=$(cat COMMIT 2>/dev/null || echo unknown)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/gpu.txt" 2>&1
-t0=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -e . > build.log 2>&1 || { cp build.log "$OUT/"; grep -E "error" build.log | head -30; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s" | tee "$OUT/bench.log"
+h200_build "$OUT" | tee "$OUT/bench.log"
 K=tests/python/test_cuda_kernels.py
-PT="-q -rf -p no:cacheprovider --maxfail=10 -m cuda"
-mkdir -p tlog && rm -f tlog/*.log
 t0=$(date +%s)
-( timeout 240 python3 -m pytest $K $PT -k "not forced_plans" > tlog/kernels.log 2>&1; echo "rc=$?" >> tlog/kernels.log ) &
+rm -rf tlog
+specs=("kernels|$K -k 'not forced_plans'")
 for id in warp-warp-kernel pair-cta-kernel cta-warp-kernel cta-cta-kernel warp-warp-inkernel pair-warp-inkernel cta-warp-inkernel; do
-  ( timeout 240 python3 -m pytest $K $PT -k "forced_plans and $id" > "tlog/forced-$id.log" 2>&1; echo "rc=$?" >> "tlog/forced-$id.log" ) &
+  specs+=("forced-$id|$K -k 'forced_plans and $id'")
 done
-for f in test_attention_kernels test_cache_ops test_layer_ops_cuda test_gemv; do
-  ( timeout 240 python3 -m pytest tests/python/$f.py $PT > "tlog/$f.log" 2>&1; echo "rc=$?" >> "tlog/$f.log" ) &
-done
-wait
-( timeout 200 python3 -m pytest tests/python/test_gpu_engine.py $PT > tlog/test_gpu_engine.log 2>&1; echo "rc=$?" >> tlog/test_gpu_engine.log )
+for f in test_attention_kernels test_cache_ops test_layer_ops_cuda test_gemv; do specs+=("$f|tests/python/$f.py"); done
+h200_tests tlog 240 "${specs[@]}"
+h200_tests tlog 200 "test_gpu_engine|tests/python/test_gpu_engine.py"
 for f in tlog/*.log; do echo "== $f"; cat "$f"; done > "$OUT/tests.log"
 echo "tests: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.log"
-for f in tlog/*.log; do echo "== $f: $(grep -E 'passed|failed|error' "$f" | tail -1) $(tail -1 "$f")"; done | tee -a "$OUT/bench.log"
+h200_test_summary tlog | tee -a "$OUT/bench.log"
 t0=$(date +%s)
 if [ "$PHASE" = a ]; then
   timeout 200 python3 bench/decode_variants.py --out "$OUT" --name cuda-kernels-run7a --timeout 80 \

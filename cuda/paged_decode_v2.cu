@@ -530,9 +530,10 @@ CUtensorMap cache_map(const void* cache, int64_t rows) {
 }
 
 /// One kernel configuration: W warps per CTA, an NS-deep ring per warp, L2 prefetch hint PF,
-/// tile loads LOAD. 4 x 3 with the 128-byte hint won on the H200 in run 3 (270 us at 64 x 4096
-/// against 274-286 us for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row copies);
-/// 4 x 5 and cp.async without the zero-fill operand lost in run 4 (see bench/cuda_kernels_notes.md).
+/// tile loads LOAD. With cp.async, 4 x 3 with the 128-byte hint won on the H200 in run 3 (270 us at
+/// 64 x 4096 against 274-286 us for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row
+/// copies); 4 x 5 and cp.async without the zero-fill operand lost in run 4. With TMA tiles, 4 x 2
+/// beat 4 x 3 in run 8d (253.5-253.8 against 255.7 us at 64 x 4,096; see bench/cuda_kernels_notes.md).
 template <typename T, int D, int W = kDecodeV2Warps, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync>
 struct V2 {
   using C = DecodeV2Cfg<T, D, W, NS, LOAD>;
@@ -613,22 +614,10 @@ bool use_tma(const AttnParams* p) {
 }
 
 /// Calls f(V2<...>{}) with the configuration of (T, head_size) and the parameters.
-/// PAGEDLLM_DECODE_STAGES=2: 2-deep TMA rings for head size 128 (fewer bytes in flight; for
-/// benchmarking; read once).
-int tma_stages() {
-  static const int stages = [] {
-    const char* v = std::getenv("PAGEDLLM_DECODE_STAGES");
-    return v != nullptr && std::string(v) == "2" ? 2 : 3;
-  }();
-  return stages;
-}
-
 template <typename T, typename F>
 auto with_config(int head_size, const AttnParams* p, F&& f) {
-  if (head_size == 128 && use_tma(p)) {
-    if (tma_stages() == 2) return f(V2<T, 128, 4, 2, 128, kLoadTma>{});
-    return f(V2<T, 128, 4, 3, 128, kLoadTma>{});
-  }
+  // 2-deep TMA rings: 0.8% faster than 3-deep at 64 x 4,096 and 1-2% at batch 1 (run 8d).
+  if (head_size == 128 && use_tma(p)) return f(V2<T, 128, 4, 2, 128, kLoadTma>{});
   return dispatch_head_size<128>(head_size, "CUDA decode v2", [&](auto d) { return f(V2<T, decltype(d)::value>{}); });
 }
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# A session's closing device batch on merged main (issues 4 and 7), one call (~8 min): build; every
+# CUDA test file in parallel processes (the kernel file's forced-plan children included), then
+# test_gpu_engine alone; bench/throughput_gpu.py on both shapes with HF; bench/batch1_breakdown.py;
+# bench/cuda_kernels.py --quick; the decode grid (bench/decode_variants.py, variant "base").
+# Replaces bench/h200_session4_final.sh (session 4's, the same steps without the grid).
+#   OUT=/some/dir NAME=s5-final PAGEDLLM_COMMIT=<sha> bash bench/h200_close.sh
+set -uo pipefail
+OUT=${OUT:?set OUT}
+NAME=${NAME:-final}
+source bench/h200_lib.sh
+export PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+h200_build "$OUT" | tee "$OUT/summary.log"
+K=tests/python/test_cuda_kernels.py
+t0=$(date +%s)
+rm -rf tlog
+specs=("kernels|$K -k 'not forced_plans'")
+for id in warp-warp-kernel pair-cta-kernel cta-warp-kernel cta-cta-kernel warp-warp-inkernel pair-warp-inkernel cta-warp-inkernel; do
+  specs+=("forced-$id|$K -k 'forced_plans and $id'")
+done
+for f in test_attention_kernels test_cache_ops test_layer_ops_cuda test_sampling_ops test_sampler test_gemv; do
+  specs+=("$f|tests/python/$f.py")
+done
+h200_tests tlog 240 "${specs[@]}"
+h200_tests tlog 150 "test_gpu_engine|tests/python/test_gpu_engine.py"
+for f in tlog/*.log; do echo "== $f"; cat "$f"; done > "$OUT/$NAME-tests.log"
+echo "tests: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
+h200_test_summary tlog | tee -a "$OUT/summary.log"
+t0=$(date +%s)
+timeout 150 python3 bench/throughput_gpu.py --shapes llama3-8b qwen2-0.5b --name "throughput_gpu-$NAME" --out "$OUT" > "$OUT/$NAME-throughput.log" 2>&1
+echo "throughput_gpu: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
+grep -E '"output_tok_s"|ratio_vs_hf|batch1_s_per_token|batch1_vs_floor|fraction_of_roofline' "$OUT/$NAME-throughput.log" | head -20 | tee -a "$OUT/summary.log"
+t0=$(date +%s)
+timeout 90 python3 bench/batch1_breakdown.py --out "$OUT" --name "batch1_breakdown-$NAME" > "$OUT/$NAME-b1.log" 2>&1
+echo "batch1_breakdown: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
+t0=$(date +%s)
+timeout 80 python3 bench/cuda_kernels.py --quick --tag "$NAME" --out "$OUT" > "$OUT/$NAME-kernels.log" 2>&1
+echo "cuda_kernels --quick: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
+grep -h '"batch"' "$OUT/$NAME-kernels.log" | cut -c1-260 | tee -a "$OUT/summary.log"
+timeout 90 python3 bench/decode_variants.py --out "$OUT" --name "cuda-kernels-$NAME-grid" --timeout 85 --variants base > "$OUT/$NAME-grid.log" 2>&1
+sed -n '/^variant /,$p' "$OUT/$NAME-grid.log" | tee -a "$OUT/summary.log"
