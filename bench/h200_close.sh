@@ -11,13 +11,10 @@ NAME=${NAME:-final}
 source bench/h200_lib.sh
 export PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 h200_build "$OUT" | tee "$OUT/summary.log"
-K=tests/python/test_cuda_kernels.py
 t0=$(date +%s)
 rm -rf tlog
-specs=("kernels|$K -k 'not forced_plans'")
-for id in warp-warp-kernel pair-cta-kernel cta-warp-kernel cta-cta-kernel warp-warp-inkernel pair-warp-inkernel cta-warp-inkernel; do
-  specs+=("forced-$id|$K -k 'forced_plans and $id'")
-done
+h200_kernel_specs
+specs=("${H200_SPECS[@]}")
 for f in test_attention_kernels test_cache_ops test_layer_ops_cuda test_sampling_ops test_sampler test_gemv; do
   specs+=("$f|tests/python/$f.py")
 done

@@ -5,6 +5,8 @@
 #                              as its own pytest process,
 #                              all in parallel, each under `timeout T`; logs LOGDIR/name.log end with rc=N
 #   h200_test_summary LOGDIR   one line per log: the pytest result line and the exit status
+#   h200_kernel_specs          sets the array H200_SPECS to test_cuda_kernels.py's default tests
+#                              and each of its forced-plan children (the specs for h200_tests)
 export CUDAARCHS=${CUDAARCHS:-90a} PYTHONUNBUFFERED=1
 H200_PYTEST="-q -rf -p no:cacheprovider --maxfail=10 -m cuda"
 
@@ -32,4 +34,12 @@ h200_tests() {
 h200_test_summary() {
   local f
   for f in "$1"/*.log; do echo "== $f: $(grep -E 'passed|failed|error' "$f" | tail -1) $(tail -1 "$f")"; done
+}
+
+h200_kernel_specs() {
+  local k=tests/python/test_cuda_kernels.py id
+  H200_SPECS=("kernels|$k -k 'not forced_plans'")
+  for id in warp-warp-kernel pair-cta-kernel cta-warp-kernel cta-cta-kernel warp-warp-inkernel pair-warp-inkernel cta-warp-inkernel; do
+    H200_SPECS+=("forced-$id|$k -k 'forced_plans and $id'")
+  done
 }

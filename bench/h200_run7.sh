@@ -16,13 +16,10 @@ source bench/h200_lib.sh
 export PAGEDLLM_COMMIT=$(cat COMMIT 2>/dev/null || echo unknown)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/gpu.txt" 2>&1
 h200_build "$OUT" | tee "$OUT/bench.log"
-K=tests/python/test_cuda_kernels.py
 t0=$(date +%s)
 rm -rf tlog
-specs=("kernels|$K -k 'not forced_plans'")
-for id in warp-warp-kernel pair-cta-kernel cta-warp-kernel cta-cta-kernel warp-warp-inkernel pair-warp-inkernel cta-warp-inkernel; do
-  specs+=("forced-$id|$K -k 'forced_plans and $id'")
-done
+h200_kernel_specs
+specs=("${H200_SPECS[@]}")
 for f in test_attention_kernels test_cache_ops test_layer_ops_cuda test_gemv; do specs+=("$f|tests/python/$f.py"); done
 h200_tests tlog 240 "${specs[@]}"
 h200_tests tlog 200 "test_gpu_engine|tests/python/test_gpu_engine.py"
