@@ -10,7 +10,7 @@ OUT=${OUT:?set OUT}
 NAME=${NAME:-final}
 source bench/h200_lib.sh
 export PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-h200_build "$OUT" | tee "$OUT/summary.log"
+h200_build "$OUT" | tee "$OUT/summary.log" || exit 1  # pipefail: a failed build stops here
 t0=$(date +%s)
 rm -rf tlog
 h200_kernel_specs

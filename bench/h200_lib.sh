@@ -36,6 +36,7 @@ h200_test_summary() {
   for f in "$1"/*.log; do echo "== $f: $(grep -E 'passed|failed|error' "$f" | tail -1) $(tail -1 "$f")"; done
 }
 
+# The ids below are the parametrize ids of test_decode_under_forced_plans (keep the two in step).
 h200_kernel_specs() {
   local k=tests/python/test_cuda_kernels.py id
   H200_SPECS=("kernels|$k -k 'not forced_plans'")

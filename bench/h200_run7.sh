@@ -15,7 +15,7 @@ PHASE=${PHASE:-a}
 source bench/h200_lib.sh
 export PAGEDLLM_COMMIT=$(cat COMMIT 2>/dev/null || echo unknown)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/gpu.txt" 2>&1
-h200_build "$OUT" | tee "$OUT/bench.log"
+h200_build "$OUT" | tee "$OUT/bench.log" || exit 1  # pipefail: a failed build stops here
 t0=$(date +%s)
 rm -rf tlog
 h200_kernel_specs

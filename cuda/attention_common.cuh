@@ -56,14 +56,15 @@ struct AttnParams {
   int even_splits = 0;
   // Decode v2 only, num_splits > 1: when set, the partitions of a (sequence, KV head, head chunk)
   // group are combined inside the decode kernel by the last one to finish (arrival counter
-  // split_counters[item / num_splits], zero on entry and reset to zero by that last arriver), and
+  // split_counters[group index = item / num_splits], zero on entry and reset to zero by that last arriver), and
   // no reduction kernel runs. nullptr: the partials are left for launch_splitk_reduce.
   int* split_counters = nullptr;
 };
 
 /// atom.add with acquire-release semantics at GPU scope (PTX ISA, "Memory Consistency Model"):
 /// returns the old value. After a CTA (or warp) barrier, one thread's release covers the stores
-/// of every thread before the barrier (cumulativity); its acquire covers the loads after the next.
+/// of every thread before the barrier (cumulativity); its acquire covers the loads that other
+/// threads make after a barrier that follows it (so the caller must place one there).
 __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* addr, int v) {
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(addr), "r"(v) : "memory");

@@ -144,7 +144,11 @@ int forced_combine() {  // 0 = model, 1 = reduction kernel, 2 = in-kernel
 /// 6.09 / 6.29 / 7.11 against 6.38 / 7.12 / 7.26). Not for warp items, where it lost or tied
 /// (8 x 4,096 with 16 splits: 48.8 against 45.4 us; 1 x 16 with 2: 6.88 against 5.69; 64 x 4,096 with
 /// 2: 256.2 against 257.3 in run 8 but 254.5-256.5 against 252.5-253.8 in run 7), nor for CTA items
-/// with more than 16 partitions (1 x 4,096 with 32: 14.2-14.6 against 13.0-13.3 in run 7).
+/// with more than 16 partitions (1 x 4,096 with 24 / 32: 12.72 / 13.02 against 12.37 / 11.86 in
+/// run 8e). With the cost model's half round, 1 x 4,096 ties between 16 partitions in the kernel
+/// (11.88-12.06 us in run 8e and the final run) and 32 with the reduction kernel (11.77-11.86) and
+/// takes 16; a 300-token context under a 256-block table (1 x 300:w256) takes 16 in the kernel
+/// too (7.46 us; 8.3-8.6 with 32 and the reduction kernel in runs 8a/8b, 3-deep rings).
 constexpr int64_t kInKernelCtaMaxSplits = 16;
 bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
   return kind == DecodeKernel::kV2Cta && splits <= kInKernelCtaMaxSplits;

@@ -13,9 +13,9 @@
 // Dao 2023); with WPI > 1 the team merges its warps' states in shared memory (one barrier pair
 // per item). The result is written as the output row (one partition) or as flash-decoding
 // partials (Dao et al. 2023) that launch_splitk_reduce combines, or that the last partition of
-// each group to finish combines in this kernel (p.split_counters; see combine_splits). WPI = 1 has
-// no barrier at all
-// and suits many items; larger teams finish an item sooner and so need fewer partitions (no
+// each group to finish combines in this kernel (p.split_counters; see combine_splits). WPI = 1
+// needs no barrier across warps (only __syncwarp around the split-K arrival) and suits many
+// items; larger teams finish an item sooner and so need fewer partitions (no
 // reduction at 64 x 4,096 with pairs; fewer partials at batch 1 with whole CTAs). Partitions
 // either follow the block-table width (partition_tokens) or split each sequence's own context
 // into equal whole tiles (even_splits, the default for this kernel).
@@ -113,10 +113,11 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
 // arrival counter with an acquire-release atomic at GPU scope (as CUTLASS's GenericBarrier; it
 // measured faster than a __threadfence in every thread, bench/cuda_kernels_notes.md run 8); the team that
 // sees num_splits - 1 is the last, reads all the group's partials from L2 (ld.global.cg: never a stale L1 line),
-// combines them as launch_splitk_reduce does (same formula, same order of partitions, so the
-// result does not depend on which team came last) and resets the counter to zero for the next
-// launch. `tid` / `nthreads`: this thread's index within the team and the team's size. Not inlined:
-// its loads-first form would otherwise raise the register count of the whole kernel (168 -> 255).
+// combines them with launch_splitk_reduce's formula in a fixed order of partitions (so the result
+// does not depend on which team came last; the reduction kernel sums the weights in another
+// order, so the two are not bitwise equal) and resets the counter to zero for the next launch.
+// `tid` / `nthreads`: this thread's index within the team and the team's size. The loads-first
+// form stops at 8 partitions: at 16 it raised the kernel to 255 registers (168 before; 200-234 now).
 template <typename T, int D>
 __device__ __forceinline__ void combine_splits(const AttnParams& p, const DecodeItem& it, int tid, int nthreads) {
   constexpr int kCols = D / 4;  // float4 columns
@@ -479,7 +480,8 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         int* counter = p.split_counters + it.group;
         int last = 0;
         if (lane == 0) last = atomic_add_acq_rel_gpu(counter, 1) == p.num_splits - 1;
-        if (__shfl_sync(0xffffffffu, last, 0)) {
+        if (__shfl_sync(0xffffffffu, last, 0)) {  // uniform: every lane takes lane 0's answer
+          __syncwarp();  // orders the other lanes' reads after lane 0's acquire
           combine_splits<T, D>(p, it, lane, 32);
           if (lane == 0) *counter = 0;
         }

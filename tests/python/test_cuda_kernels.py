@@ -314,14 +314,14 @@ def check_combine(splits, groups=1):
     (torch.bfloat16, 128, 32, 8), (torch.float16, 64, 8, 2), (torch.bfloat16, 96, 40, 2), (torch.float16, 80, 4, 4)],
     ids=["bf16-d128-32/8", "fp16-d64-8/2", "bf16-d96-40/2", "fp16-d80-4/4"])
 def test_decode_combine_split_counts(dtype, head_size, hq, hkv, gen):
-    """Split counts 2..4 (and 5, 8, 16) on lengths 1, not multiples of the block size, shorter than the
+    """Split counts 2..4 (and 5, 8, 12, 16) on lengths 1, not multiples of the block size, shorter than the
     partition count in tiles, and long; each split count three times in a row with fresh queries,
     so a counter left non-zero by one call would corrupt the next."""
     ctx = [1, 17, 100, 333, 1000, 4095]
     ks, vs, kc, vc, bt, seq_lens = make_paged(ctx, hkv, head_size, 16, dtype, gen=gen)
     scale = head_size ** -0.5
     groups = len(ctx) * hkv * math.ceil(hq // hkv / 16)
-    for split_k in (2, 3, 4, 5, 8, 16):
+    for split_k in (2, 3, 4, 5, 8, 12, 16):
         for _ in range(3):
             q = torch.randn(len(ctx), hq, head_size, generator=gen, device=DEV, dtype=torch.float64).to(dtype)
             ref = torch.stack([ref_rows(q[i:i + 1].double(), ks[i], vs[i], [ctx[i] - 1], scale)[0]
