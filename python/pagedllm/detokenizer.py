@@ -18,6 +18,12 @@ before it, so a stop string is found anywhere, also across token boundaries and 
 token (vLLM #3572). Before min_tokens output tokens no stop string ends the sequence. For
 streaming, ``get_next_output_text`` holds back the longest suffix of the text that could be
 the start of a stop string, so a client never sees text that is later cut.
+
+A request that reports only its final output and has no stop strings (``defer_text``; the
+offline ``LLM.generate`` path) needs no text before it finishes: its tokens are only collected
+and decoded once, with the same flush, when the sequence finishes. That is the text the
+incremental path promises to equal, at one decode per sequence instead of two per token (the
+host's largest cost per decode step after the model at a batch of 256).
 """
 
 from __future__ import annotations
@@ -129,7 +135,8 @@ class IncrementalDetokenizer:
 
     tokenizer: a transformers tokenizer (fast or slow). params: the request's SamplingParams
     (skip_special_tokens, spaces_between_special_tokens, stop, include_stop_str_in_output,
-    min_tokens are used).
+    min_tokens are used). defer_text: decode only when the sequence finishes (see the module
+    doc); ValueError with stop strings, which need the text of every step.
 
     Per engine step, for the tokens the engine appended to this sequence::
 
@@ -149,9 +156,12 @@ class IncrementalDetokenizer:
     except at a flush), stop_reason (the matched stop string or None).
     """
 
-    def __init__(self, tokenizer, params: SamplingParams) -> None:
+    def __init__(self, tokenizer, params: SamplingParams, defer_text: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop: list[str] = list(params.stop or [])
+        if defer_text and self.stop:
+            raise ValueError(f"defer_text needs a request without stop strings, got stop={self.stop!r}")
+        self.defer_text = defer_text
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self._decode = _decoder_for(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
@@ -211,9 +221,12 @@ class IncrementalDetokenizer:
         if stop_terminated and not self.include_stop_str_in_output:
             to_decode = new_token_ids[:-1]
         check_from = len(self.output_text)
-        for t in to_decode:
-            self._decoded_ids.append(t)
-            self._decode_next()
+        if self.defer_text:  # the flush below decodes them all at once
+            self._decoded_ids.extend(to_decode)
+        else:
+            for t in to_decode:
+                self._decoded_ids.append(t)
+                self._decode_next()
         if finished:
             self._flush()
         if self.stop and len(self.token_ids) > self.min_tokens:

@@ -113,7 +113,10 @@ class OutputProcessor:
         state.seqs[index] = _SeqState(
             index=index,
             seq_id=seq_id,
-            detok=IncrementalDetokenizer(self.tokenizer, params),
+            # FINAL_ONLY without stop strings: no text before the end, decode once then.
+            detok=IncrementalDetokenizer(
+                self.tokenizer, params,
+                defer_text=params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop),
             logprobs=[] if want_lp else None,
             cumulative_logprob=0.0 if want_lp else None,
         )

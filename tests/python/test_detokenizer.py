@@ -92,6 +92,41 @@ def test_special_tokens_rendered_as_decode_does():
     assert "<|im_end|><|im_start|>" in d.output_text
 
 
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_deferred_text_equals_incremental(name):
+    """defer_text (FINAL_ONLY without stop strings): the tokens are collected and decoded once at
+    the finish; the text equals the incremental path's and decode's, with special and byte
+    tokens, both skip settings, a final stop token left out or kept, and 1 to 80 tokens a step."""
+    tok = TOKENIZERS[name]()
+    rng = random.Random(99)
+    special = sorted(set(tok.all_special_ids))
+    for trial in range(60):
+        n = rng.randint(1, 80)
+        ids = [rng.randrange(len(tok)) if rng.random() > 0.05 else rng.choice(special) for _ in range(n)]
+        skip, stop_terminated, include = rng.random() < 0.5, rng.random() < 0.3, rng.random() < 0.5
+        params = SamplingParams(skip_special_tokens=skip, include_stop_str_in_output=include)
+        inc, _, _ = stream(tok, ids, params, stop_terminated=stop_terminated)
+        d = IncrementalDetokenizer(tok, params, defer_text=True)
+        i = 0
+        while i < n:  # steps of several tokens, as with speculative or multi-token steps
+            step = ids[i:i + rng.randint(1, 5)]
+            i += len(step)
+            last = i == n
+            assert d.update(step, stop_terminated and last, finished=last) is None
+            if not last:
+                assert d.output_text == ""  # nothing decoded before the finish
+        assert d.token_ids == ids
+        assert d.output_text == inc.output_text, (ids, d.output_text, inc.output_text)
+        want_ids = ids[:-1] if stop_terminated and not include else ids
+        assert d.output_text == tok.decode(want_ids, skip_special_tokens=skip)
+        assert d.get_next_output_text(True, delta=False) == d.output_text
+
+
+def test_deferred_text_refuses_stop_strings():
+    with pytest.raises(ValueError, match="stop"):
+        IncrementalDetokenizer(smollm2_tokenizer(), SamplingParams(stop=["x"]), defer_text=True)
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_token_text_left_out(include):
     """C11(d): stopping on an EOS / stop_token_ids token: text is decode(ids) minus that token's

@@ -56,16 +56,30 @@ def test_stop_token_id_text_left_out(skip):
     assert inc.text.endswith("<|im_end|>") != skip
 
 
-def test_random_model_byte_tokens():
+def test_random_model_byte_tokens(monkeypatch):
     """A random-weight model's tokens are often partial UTF-8 bytes: text still equals decode,
-    and the streamed text never shows a broken character that the final text does not have."""
+    and the streamed text never shows a broken character that the final text does not have.
+    LLM.generate (FINAL_ONLY, no stop strings) decodes once at the finish (defer_text); the
+    streamed run decodes step by step: both end at the same text."""
+    import pagedllm.output_processor as op
+
+    deferred = []
+
+    class Spy(op.IncrementalDetokenizer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            deferred.append(self.defer_text)
+
+    monkeypatch.setattr(op, "IncrementalDetokenizer", Spy)
     llm = random_llm()
     tok = llm.get_tokenizer()
     prompt = {"prompt_token_ids": tok.encode("Hello, world")}
     params = greedy(256, ignore_eos=True)
     out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert deferred == [True], deferred  # the offline path took the deferred decode
     assert len(out.token_ids) == 256
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     split = sum("\ufffd" in tok.decode([t]) for t in out.token_ids)
     assert split > 0, "no partial UTF-8 token generated: the split path never ran"
     _check_stream(llm, prompt, params, out.text)
+    assert deferred == [True, False], deferred  # the streamed run decoded incrementally
