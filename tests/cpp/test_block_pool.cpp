@@ -8,8 +8,10 @@
 #include <string>
 
 #include "pagedllm/block_pool.h"
+#include "test_util.h"
 
 using namespace pagedllm;
+using pagedllm::test_util::error_of;
 
 namespace {
 
@@ -19,16 +21,6 @@ class FakeHooks : public BlockPool::CacheHooks {
   void on_reuse(BlockId b) override { reused.push_back(b); }
   std::vector<BlockId> reused;
 };
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "<no InvalidArgument thrown>";
-}
 
 }  // namespace
 

@@ -4,20 +4,10 @@
 #include <string>
 
 #include "pagedllm/block_table.h"
+#include "test_util.h"
 
 using namespace pagedllm;
-
-namespace {
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "<no InvalidArgument thrown>";
-}
-}  // namespace
+using pagedllm::test_util::error_of;
 
 TEST(BlockTable, AcceptsPowersOfTwoFrom8To128Only) {
   for (int bs : {8, 16, 32, 64, 128}) EXPECT_NO_THROW(BlockTable t(bs)) << bs;

@@ -8,20 +8,12 @@
 
 #include "pagedllm/attention.h"
 #include "pagedllm/cache_ops.h"
+#include "test_util.h"
 
 using namespace pagedllm;
+using pagedllm::test_util::error_of;
 
 namespace {
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "<no InvalidArgument thrown>";
-}
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 

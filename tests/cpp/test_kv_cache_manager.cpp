@@ -10,20 +10,12 @@
 #include <string>
 
 #include "pagedllm/kv_cache_manager.h"
+#include "test_util.h"
 
 using namespace pagedllm;
+using pagedllm::test_util::error_of;
 
 namespace {
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "<no InvalidArgument thrown>";
-}
 
 std::vector<int32_t> iota_tokens(int n, int start = 1) {
   std::vector<int32_t> v(n);
