@@ -12,7 +12,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
+
+#: Cache dtypes each device supports (CPU refuses float16 with an error listing these).
+CPU_DTYPES = [torch.float32, torch.bfloat16]
+CUDA_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+#: Parametrize values for (device, dtype) and for device alone; CUDA ones carry the `cuda` marker.
+DEVICE_DTYPES = [pytest.param("cpu", dt, id=f"cpu-{str(dt)[6:]}") for dt in CPU_DTYPES] + [
+    pytest.param("cuda", dt, id=f"cuda-{str(dt)[6:]}", marks=pytest.mark.cuda) for dt in CUDA_DTYPES]
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 
 #: Absolute / relative tolerances of kernel outputs against the float64 reference, per dtype.
 #: float32: fp32 accumulation over a few hundred tokens (errors ~1e-6) plus the kernels' exp

@@ -15,23 +15,10 @@ import torch
 
 import pagedllm.ops as ops
 from pagedllm import _C
-from kernel_reference import (TOLERANCES, assert_close_to_reference, build_paged_cache, poisoned,
-                              random_kv, reference_attention)
+from kernel_reference import (DEVICE_DTYPES, DEVICES, TOLERANCES, assert_close_to_reference, build_paged_cache,
+                              poisoned, random_kv, reference_attention)
 
 torch.set_num_threads(2)
-
-CPU_DTYPES = [torch.float32, torch.bfloat16]
-CUDA_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def device_dtype_params():
-    params = [pytest.param("cpu", dt, id=f"cpu-{str(dt)[6:]}") for dt in CPU_DTYPES]
-    params += [pytest.param("cuda", dt, id=f"cuda-{str(dt)[6:]}", marks=pytest.mark.cuda)
-               for dt in CUDA_DTYPES]
-    return params
-
-
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.fixture
@@ -79,7 +66,7 @@ def run_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_size, bloc
     return outs
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_reference_single_pass_and_split_k(device, dtype, head_size, block_size, gen):
@@ -89,14 +76,14 @@ def test_decode_matches_reference_single_pass_and_split_k(device, dtype, head_si
                split_modes=(0, None, 1, 3, 7))
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 1), (12, 3), (9, 3), (32, 8)])
 def test_decode_gqa_and_mqa(device, dtype, num_heads, num_kv_heads, gen):
     run_decode(device, dtype, [33, 1, 130], num_heads, num_kv_heads, 64, 16, gen,
                split_modes=(0, 4))
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("sliding_window", [1, 7, 40, 1000])
 @pytest.mark.parametrize("soft_cap", [None, 5.0])
 def test_decode_sliding_window_and_soft_cap(device, dtype, sliding_window, soft_cap, gen):
@@ -104,7 +91,7 @@ def test_decode_sliding_window_and_soft_cap(device, dtype, sliding_window, soft_
                sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_decode_soft_cap_without_window(device, dtype, gen):
     run_decode(device, dtype, [5, 77, 260], 4, 2, 96, 32, gen, split_modes=(0, 2), soft_cap=2.0)
 
@@ -131,7 +118,7 @@ def test_decode_seq_len_zero_writes_zero_row(device, gen):
         assert_close_to_reference(out[1:2], ref, torch.float32)
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_empty_batch_is_a_noop(device, dtype, gen):
     kc, vc = ops.allocate_kv_cache(4, 16, 2, 64, dtype, device)
     out = poisoned((0, 4, 64), dtype, device)
@@ -189,20 +176,20 @@ def run_prefill(device, dtype, contexts, num_heads, num_kv_heads, head_size, blo
 MIXED = [(37, 37), (100, 23), (50, 1), (1, 1), (64, 64), (20, 0), (129, 1)]
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_mixed_batch_matches_reference(device, dtype, head_size, block_size, gen):
     run_prefill(device, dtype, MIXED, 8, 2, head_size, block_size, gen)
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 1), (9, 3), (32, 8), (80, 1)])
 def test_prefill_gqa_and_mqa(device, dtype, num_heads, num_kv_heads, gen):
     run_prefill(device, dtype, [(45, 45), (70, 30), (9, 1)], num_heads, num_kv_heads, 64, 16, gen)
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("sliding_window", [1, 5, 33])
 @pytest.mark.parametrize("soft_cap", [None, 3.0])
 def test_prefill_sliding_window_and_soft_cap(device, dtype, sliding_window, soft_cap, gen):
@@ -215,7 +202,7 @@ def test_prefill_long_prompt(device, gen):
     run_prefill(device, torch.float32, [(600, 600), (300, 150)], 6, 2, 128, 16, gen)
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_prefill_decode_rows_equal_decode_kernel(device, dtype, gen):
     """A batch of q_len-1 rows through the prefill kernel equals the decode kernel (same inputs)."""
     seq_lens = [1, 17, 300]

@@ -6,26 +6,13 @@ computed with plain torch indexing on CPU copies. CUDA cases carry the `cuda` ma
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 import pagedllm.ops as ops
+from kernel_reference import DEVICE_DTYPES, DEVICES
 
 torch.set_num_threads(2)
-
-CPU_DTYPES = [torch.float32, torch.bfloat16]
-CUDA_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def device_dtype_params():
-    params = [pytest.param("cpu", dt, id=f"cpu-{str(dt)[6:]}") for dt in CPU_DTYPES]
-    params += [pytest.param("cuda", dt, id=f"cuda-{str(dt)[6:]}", marks=pytest.mark.cuda)
-               for dt in CUDA_DTYPES]
-    return params
-
-
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 
 
 def nan_cache(num_blocks, num_kv_heads, block_size, head_size, dtype):
@@ -39,7 +26,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                b.view(torch.uint8) if b.dtype != torch.bfloat16 else b.view(torch.int16))
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_reshape_and_cache_writes_exactly_the_mapped_slots(device, dtype, head_size, block_size, gen):
@@ -88,7 +75,7 @@ def test_reshape_and_cache_errors_name_values_and_leave_cache_untouched():
         ops.reshape_and_cache(key.half(), key.half(), kc.half(), vc.half(), torch.arange(3))
 
 
-@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_copy_blocks_copies_every_layer(device, dtype, gen):
     layers, num_blocks = 3, 10
     shape = (num_blocks, 2, 16, 64)
