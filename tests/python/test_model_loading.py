@@ -121,3 +121,49 @@ def test_bundled_model_resolves_to_a_converted_folder():
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
     assert cfg.rope.theta == 100000.0 and cfg.tie_word_embeddings and cfg.vocab_size == 49152
     assert (folder / "tokenizer.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def test_gguf_cache_key_follows_content_not_place(tmp_path):
+    """The conversion cache key of a GGUF file: the same bytes at another path with another mtime
+    share one conversion; a change in its first or last MiB, or in its size, is a new key."""
+    import os
+    import random
+
+    from pagedllm.model_executor.loader import gguf_cache_key
+
+    data = bytearray(random.Random(0).randbytes(3 << 20))
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(data)
+    os.utime(b, (1_000_000, 1_000_000))
+    assert gguf_cache_key(a) == gguf_cache_key(b)
+    for where in (10, len(data) - 10):
+        changed = bytearray(data)
+        changed[where] ^= 1
+        b.write_bytes(changed)
+        assert gguf_cache_key(b) != gguf_cache_key(a), where
+    b.write_bytes(data + b"x")
+    assert gguf_cache_key(b) != gguf_cache_key(a)
+    small = tmp_path / "small.gguf"  # shorter than the span read from each end
+    small.write_bytes(b"GGUF" + bytes(100))
+    assert len(gguf_cache_key(small)) == 16
+
+
+def test_stale_conversion_folders_are_removed(tmp_path):
+    """A killed conversion leaves <name>.tmp-* behind: removed once older than an hour; a recent one
+    (maybe another process converting right now) and finished entries are kept."""
+    import os
+    import time
+
+    from pagedllm.model_executor.loader import _remove_stale_conversions
+
+    old, fresh, done = tmp_path / "m-abc.tmp-111", tmp_path / "m-abc.tmp-222", tmp_path / "m-abc"
+    for d in (old, fresh, done):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    past = time.time() - 2 * 3600
+    os.utime(old, (past, past))
+    os.utime(done, (past, past))
+    _remove_stale_conversions(tmp_path)
+    assert not old.exists() and fresh.is_dir() and done.is_dir()

@@ -99,17 +99,50 @@ def _from_hf_cache(repo_id: str) -> Path:
     return Path(folder)
 
 
+_KEY_SPAN = 1 << 20  # bytes read from each end of a GGUF file for its cache key
+_STALE_TMP_S = 3600  # an unfinished conversion folder older than this is left over from a crash
+
+
+def gguf_cache_key(gguf_file: Path) -> str:
+    """The conversion cache key of a GGUF file: its size and the SHA-256 of its first and last MiB
+    (the header with all metadata, and the last tensors), with the conversion format. It depends on
+    the content only, so the same model installed in another environment (another path, another
+    mtime) reuses one conversion."""
+    size = gguf_file.stat().st_size
+    h = hashlib.sha256(f"{_CONVERSION_FORMAT}|{size}|".encode())
+    with open(gguf_file, "rb") as f:
+        h.update(f.read(_KEY_SPAN))
+        if size > _KEY_SPAN:
+            f.seek(max(_KEY_SPAN, size - _KEY_SPAN))
+            h.update(f.read(_KEY_SPAN))
+    return h.hexdigest()[:16]
+
+
+def _remove_stale_conversions(folder: Path) -> None:
+    """Delete conversion temp folders (``*.tmp-*``) that a killed process left behind; recent ones
+    may belong to a conversion still running in another process and are kept."""
+    now = time.time()
+    for tmp in folder.glob("*.tmp-*"):
+        try:
+            if tmp.is_dir() and now - tmp.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+                logger.info("removed the unfinished conversion %s", tmp)
+        except OSError:
+            pass
+
+
 def convert_gguf(gguf_file: Path) -> Path:
     """Convert a GGUF file to a Hugging Face folder once (float32 weights, tokenizer, config) and
-    return the cached folder. transformers dequantizes the tensors and undoes llama.cpp's q/k
-    permutation. Logs what it does; the cache entry appears atomically (rename of a finished folder)."""
+    return the cached folder (keyed by content: gguf_cache_key). transformers dequantizes the
+    tensors and undoes llama.cpp's q/k permutation. Logs what it does; the cache entry appears
+    atomically (rename of a finished folder)."""
     gguf_file = Path(gguf_file).resolve()
-    st = gguf_file.stat()
-    key = hashlib.sha256(f"{_CONVERSION_FORMAT}|{gguf_file}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "gguf" / f"{gguf_file.stem}-{key}"
+    target = cache_root() / "gguf" / f"{gguf_file.stem}-{gguf_cache_key(gguf_file)}"
     if (target / "config.json").is_file():
         logger.info("using the converted GGUF cached at %s", target)
         return target
+    if target.parent.is_dir():
+        _remove_stale_conversions(target.parent)
     logger.warning("converting %s to a Hugging Face folder at %s (once; about 30-60 s)", gguf_file, target)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from safetensors.torch import save_file
