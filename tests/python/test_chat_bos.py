@@ -96,6 +96,7 @@ def test_chatml_template_gets_no_added_bos():
     # generation prompt, exactly as the template wrote it: nothing added
     assert out.prompt_token_ids.count(BOS) == rendered.count("<|im_start|>") == 3
     assert tok.decode(out.prompt_token_ids).endswith("<|im_start|>assistant\n")
+    assert out.prompt == rendered  # the rendered conversation, as vLLM's LLM.chat reports it
 
 
 def test_server_counts_the_same_prompt(bos_folder, bos_llm):

@@ -158,9 +158,13 @@ class LLM:
         """Generate replies to one conversation (list of {"role", "content"}) or a list of them,
         rendered by the tokenizer's chat template (or `chat_template`), BOS exactly once."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self._chat_ids(c, chat_template, add_generation_prompt,
-                                                       continue_final_message, chat_template_kwargs or {})}
-                   for c in conversations]
+        tok = self.llm_engine.tokenizer
+        prompts = []
+        for c in conversations:
+            ids = self._chat_ids(c, chat_template, add_generation_prompt, continue_final_message,
+                                 chat_template_kwargs or {})
+            # RequestOutput.prompt: the rendered conversation, as vLLM reports it
+            prompts.append({"prompt": tok.decode(ids), "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_metrics(self) -> list[Metric]:
