@@ -288,3 +288,19 @@ def test_queue_limit_answers_503_with_retry_after(keyed_server):
     again = httpx.post(keyed_server.url + "/v1/completions", json={**long_body, "max_tokens": 1}, headers=headers,
                        timeout=30)
     assert again.status_code == 200
+
+
+def test_error_after_the_stream_started_is_one_event():
+    """Once the 200 and the first events are sent, an error ends the stream as one SSE event with an
+    OpenAI error object: an OpenAIError keeps its status and param, anything else is a 500
+    "internal error" naming the exception."""
+    from pagedllm.entrypoints.openai.errors import OpenAIError
+    from pagedllm.entrypoints.openai.serving import sse_error
+
+    for exc, status, param, text in ((OpenAIError("n: too many", 400, "n"), 400, "n", "n: too many"),
+                                     (RuntimeError("boom"), 500, None, "internal error: boom")):
+        event = sse_error(exc)
+        assert event.startswith("data: ") and event.endswith("\n\n"), event
+        body = json.loads(event[len("data: "):])
+        assert body["error"]["code"] == status and body["error"]["param"] == param, body
+        assert text in body["error"]["message"], body

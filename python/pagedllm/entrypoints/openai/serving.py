@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_llm import AsyncLLM, RequestOutputCollector
-from pagedllm.entrypoints.openai.errors import OpenAIError, from_value_error
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, from_value_error
 from pagedllm.entrypoints.openai.protocol import _SamplingFields
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -284,3 +284,11 @@ def sse(model) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    """The event that ends a stream after an error (the 200 was already sent): an OpenAIError's own
+    status and param, anything else as a 500 "internal error"."""
+    if isinstance(exc, OpenAIError):
+        return sse(error_body(exc.message, exc.status, exc.param))
+    return sse(error_body(f"internal error: {exc}", 500))

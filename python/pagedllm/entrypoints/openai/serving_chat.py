@@ -14,14 +14,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
     ChatStreamChoice, ChatTokenLogprob, DeltaMessage, PromptTokensDetails, TopLogprob, UsageInfo, random_id,
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
-    check_n, check_queue, check_unsupported, sampling_params, sse, token_bytes,
+    check_n, check_queue, check_unsupported, sampling_params, sse, sse_error, token_bytes,
 )
 
 
@@ -191,8 +191,6 @@ class _ChatRenderer:
             if include_usage:
                 yield sse(ChatCompletionChunk(id=self.id, model=self.ctx.model_name, choices=[],
                                               usage=self._usage(completion_tokens)))
-        except OpenAIError as exc:
-            yield f"data: {error_body(exc.message, exc.status, exc.param).model_dump_json()}\n\n"
         except Exception as exc:  # after the 200 was sent, an error travels as an event
-            yield f"data: {error_body(f'internal error: {exc}', 500).model_dump_json()}\n\n"
+            yield sse_error(exc)
         yield SSE_DONE

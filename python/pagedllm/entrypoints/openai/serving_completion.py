@@ -14,14 +14,14 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails, UsageInfo,
     random_id,
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
-    check_n, check_queue, check_unsupported, sampling_params, sse, token_pieces,
+    check_n, check_queue, check_unsupported, sampling_params, sse, sse_error, token_pieces,
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -231,10 +231,8 @@ class _Renderer:
             if include_usage:
                 yield sse(CompletionResponse(id=self.id, model=self.ctx.model_name, choices=[],
                                              usage=self._usage(completion_tokens)))
-        except OpenAIError as exc:
-            yield f"data: {error_body(exc.message, exc.status, exc.param).model_dump_json()}\n\n"
         except Exception as exc:  # after the 200 was sent, an error travels as an event
-            yield f"data: {error_body(f'internal error: {exc}', 500).model_dump_json()}\n\n"
+            yield sse_error(exc)
         yield SSE_DONE
 
 
