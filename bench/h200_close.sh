@@ -20,9 +20,7 @@ for f in test_attention_kernels test_cache_ops test_layer_ops_cuda test_sampling
 done
 h200_tests tlog 240 "${specs[@]}"
 h200_tests tlog 150 "test_gpu_engine|tests/python/test_gpu_engine.py"
-for f in tlog/*.log; do echo "== $f"; cat "$f"; done > "$OUT/$NAME-tests.log"
-echo "tests: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
-h200_test_summary tlog | tee -a "$OUT/summary.log"
+h200_collect_tests tlog "$OUT/$NAME-tests.log" "$OUT/summary.log" "$t0"
 t0=$(date +%s)
 timeout 150 python3 bench/throughput_gpu.py --shapes llama3-8b qwen2-0.5b --name "throughput_gpu-$NAME" --out "$OUT" > "$OUT/$NAME-throughput.log" 2>&1
 echo "throughput_gpu: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"

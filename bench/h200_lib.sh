@@ -5,6 +5,9 @@
 #                              as its own pytest process,
 #                              all in parallel, each under `timeout T`; logs LOGDIR/name.log end with rc=N
 #   h200_test_summary LOGDIR   one line per log: the pytest result line and the exit status
+#   h200_collect_tests LOGDIR ALL SUMMARY T0
+#                              every log into ALL, then the seconds since T0 and the per-log
+#                              summary appended to SUMMARY (and printed)
 #   h200_kernel_specs          sets the array H200_SPECS to test_cuda_kernels.py's default tests
 #                              and each of its forced-plan children (the specs for h200_tests)
 export CUDAARCHS=${CUDAARCHS:-90a} PYTHONUNBUFFERED=1
@@ -43,4 +46,11 @@ h200_kernel_specs() {
   for id in warp-warp-kernel pair-cta-kernel cta-warp-kernel cta-cta-kernel warp-warp-inkernel pair-warp-inkernel cta-warp-inkernel; do
     H200_SPECS+=("forced-$id|$k -k 'forced_plans and $id'")
   done
+}
+
+h200_collect_tests() {
+  local dir=$1 all=$2 summary=$3 t0=$4 f
+  for f in "$dir"/*.log; do echo "== $f"; cat "$f"; done > "$all"
+  echo "tests: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  h200_test_summary "$dir" | tee -a "$summary"
 }

@@ -23,9 +23,7 @@ specs=("${H200_SPECS[@]}")
 for f in test_attention_kernels test_cache_ops test_layer_ops_cuda test_gemv; do specs+=("$f|tests/python/$f.py"); done
 h200_tests tlog 240 "${specs[@]}"
 h200_tests tlog 200 "test_gpu_engine|tests/python/test_gpu_engine.py"
-for f in tlog/*.log; do echo "== $f"; cat "$f"; done > "$OUT/tests.log"
-echo "tests: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.log"
-h200_test_summary tlog | tee -a "$OUT/bench.log"
+h200_collect_tests tlog "$OUT/tests.log" "$OUT/bench.log" "$t0"
 t0=$(date +%s)
 if [ "$PHASE" = a ]; then
   timeout 200 python3 bench/decode_variants.py --out "$OUT" --name cuda-kernels-run7a --timeout 80 \
