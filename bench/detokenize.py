@@ -16,14 +16,15 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "python"))  # the bundled tokenizer helper
 
 from _tokenizers import smollm2_tokenizer  # noqa: E402
+from pagedllm.benchmarks.throughput import git_commit  # noqa: E402
 from pagedllm.detokenizer import IncrementalDetokenizer  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 
@@ -54,12 +55,8 @@ def main() -> None:
     for _ in range(args.repeats):
         times["incremental"].append(per_step_ms(tok, streams, False))
         times["deferred"].append(per_step_ms(tok, streams, True))
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except Exception:
-        commit = os.environ.get("PAGEDLLM_COMMIT", "unknown")
     doc = {
-        "bench": "detokenize", "date": datetime.date.today().isoformat(), "commit": commit,
+        "bench": "detokenize", "date": datetime.date.today().isoformat(), "commit": git_commit(Path(ROOT)),
         "machine": args.machine, "python": platform.python_version(), "load_avg": os.getloadavg()[0],
         "batch": args.batch, "steps": args.steps,
         "ms_per_step": {k: [round(x, 3) for x in v] for k, v in times.items()},
