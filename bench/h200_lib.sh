@@ -9,7 +9,8 @@
 #                              every log into ALL, then the seconds since T0 and the per-log
 #                              summary appended to SUMMARY (and printed)
 #   h200_kernel_specs          sets the array H200_SPECS to test_cuda_kernels.py's default tests
-#                              and each of its forced-plan children (the specs for h200_tests)
+#                              and each of its forced-plan children, as pytest collects them (the
+#                              specs for h200_tests)
 export CUDAARCHS=${CUDAARCHS:-90a} PYTHONUNBUFFERED=1
 H200_PYTEST="-q -rf -p no:cacheprovider --maxfail=10 -m cuda"
 
@@ -39,18 +40,12 @@ h200_test_summary() {
   for f in "$1"/*.log; do echo "== $f: $(grep -E 'passed|failed|error' "$f" | tail -1) $(tail -1 "$f")"; done
 }
 
-# The ids below are the parametrize ids of test_decode_under_forced_plans (keep the two in step).
 h200_kernel_specs() {
   local k=tests/python/test_cuda_kernels.py id
   H200_SPECS=("kernels|$k -k 'not forced_plans'")
-  for id in warp-warp-kernel pair-cta-kernel cta-warp-kernel cta-cta-kernel warp-warp-inkernel pair-warp-inkernel cta-warp-inkernel; do
+  # one spec per forced-plan child, by the ids pytest collects (test_decode_under_forced_plans)
+  for id in $(python3 -m pytest "$k" --collect-only -q -p no:cacheprovider -m cuda -k forced_plans 2>/dev/null |
+              sed -n 's/.*::test_decode_under_forced_plans\[\(.*\)\]$/\1/p'); do
     H200_SPECS+=("forced-$id|$k -k 'forced_plans and $id'")
   done
-}
-
-h200_collect_tests() {
-  local dir=$1 all=$2 summary=$3 t0=$4 f
-  for f in "$dir"/*.log; do echo "== $f"; cat "$f"; done > "$all"
-  echo "tests: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
-  h200_test_summary "$dir" | tee -a "$summary"
 }
