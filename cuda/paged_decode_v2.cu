@@ -107,6 +107,16 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   return it;
 }
 
+/// combine_splits' last step: the weighted sum `o` of 4 output columns divided by the total weight
+/// `total` (0 when every partition was empty: the row is written as zeros), rounded to T and stored
+/// as one 8-byte store at `dst` (4 elements of T, 8-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store_combined(T* dst, const float4& o, float total) {
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  *reinterpret_cast<uint2*>(dst) =
+      make_uint2(TypeTraits<T>::pack(o.x * inv, o.y * inv), TypeTraits<T>::pack(o.z * inv, o.w * inv));
+}
+
 // In-kernel split-K combine (p.split_counters set, num_splits > 1), the last-arriver pattern of
 // the CUDA samples' threadFenceReduction: every team writes its partition's partials, then (after
 // the team's barrier, which orders those stores before it) one thread adds one to its group's
@@ -157,9 +167,7 @@ __device__ __forceinline__ void combine_splits(const AttnParams& p, const Decode
           o.w += w * pv[s].w;
         }
       }
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      *reinterpret_cast<uint2*>(dst) =
-          make_uint2(TypeTraits<T>::pack(o.x * inv, o.y * inv), TypeTraits<T>::pack(o.z * inv, o.w * inv));
+      store_combined(dst, o, total);
       continue;
     }
     float mmax = neg_inf();
@@ -177,9 +185,7 @@ __device__ __forceinline__ void combine_splits(const AttnParams& p, const Decode
       o.z += w * v.z;
       o.w += w * v.w;
     }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    *reinterpret_cast<uint2*>(dst) =
-        make_uint2(TypeTraits<T>::pack(o.x * inv, o.y * inv), TypeTraits<T>::pack(o.z * inv, o.w * inv));
+    store_combined(dst, o, total);
   }
 }
 
