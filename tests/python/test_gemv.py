@@ -29,6 +29,8 @@ import torch
 import pagedllm.ops as ops
 from pagedllm import _C
 
+from tiny_models import PagedHarness
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -144,6 +146,30 @@ def test_silu_and_mul_gemv(gen, dtype, m, n, k, variant):
     check(fused, act, w, b, dtype, f"silu_and_mul_gemv m={m} n={n} k={k}")
 
 
+def assert_graph_replays_equal_eager(fn, x, eager, gen):
+    """Captures fn on a static copy of x (a 2-D CUDA tensor) in a CUDA graph on a side stream,
+    after one warm-up call there, and asserts bit for bit: the replay equals `eager` (fn(x) run
+    eagerly by the caller); after fresh random values of x's shape and dtype (drawn from gen) are
+    copied into the static input, a second replay equals fn of them run eagerly."""
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(static_x)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            static_out = fn(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+    x2 = rand(tuple(x.shape), x.dtype, gen)
+    static_x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, fn(x2))
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
@@ -169,24 +195,7 @@ def test_graph_capture_chain_matches_eager(gen, pdl):
             ops.fused_add_rms_norm(d, res, norm_w, 1e-5)
             return ops.gemv(d, w_out)
 
-        eager = chain(x)
-        static_x = x.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain(static_x)  # warm-up
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                static_out = chain(static_x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, eager)
-        x2 = rand((m, h), dtype, gen)
-        static_x.copy_(x2)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, chain(x2))
+        assert_graph_replays_equal_eager(chain, x, chain(x), gen)
     finally:
         ops.set_pdl_enabled(before)
 
@@ -431,23 +440,7 @@ def test_fused_layer_chain_graph_matches_eager_and_unfused(gen, pdl, m):
         scale = float(ref.abs().max())
         diff = float((eager.float() - ref.float()).abs().max())
         assert scale > 0.1 and diff < 0.03 * scale, f"fused chain differs from the unfused ops by {diff} (max {scale})"
-        static_x = x0.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fused(static_x)  # warm-up
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                static_out = fused(static_x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, eager)
-        x2 = rand((m, h), dtype, gen)
-        static_x.copy_(x2)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, fused(x2))
+        assert_graph_replays_equal_eager(fused, x0, eager, gen)
     finally:
         ops.set_pdl_enabled(before)
 
@@ -469,7 +462,6 @@ def test_model_gemv_fusion_levels_agree(tmp_path, gen, monkeypatch, config):
     take the fused path and their logits agree with level 0 to bf16 rounding."""
     import json
 
-    from pagedllm.model_executor.attention import AttentionMetadata
     from pagedllm.model_executor.config import ModelConfig
     from pagedllm.model_executor.dummy import init_dummy_weights
     from pagedllm.model_executor.models import LlamaForCausalLM
@@ -485,36 +477,17 @@ def test_model_gemv_fusion_levels_agree(tmp_path, gen, monkeypatch, config):
                 p.uniform_(0.5, 1.5)
     lens = [30, 12, 19]
     ids = [torch.randint(0, cfg.vocab_size, (n + 3,), generator=gen) for n in lens]
-    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], dtype=torch.int32)
-
-    def meta_for(chunks):
-        tok, pos, slot, qsl, seq_lens, tab = [], [], [], [0], [], []
-        for s, a, b in chunks:
-            for p in range(a, b):
-                tok.append(int(ids[s][p]))
-                pos.append(p)
-                slot.append(int(tables[s, p // bs]) * bs + p % bs)
-            qsl.append(qsl[-1] + b - a)
-            seq_lens.append(b)
-            tab.append(tables[s])
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slot, device=dev), block_tables=torch.stack(tab).to(dev),
-                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                                 query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-                                 decode_only=all(b - a == 1 for _, a, b in chunks))
-        return torch.tensor(tok, device=dev), torch.tensor(pos, device=dev), meta
-
     results = {}
     for level in (0, 1, 2):
         monkeypatch.setenv("PAGEDLLM_GEMV_FUSE", str(level))
-        caches = [ops.allocate_kv_cache(10, bs, cfg.num_key_value_heads, cfg.head_dim, dtype, dev)
-                  for _ in range(cfg.num_hidden_layers)]
+        harness = PagedHarness(model, len(lens), max(lens) + 3, block_size=bs)  # fresh caches, same blocks
         steps = [[(s, 0, n) for s, n in enumerate(lens)]]  # prefill (> 8 tokens: unfused)
         steps += [[(s, n + i, n + i + 1) for s, n in enumerate(lens)][: 3 - i] for i in range(3)]  # 3, 2, 1 tokens
         logits = []
         for chunks in steps:
-            tok, pos, meta = meta_for(chunks)
-            assert model._gemv_fusion(len(tok)) == (level if len(tok) <= 8 else 0)
-            logits.append(model(tok, pos, caches, meta, torch.arange(len(tok), device=dev)).cpu())
+            tokens = sum(b - a for _, a, b in chunks)
+            assert model._gemv_fusion(tokens) == (level if tokens <= 8 else 0)
+            logits.append(harness.step([(s, ids[s][a:b].tolist()) for s, a, b in chunks]).cpu())
         results[level] = torch.cat(logits)
     scale = float(results[0].abs().max())
     for level in (1, 2):

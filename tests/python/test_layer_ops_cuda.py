@@ -21,6 +21,8 @@ import torch
 import pagedllm.ops as ops
 from pagedllm import _C
 
+from tiny_models import PagedHarness
+
 torch.set_num_threads(2)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -318,7 +320,6 @@ def test_model_fused_path_matches_pytorch_path(tmp_path, gen, arch, dtype, tol):
     """Prefill of two sequences (chunked: 2 steps) then 3 decode steps, fused kernels vs PyTorch
     path, same weights: logits agree relative to their largest magnitude (float32: to rounding;
     bfloat16: a few ulps) and the argmax rows match in float32."""
-    from pagedllm.model_executor.attention import AttentionMetadata
     from pagedllm.model_executor.config import ModelConfig
     from pagedllm.model_executor.dummy import init_dummy_weights
     from pagedllm.model_executor.models import LlamaForCausalLM
@@ -338,35 +339,17 @@ def test_model_fused_path_matches_pytorch_path(tmp_path, gen, arch, dtype, tol):
         for module in model.modules():
             if hasattr(module, "fused"):
                 module.fused = flag
-    bs = 16
     lens = [37, 21]
     ids = [torch.randint(0, cfg.vocab_size, (n + 3,), generator=gen) for n in lens]
-    tables = torch.tensor([[0, 1, 2, 3], [5, 4, 7, 6]], dtype=torch.int32)
     results = {}
     for fused in (True, False):
         use_fused(fused)
-        caches = [ops.allocate_kv_cache(8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype, dev)
-                  for _ in range(cfg.num_hidden_layers)]
+        harness = PagedHarness(model, len(lens), max(lens) + 3)  # fresh caches, same blocks
         steps = [[(0, 0, 20), (1, 0, 21)], [(0, 20, 37)]] + [[(0, n, n + 1), (1, m, m + 1)]
                                                             for n, m in zip(range(37, 40), range(21, 24))]
         logits = []
         for chunks in steps:
-            tok, pos, slot, qsl, seq_lens, tab = [], [], [], [0], [], []
-            for s, a, b in chunks:
-                for p in range(a, b):
-                    tok.append(int(ids[s][p]))
-                    pos.append(p)
-                    slot.append(int(tables[s, p // bs]) * bs + p % bs)
-                qsl.append(qsl[-1] + b - a)
-                seq_lens.append(b)
-                tab.append(tables[s])
-            meta = AttentionMetadata(slot_mapping=torch.tensor(slot, device=dev),
-                                     block_tables=torch.stack(tab).to(dev),
-                                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                                     query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-                                     decode_only=all(b - a == 1 for _, a, b in chunks))
-            rows = torch.arange(len(tok), device=dev)
-            logits.append(model(torch.tensor(tok, device=dev), torch.tensor(pos, device=dev), caches, meta, rows))
+            logits.append(harness.step([(s, ids[s][a:b].tolist()) for s, a, b in chunks]))
         results[fused] = torch.cat(logits).cpu()
     scale = float(results[False].abs().max())
     diff = float((results[True] - results[False]).abs().max())

@@ -62,10 +62,14 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0, dtype=torch.float32
 
 
 class PagedHarness:
-    """Runs a pagedllm LlamaForCausalLM over hand-built paged batches.
+    """Runs a pagedllm LlamaForCausalLM over hand-built paged batches, on the model's device.
 
-    Each sequence gets its own shuffled physical blocks; `step(chunks)` runs one batch where chunks
-    is a list of (seq index, token ids) and returns the float32 logits of every token row."""
+    Each sequence gets its own shuffled physical blocks (drawn on the CPU from `seed`); the KV
+    caches (one per layer, num_seqs * ceil(max_len / block_size) + 3 blocks) are on model.device.
+    `step(chunks)` runs one batch where chunks is a list of (seq index, token ids): each sequence's
+    tokens continue where its previous chunk ended. The batch's input ids, positions, slot mapping,
+    block tables, seq lens and query_start_loc are built on model.device; returns the float32
+    logits of every token row ([tokens, vocab], on model.device)."""
 
     def __init__(self, model, num_seqs: int, max_len: int, block_size: int = 16, seed: int = 0):
         from pagedllm import ops
@@ -99,13 +103,15 @@ class PagedHarness:
             qsl.append(qsl[-1] + len(toks))
             seq_lens.append(self.lens[s])
             tables.append(self.block_tables[s])
+        dev = self.model.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.stack(tables).contiguous(),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.stack(tables).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             decode_only=all(len(t) == 1 for _, t in chunks),
         )
         T = len(ids)
-        return self.model(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                          self.kv_caches, meta, torch.arange(T, dtype=torch.int64))
+        return self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
+                          torch.tensor(positions, dtype=torch.int64, device=dev),
+                          self.kv_caches, meta, torch.arange(T, dtype=torch.int64, device=dev))
