@@ -48,6 +48,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "device_guard.h"
 #include "gemv_cuda.h"
@@ -497,13 +499,25 @@ bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) %
 
 constexpr int64_t kPrefetchChunk = 16 << 10;  // bytes per prefetch instruction
 
-/// Thread i prefetches [begin + i * chunk, ...) into L2. Waits for the previous grid before it
-/// exits (cuda/pdl.cuh: keeps the completion order transitive for the kernels after it).
-__global__ void l2_prefetch_kernel(const char* begin, int64_t bytes) {
+/// Thread i prefetches [begin + i * chunk, ...) into L2, after the previous grid has completed: as
+/// a programmatic dependent this kernel starts while that grid (e.g. the qkv GEMV) still streams
+/// its own weights, and prefetching then would only compete with it for HBM; after the wait the
+/// requests overlap what follows (rotary, decode attention), which leave HBM idle. PAGEDLLM_L2_PREFETCH_EARLY=1
+/// (read once) prefetches before the wait instead, as before (for benchmarking).
+__global__ void l2_prefetch_kernel(const char* begin, int64_t bytes, int early) {
   detail::pdl_launch_dependents();
+  if (!early) detail::pdl_wait();
   const int64_t off = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPrefetchChunk;
   if (off < bytes) prefetch_l2(begin + off, static_cast<uint32_t>(min(kPrefetchChunk, bytes - off)));
-  detail::pdl_wait();
+  if (early) detail::pdl_wait();
+}
+
+bool l2_prefetch_early() {
+  static const bool early = [] {
+    const char* v = std::getenv("PAGEDLLM_L2_PREFETCH_EARLY");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return early;
 }
 
 /// Smallest cluster split (1, 2, 4, 8; 1 only below sm_90) at or above `from` whose staged x fits
@@ -531,7 +545,8 @@ void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream) {
   const int64_t threads = (n + kPrefetchChunk - 1) / kPrefetchChunk;
   const int block = 128;
   detail::launch_dependent(l2_prefetch_kernel, dim3(static_cast<unsigned>((threads + block - 1) / block)), dim3(block), 0,
-                     reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const char*>(first), n);
+                     reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const char*>(first), n,
+                     l2_prefetch_early() ? 1 : 0);
 }
 
 void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
