@@ -20,3 +20,8 @@ for run in a b; do
       "$OUT/"*"batch1_breakdown-s6-prefetch$pf-$run.json" 2>&1 | tee -a "$OUT/summary.log"
   done
 done
+# then the CUDA test files that gpudedupe (a42f029) touched, in parallel
+t0=$(date +%s)
+rm -rf tlog
+h200_tests tlog 200 "test_gemv|tests/python/test_gemv.py" "test_layer_ops_cuda|tests/python/test_layer_ops_cuda.py"
+h200_collect_tests tlog "$OUT/tests-dedupe.log" "$OUT/summary.log" "$t0"
