@@ -49,3 +49,10 @@ h200_kernel_specs() {
     H200_SPECS+=("forced-$id|$k -k 'forced_plans and $id'")
   done
 }
+
+h200_collect_tests() {
+  local dir=$1 all=$2 summary=$3 t0=$4 f
+  for f in "$dir"/*.log; do echo "== $f"; cat "$f"; done > "$all"
+  echo "tests: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  h200_test_summary "$dir" | tee -a "$summary"
+}

@@ -499,25 +499,38 @@ bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) %
 
 constexpr int64_t kPrefetchChunk = 16 << 10;  // bytes per prefetch instruction
 
-/// Thread i prefetches [begin + i * chunk, ...) into L2, after the previous grid has completed: as
-/// a programmatic dependent this kernel starts while that grid (e.g. the qkv GEMV) still streams
-/// its own weights, and prefetching then would only compete with it for HBM; after the wait the
-/// requests overlap what follows (rotary, decode attention), which leave HBM idle. PAGEDLLM_L2_PREFETCH_EARLY=1
-/// (read once) prefetches before the wait instead, as before (for benchmarking).
-__global__ void l2_prefetch_kernel(const char* begin, int64_t bytes, int early) {
+constexpr int64_t kPrefetchLine = 128;  // bytes per prefetch.global.L2 (one L2 line)
+
+/// Prefetches [begin, begin + bytes) into L2, after the previous grid has completed: as a
+/// programmatic dependent this kernel starts while that grid (e.g. the qkv GEMV) still streams its
+/// own weights, and prefetching then would only compete with it for HBM; after the wait the
+/// requests overlap what follows (rotary, decode attention), which leave HBM idle.
+/// flags bit 0 (PAGEDLLM_L2_PREFETCH_EARLY=1): prefetch before the wait instead. Bit 1
+/// (PAGEDLLM_L2_PREFETCH_MODE=bulk): one cp.async.bulk.prefetch.L2 of kPrefetchChunk bytes per
+/// thread; otherwise one prefetch.global.L2 per 128-byte line, grid-strided.
+__global__ void l2_prefetch_kernel(const char* begin, int64_t bytes, int flags) {
   detail::pdl_launch_dependents();
+  const bool early = flags & 1, bulk = flags & 2;
   if (!early) detail::pdl_wait();
-  const int64_t off = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPrefetchChunk;
-  if (off < bytes) prefetch_l2(begin + off, static_cast<uint32_t>(min(kPrefetchChunk, bytes - off)));
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (bulk) {
+    const int64_t off = t * kPrefetchChunk;
+    if (off < bytes) prefetch_l2(begin + off, static_cast<uint32_t>(min(kPrefetchChunk, bytes - off)));
+  } else {
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kPrefetchLine;
+    for (int64_t off = t * kPrefetchLine; off < bytes; off += stride)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(begin + off));
+  }
   if (early) detail::pdl_wait();
 }
 
-bool l2_prefetch_early() {
-  static const bool early = [] {
-    const char* v = std::getenv("PAGEDLLM_L2_PREFETCH_EARLY");
-    return v != nullptr && std::string(v) == "1";
+int l2_prefetch_flags() {
+  static const int flags = [] {
+    const char* e = std::getenv("PAGEDLLM_L2_PREFETCH_EARLY");
+    const char* m = std::getenv("PAGEDLLM_L2_PREFETCH_MODE");
+    return (e != nullptr && std::string(e) == "1" ? 1 : 0) | (m != nullptr && std::string(m) == "bulk" ? 2 : 0);
   }();
-  return early;
+  return flags;
 }
 
 /// Smallest cluster split (1, 2, 4, 8; 1 only below sm_90) at or above `from` whose staged x fits
@@ -542,11 +555,19 @@ void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream) {
   const std::uintptr_t first = (addr + 15) / 16 * 16, last = (addr + bytes) / 16 * 16;
   if (last <= first) return;
   const int64_t n = static_cast<int64_t>(last - first);
-  const int64_t threads = (n + kPrefetchChunk - 1) / kPrefetchChunk;
-  const int block = 128;
-  detail::launch_dependent(l2_prefetch_kernel, dim3(static_cast<unsigned>((threads + block - 1) / block)), dim3(block), 0,
-                     reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const char*>(first), n,
-                     l2_prefetch_early() ? 1 : 0);
+  const int flags = l2_prefetch_flags();
+  const int block = 256;
+  int64_t ctas;
+  if (flags & 2) {
+    ctas = ((n + kPrefetchChunk - 1) / kPrefetchChunk + block - 1) / block;
+  } else {  // two CTAs per SM, each thread a few lines
+    int sms = 0, dev = 0;
+    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
+    PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    ctas = std::min<int64_t>(2 * sms, (n + kPrefetchLine * block - 1) / (kPrefetchLine * block));
+  }
+  detail::launch_dependent(l2_prefetch_kernel, dim3(static_cast<unsigned>(ctas)), dim3(block), 0,
+                           reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const char*>(first), n, flags);
 }
 
 void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
