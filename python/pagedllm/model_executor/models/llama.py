@@ -173,9 +173,9 @@ GEMV_FUSE_DEFAULT = 0
 
 def _l2_prefetch_fits(weight: torch.Tensor) -> bool:
     """Whether to prefetch `weight` (the O projection's) into L2 while rotary + attention run: only
-    when PAGEDLLM_L2_PREFETCH=1 (off by default: on the H200 it measured 0.18 ms per token slower
-    in bench/gemv.py's layer chain, bench/gpu_engine_notes.md "GEMV"), and for a CUDA tensor of at
-    most 75% of the L2."""
+    when PAGEDLLM_L2_PREFETCH=1 (off by default: on the H200 every form measured slower, 0.1-0.4 ms
+    per batch-1 token; bench/gpu_engine_notes.md "Session 6"), and for a CUDA tensor of at most 75%
+    of the L2."""
     if not weight.is_cuda or os.environ.get("PAGEDLLM_L2_PREFETCH", "0") != "1":
         return False
     l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
