@@ -4,7 +4,7 @@
 # test_gpu_engine alone; bench/throughput_gpu.py on both shapes with HF; bench/batch1_breakdown.py;
 # bench/cuda_kernels.py --quick; the decode grid (bench/decode_variants.py, variant "base").
 # Replaces bench/h200_session4_final.sh (session 4's, the same steps without the grid).
-#   OUT=/some/dir NAME=s5-final PAGEDLLM_COMMIT=<sha> bash bench/h200_close.sh
+#   OUT=/some/dir NAME=s5-final PAGEDLLM_COMMIT=<sha> [SKIP_TESTS="test_gemv"] [AB_ENV="X=0"] [SKIP_GRID=1] bash bench/h200_close.sh
 set -uo pipefail
 OUT=${OUT:?set OUT}
 NAME=${NAME:-final}
@@ -15,7 +15,9 @@ t0=$(date +%s)
 rm -rf tlog
 h200_kernel_specs
 specs=("${H200_SPECS[@]}")
+# SKIP_TESTS: test files (names, space-separated) verified on an earlier call of the same code
 for f in test_attention_kernels test_cache_ops test_layer_ops_cuda test_sampling_ops test_sampler test_gemv; do
+  [[ " ${SKIP_TESTS:-} " == *" $f "* ]] && { echo "$f: skipped (SKIP_TESTS)" | tee -a "$OUT/summary.log"; continue; }
   specs+=("$f|tests/python/$f.py")
 done
 h200_tests tlog 240 "${specs[@]}"
@@ -32,5 +34,15 @@ t0=$(date +%s)
 timeout 80 python3 bench/cuda_kernels.py --quick --tag "$NAME" --out "$OUT" > "$OUT/$NAME-kernels.log" 2>&1
 echo "cuda_kernels --quick: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
 grep -h '"batch"' "$OUT/$NAME-kernels.log" | cut -c1-260 | tee -a "$OUT/summary.log"
+# AB_ENV: the same quick bench again under these settings (e.g. a switch that turns a change off)
+if [ -n "${AB_ENV:-}" ]; then
+  env $AB_ENV timeout 80 python3 bench/cuda_kernels.py --quick --tag "$NAME-ab" --out "$OUT" > "$OUT/$NAME-kernels-ab.log" 2>&1
+  echo "cuda_kernels --quick under $AB_ENV: rc=$?" | tee -a "$OUT/summary.log"
+  grep -h '"batch"' "$OUT/$NAME-kernels-ab.log" | cut -c1-260 | tee -a "$OUT/summary.log"
+  timeout 80 python3 bench/cuda_kernels.py --quick --tag "$NAME-again" --out "$OUT" > "$OUT/$NAME-kernels-again.log" 2>&1
+  echo "cuda_kernels --quick again: rc=$?" | tee -a "$OUT/summary.log"
+  grep -h '"batch"' "$OUT/$NAME-kernels-again.log" | cut -c1-260 | tee -a "$OUT/summary.log"
+fi
+[ -n "${SKIP_GRID:-}" ] && exit 0
 timeout 90 python3 bench/decode_variants.py --out "$OUT" --name "cuda-kernels-$NAME-grid" --timeout 85 --variants base > "$OUT/$NAME-grid.log" 2>&1
 sed -n '/^variant /,$p' "$OUT/$NAME-grid.log" | tee -a "$OUT/summary.log"
