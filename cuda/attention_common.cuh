@@ -59,10 +59,6 @@ struct AttnParams {
   // split_counters[group index = item / num_splits], zero on entry and reset to zero by that last arriver), and
   // no reduction kernel runs. nullptr: the partials are left for launch_splitk_reduce.
   int* split_counters = nullptr;
-  // Decode v2 only: prefetch (into L1) the block-table entry of each item's first tile, guessed
-  // from the block-table width, before its sequence length arrives (see decode_item). 0: off
-  // (PAGEDLLM_DECODE_BT_PREFETCH=0, for benchmarking).
-  int bt_prefetch = 1;
 };
 
 /// atom.add with acquire-release semantics at GPU scope (PTX ISA, "Memory Consistency Model"):

@@ -122,16 +122,6 @@ bool even_splits_enabled() {
   return on;
 }
 
-/// PAGEDLLM_DECODE_BT_PREFETCH=0 turns off v2's early block-table prefetch (AttnParams::bt_prefetch;
-/// for benchmarking; read once).
-bool bt_prefetch_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("PAGEDLLM_DECODE_BT_PREFETCH");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on;
-}
-
 /// How split-K partitions are combined: the reduction kernel after the decode kernel, or the last
 /// partition of each group inside the decode kernel (v2 only; AttnParams::split_counters).
 /// PAGEDLLM_SPLITK_COMBINE=kernel or =inkernel forces one wherever it is possible (for testing and
@@ -336,7 +326,6 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   if (v2 && p.num_splits > 1 && forced_combine() != 1 &&
       (forced_combine() == 2 || in_kernel_combine_pays(kind, p.num_splits)))
     p.split_counters = split_counters_for(stream, groups);
-  p.bt_prefetch = bt_prefetch_enabled() ? 1 : 0;
   g_last_plan = DecodePlanInfo{kind_name(kind), p.num_splits,
                                p.num_splits == 1 ? "none" : p.split_counters != nullptr ? "in-kernel" : "kernel"};
   auto launch = [&] {

@@ -73,12 +73,6 @@ struct DecodeItem {
 };
 
 /// Item index -> (sequence, KV head, head chunk, partition); partition fastest.
-/// The item's first tile needs two dependent loads before its K/V can be requested: the sequence
-/// length (which places the partition) and then the block-table entry. With p.bt_prefetch the
-/// entry's line is requested at the same time as the length, at the partition start that a
-/// sequence filling the whole block table would have (exact for fixed partitions without a
-/// window; for even partitions whenever the context fills the table, as at 1 x 4,096 with a
-/// 256-block table): a wrong guess only wastes the prefetch.
 __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, int head_chunks) {
   DecodeItem it;
   const int splits = p.num_splits;
@@ -91,14 +85,6 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   it.group = (it.seq * p.num_kv_heads + it.kv_head) * head_chunks + hc;
   it.h0 = it.kv_head * p.group + hc * 16;
   it.nrows = min(16, p.group - hc * 16);
-  it.bt = p.block_tables + static_cast<int64_t>(it.seq) * p.max_blocks_per_seq;
-  if (p.bt_prefetch && p.max_blocks_per_seq > 0) {
-    const int full = p.max_blocks_per_seq << p.block_shift;  // tokens of a full block table
-    const int guess = splits == 1     ? 0
-                      : p.even_splits ? it.split * (((full + 15) / 16 + splits - 1) / splits * 16)
-                                      : it.split * p.partition_tokens;
-    if (guess < full) asm volatile("prefetch.global.L1 [%0];" ::"l"(it.bt + (guess >> p.block_shift)));
-  }
   const int seq_len = p.seq_lens[it.seq];
   int start = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
   int end = seq_len;
@@ -117,6 +103,7 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   it.start = start;
   it.end = end;
   it.ntiles = end > start ? (end - start + 15) / 16 : 0;
+  it.bt = p.block_tables + static_cast<int64_t>(it.seq) * p.max_blocks_per_seq;
   return it;
 }
 
