@@ -180,8 +180,6 @@ def bench_chain(ops, bw: float, m: int = 1, layers: int = 32, sleep_variants: bo
                 o = F.linear(qkv[:, :h].contiguous(), w["o"])
             else:
                 qkv = ops.gemv(hidden, w["qkv"])
-                if mode.endswith("prefetch_o"):
-                    ops.l2_prefetch(w["o"])
                 if attention_cycles:
                     torch.cuda._sleep(attention_cycles)
                 o = ops.gemv(qkv[:, :h], w["o"])

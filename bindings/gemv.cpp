@@ -55,7 +55,4 @@ PAGEDLLM_BINDING(gemv, m) {
       py::arg("tokens"), py::arg("in_features"), py::arg("dtype"),
       "Whether a GEMV prologue fusion (norm_weight / silu_and_mul) fits the current CUDA device's "
       "shared memory for tokens x in_features elements of dtype ('bfloat16' / 'float16').");
-  m.def("l2_prefetch", &pagedllm::l2_prefetch, py::arg("tensor"), py::arg("stream") = 0,
-        py::call_guard<py::gil_scoped_release>(),
-        "Ask the L2 cache to fetch a contiguous CUDA tensor's bytes (asynchronous hint, sm_90).");
 }

@@ -48,8 +48,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "device_guard.h"
 #include "gemv_cuda.h"
@@ -497,42 +495,6 @@ void dispatch_prologue(GemvParams p, Prologue pro, int variant, int warps, bool 
 
 bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
 
-constexpr int64_t kPrefetchChunk = 16 << 10;  // bytes per prefetch instruction
-
-constexpr int64_t kPrefetchLine = 128;  // bytes per prefetch.global.L2 (one L2 line)
-
-/// Prefetches [begin, begin + bytes) into L2, after the previous grid has completed: as a
-/// programmatic dependent this kernel starts while that grid (e.g. the qkv GEMV) still streams its
-/// own weights, and prefetching then would only compete with it for HBM; after the wait the
-/// requests overlap what follows (rotary, decode attention), which leave HBM idle.
-/// flags bit 0 (PAGEDLLM_L2_PREFETCH_EARLY=1): prefetch before the wait instead. Bit 1
-/// (PAGEDLLM_L2_PREFETCH_MODE=bulk): one cp.async.bulk.prefetch.L2 of kPrefetchChunk bytes per
-/// thread; otherwise one prefetch.global.L2 per 128-byte line, grid-strided.
-__global__ void l2_prefetch_kernel(const char* begin, int64_t bytes, int flags) {
-  detail::pdl_launch_dependents();
-  const bool early = flags & 1, bulk = flags & 2;
-  if (!early) detail::pdl_wait();
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (bulk) {
-    const int64_t off = t * kPrefetchChunk;
-    if (off < bytes) prefetch_l2(begin + off, static_cast<uint32_t>(min(kPrefetchChunk, bytes - off)));
-  } else {
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kPrefetchLine;
-    for (int64_t off = t * kPrefetchLine; off < bytes; off += stride)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(begin + off));
-  }
-  if (early) detail::pdl_wait();
-}
-
-int l2_prefetch_flags() {
-  static const int flags = [] {
-    const char* e = std::getenv("PAGEDLLM_L2_PREFETCH_EARLY");
-    const char* m = std::getenv("PAGEDLLM_L2_PREFETCH_MODE");
-    return (e != nullptr && std::string(e) == "1" ? 1 : 0) | (m != nullptr && std::string(m) == "bulk" ? 2 : 0);
-  }();
-  return flags;
-}
-
 /// Smallest cluster split (1, 2, 4, 8; 1 only below sm_90) at or above `from` whose staged x fits
 /// next to the reduction buffer in `limit` bytes; 0 if none does.
 int staged_splits(int M, int K, int elem, int from, int64_t reduce, int64_t limit, bool hopper) {
@@ -548,26 +510,6 @@ bool gemv_stage_fits(int64_t M, int64_t K, int elem_bytes) {
   const bool hopper = detail::current_device_major() >= 9;
   return staged_splits(static_cast<int>(M), static_cast<int>(K), elem_bytes, 1, reduce_bytes(8, 2), smem_optin(),
                        hopper) > 0;
-}
-
-void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream) {
-  const auto addr = reinterpret_cast<std::uintptr_t>(data);
-  const std::uintptr_t first = (addr + 15) / 16 * 16, last = (addr + bytes) / 16 * 16;
-  if (last <= first) return;
-  const int64_t n = static_cast<int64_t>(last - first);
-  const int flags = l2_prefetch_flags();
-  const int block = 256;
-  int64_t ctas;
-  if (flags & 2) {
-    ctas = ((n + kPrefetchChunk - 1) / kPrefetchChunk + block - 1) / block;
-  } else {  // two CTAs per SM, each thread a few lines
-    int sms = 0, dev = 0;
-    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
-    PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    ctas = std::min<int64_t>(2 * sms, (n + kPrefetchLine * block - 1) / (kPrefetchLine * block));
-  }
-  detail::launch_dependent(l2_prefetch_kernel, dim3(static_cast<unsigned>(ctas)), dim3(block), 0,
-                           reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<const char*>(first), n, flags);
 }
 
 void gemv(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,

@@ -21,7 +21,4 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
 /// memory on the current device (splitting K over up to 8 cluster CTAs on sm_90).
 bool gemv_stage_fits(int64_t M, int64_t K, int elem_bytes);
 
-/// cp.async.bulk.prefetch.L2 over [data, data + bytes) (16-byte aligned pieces inside it).
-void l2_prefetch(const void* data, int64_t bytes, std::uintptr_t stream);
-
 }  // namespace pagedllm::cuda

@@ -138,19 +138,4 @@ void silu_and_mul_gemv(const TensorView& out, const TensorView& input, const Ten
   run("silu_and_mul_gemv", out, input, weight, bias, f, stream, config);
 }
 
-void l2_prefetch(const TensorView& tensor, std::uintptr_t stream) {
-  const char* op = "l2_prefetch";
-  PAGEDLLM_CHECK(tensor.device == DeviceType::kCUDA, op, ": tensor is on ", detail::device_str(tensor),
-                 "; L2 prefetch is for CUDA tensors only");
-  check_contiguous(op, "tensor", tensor);
-  const int64_t bytes = tensor.numel() * static_cast<int64_t>(dtype_size(tensor.dtype));
-  if (bytes == 0) return;
-#if defined(PAGEDLLM_WITH_CUDA)
-  cuda::l2_prefetch(tensor.data, bytes, stream);
-#else
-  (void)stream;
-  throw std::runtime_error("l2_prefetch: got a CUDA tensor but pagedllm was built without CUDA");
-#endif
-}
-
 }  // namespace pagedllm

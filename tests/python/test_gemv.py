@@ -200,23 +200,6 @@ def test_graph_capture_chain_matches_eager(gen, pdl):
         ops.set_pdl_enabled(before)
 
 
-@pytest.mark.cuda
-@needs_cuda
-def test_l2_prefetch_leaves_data_and_order(gen):
-    """l2_prefetch reads nothing into registers and writes nothing; a GEMV right after it (same
-    stream, PDL on) still sees the input written just before."""
-    w = rand((4096, 1024), torch.bfloat16, gen, 0.05)
-    before = w.clone()
-    x = torch.zeros(1, 1024, dtype=torch.bfloat16, device="cuda")
-    src = rand((1, 1024), torch.bfloat16, gen)
-    x.copy_(src)
-    ops.l2_prefetch(w)
-    y = ops.gemv(x, w)
-    ops.l2_prefetch(w[1:3])  # unaligned start: rounded inward
-    check(y, src, w, None, torch.bfloat16, "gemv after l2_prefetch")
-    assert torch.equal(w, before)
-
-
 # ---------------------------------------------------------------- refusals
 def test_gemv_refuses_cpu_tensors():
     x = torch.randn(1, 16, dtype=torch.bfloat16)
@@ -227,8 +210,6 @@ def test_gemv_refuses_cpu_tensors():
     with pytest.raises(ValueError, match="CUDA only"):
         _C.gemv(ops._view(out), ops._view(x), ops._view(w))
     assert not ops.gemv_supported("cpu", torch.bfloat16)
-    with pytest.raises(ValueError, match="CUDA tensors only"):
-        ops.l2_prefetch(w)
 
 
 @pytest.mark.cuda

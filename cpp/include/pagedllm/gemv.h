@@ -91,12 +91,4 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
 void silu_and_mul_gemv(const TensorView& out, const TensorView& input, const TensorView& weight,
                        const TensorView* bias, std::uintptr_t stream = 0, const GemvConfig* config = nullptr);
 
-/// Ask the L2 cache to fetch the bytes of `tensor` (contiguous, on a CUDA device), asynchronously,
-/// on `stream` (cp.async.bulk.prefetch.L2, sm_90; a no-op kernel below sm_90). A hint: nothing is
-/// read into registers and nothing is written. Used to pull the next projection's weight into L2
-/// while latency-bound kernels (decode attention at small batch) leave HBM idle; only useful for
-/// tensors well below the L2 size. The kernel is a programmatic dependent like the GEMV (it waits
-/// for the previous kernel before it exits, so stream order is kept for the kernels after it).
-void l2_prefetch(const TensorView& tensor, std::uintptr_t stream = 0);
-
 }  // namespace pagedllm

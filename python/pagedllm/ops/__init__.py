@@ -47,7 +47,6 @@ __all__ = [
     "gemv",
     "gemv_supported",
     "gemv_fusion_fits",
-    "l2_prefetch",
     "pdl_enabled",
     "set_pdl_enabled",
 ]
@@ -210,7 +209,6 @@ from pagedllm.ops.gemv import (  # noqa: E402
     gemv,
     gemv_fusion_fits,
     gemv_supported,
-    l2_prefetch,
     pdl_enabled,
     set_pdl_enabled,
 )

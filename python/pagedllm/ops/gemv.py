@@ -71,12 +71,6 @@ def gemv_fusion_fits(tokens: int, in_features: int, dtype: torch.dtype) -> bool:
     return bool(_C.gemv_fusion_fits(int(tokens), int(in_features), str(dtype).removeprefix("torch.")))
 
 
-def l2_prefetch(tensor: torch.Tensor) -> None:
-    """Ask the L2 cache to fetch ``tensor`` (contiguous, CUDA) on the current stream: an
-    asynchronous hint (sm_90), e.g. the next projection's weight while decode attention runs."""
-    _C.l2_prefetch(_view(tensor), _stream(tensor))
-
-
 def pdl_enabled() -> bool:
     """Whether programmatic dependent launch is on (``pagedllm/cuda_runtime.h``)."""
     return bool(_C.pdl_enabled())

@@ -171,17 +171,6 @@ GEMV_CROSSOVER_TOKENS = 8
 GEMV_FUSE_DEFAULT = 0
 
 
-def _l2_prefetch_fits(weight: torch.Tensor) -> bool:
-    """Whether to prefetch `weight` (the O projection's) into L2 while rotary + attention run: only
-    when PAGEDLLM_L2_PREFETCH=1 (off by default: on the H200 every form measured slower, 0.1-0.4 ms
-    per batch-1 token; bench/gpu_engine_notes.md "Session 6"), and for a CUDA tensor of at most 75%
-    of the L2."""
-    if not weight.is_cuda or os.environ.get("PAGEDLLM_L2_PREFETCH", "0") != "1":
-        return False
-    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
-    return weight.numel() * weight.element_size() <= 0.75 * l2
-
-
 def _project(layer: nn.Linear, x: torch.Tensor, gemv: bool) -> torch.Tensor:
     return ops.gemv(x, layer.weight, layer.bias) if gemv else layer(x)
 
@@ -209,7 +198,6 @@ class DecoderLayer(nn.Module):
         self.fused = ops.layer_ops_supported(device, dtype)
         self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
         self.gemv_max_tokens = gemv_max_tokens(device, dtype)
-        self.prefetch_o = None  # decided on the first GEMV step (the weight is loaded by then)
 
     def forward(
         self,
@@ -232,7 +220,7 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_and_norm(hidden, residual)
         qkv = _project(self.qkv_proj, h, gemv)
-        attn = self._attention(qkv, positions, cos_sin, rotary, kv_cache, meta, gemv)
+        attn = self._attention(qkv, positions, cos_sin, rotary, kv_cache, meta)
         hidden = _project(self.o_proj, attn, gemv)
         h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         gate_up = _project(self.gate_up_proj, h, gemv)
@@ -255,7 +243,7 @@ class DecoderLayer(nn.Module):
         T = stream.shape[0]
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         qkv = ops.gemv(stream, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=n1.weight, eps=n1.eps)
-        attn = self._attention(qkv, positions, None, rotary, kv_cache, meta, True)
+        attn = self._attention(qkv, positions, None, rotary, kv_cache, meta)
         ops.gemv(attn, self.o_proj.weight, self.o_proj.bias, out=stream, residual=stream)
         gate_up = ops.gemv(stream, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=n2.weight,
                            eps=n2.eps)
@@ -269,15 +257,10 @@ class DecoderLayer(nn.Module):
 
     def _attention(self, qkv: torch.Tensor, positions: torch.Tensor,
                    cos_sin: tuple[torch.Tensor, torch.Tensor] | None, rotary: RotaryEmbedding,
-                   kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, gemv: bool) -> torch.Tensor:
+                   kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """qkv [T, q_size + 2 kv_size] -> attention output [T, q_size] (rotary, KV cache write,
         paged attention)."""
         T = qkv.shape[0]
-        if gemv:
-            if self.prefetch_o is None:
-                self.prefetch_o = _l2_prefetch_fits(self.o_proj.weight)
-            if self.prefetch_o:  # into L2 while rotary + attention leave HBM idle (opt-in)
-                ops.l2_prefetch(self.o_proj.weight)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
