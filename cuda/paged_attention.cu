@@ -154,6 +154,12 @@ bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
   return kind == DecodeKernel::kV2Cta && splits <= kInKernelCtaMaxSplits;
 }
 
+/// The split-K reduction kernel's launch and the gap before it, in rounds, paid once per call (not
+/// per wave): at 64 x 4,096 the warp plan with 2 partitions and the reduction kernel measured 1.3%
+/// slower than pairs without a split, which the per-wave terms alone priced 0.6% cheaper
+/// (bench/cuda_kernels_notes.md run 10).
+constexpr double kReductionLaunchRounds = 2.0;
+
 /// Cost of a decode kernel with `s` splits in a wave-aware model: with `units` work units running
 /// at once (warps for v2 warp items, CTAs otherwise) and base = the work items of one partition,
 /// S splits give ceil(base * S / units) waves, each as long as the longest partition (in rounds
@@ -165,9 +171,8 @@ bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
 /// the H200 (bench/cuda_kernels_notes.md): whole-CTA items for short contexts at batch 1
 /// (1 x 300 with a 32-block table: 7.9 us against 9.1 us with 8 warp items), warp items where
 /// the two are within noise (8 x 4,096, 64 x 4,096) or warp items measured faster (1 x 32,768,
-/// 128 splits: 42.6 us in run 4 against 45.3 us with 32 CTA items in run 5).
-constexpr double kReductionLaunchRounds = 2.0;
-
+/// 128 splits: 42.6 us in run 4 against 45.3 us with 32 CTA items in run 5). A v2 plan that
+/// launches the reduction kernel also pays kReductionLaunchRounds once per call (run 10).
 struct CostModel {
   int64_t base = 1, units = 1, tokens_per_round = 16, fixed = 1, min_partition = 64;
   bool v2_reduce = false;  // the v2 reduction costs above; otherwise the reduction is 1 round
@@ -183,10 +188,6 @@ struct CostModel {
     else if (s > 1) reduce = s <= kWarpReduceMaxSplits ? 1.0 + s / 8.0 : 2.0 + s / 64.0;
     const double rounds =
         static_cast<double>((part_tokens + tokens_per_round - 1) / tokens_per_round + fixed) + reduce;
-    // v2 with the reduction kernel also pays that kernel's launch and the gap before it once per
-    // call, not per wave: ~2 rounds (at 64 x 4,096 the warp plan with 2 partitions and the
-    // reduction kernel measured 1.3% slower than pairs without a split, which the per-wave terms
-    // alone priced 0.6% cheaper; bench/cuda_kernels_notes.md run 9).
     const bool reduction_kernel = v2_reduce && s > 1 && s > in_kernel_max_splits;
     return static_cast<double>(waves) * rounds + (reduction_kernel ? kReductionLaunchRounds : 0.0);
   }
