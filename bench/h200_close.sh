@@ -30,18 +30,24 @@ grep -E '"output_tok_s"|ratio_vs_hf|batch1_s_per_token|batch1_vs_floor|fraction_
 t0=$(date +%s)
 timeout 90 python3 bench/batch1_breakdown.py --out "$OUT" --name "batch1_breakdown-$NAME" > "$OUT/$NAME-b1.log" 2>&1
 echo "batch1_breakdown: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
-t0=$(date +%s)
-timeout 80 python3 bench/cuda_kernels.py --quick --tag "$NAME" --out "$OUT" > "$OUT/$NAME-kernels.log" 2>&1
-echo "cuda_kernels --quick: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
-grep -h '"batch"' "$OUT/$NAME-kernels.log" | cut -c1-260 | tee -a "$OUT/summary.log"
-# AB_ENV: the same quick bench again under these settings (e.g. a switch that turns a change off)
+# quick_kernels SUFFIX [VAR=VALUE...]: bench/cuda_kernels.py --quick under those settings, its
+# timing and goal-case rows appended to the summary
+quick_kernels() {
+  local suffix=$1 t0 rc
+  shift
+  t0=$(date +%s)
+  env "$@" timeout 80 python3 bench/cuda_kernels.py --quick --tag "$NAME$suffix" --out "$OUT" > "$OUT/$NAME-kernels$suffix.log" 2>&1
+  rc=$?
+  echo "cuda_kernels --quick${*:+ under $*}: rc=$rc $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
+  grep -h '"batch"' "$OUT/$NAME-kernels$suffix.log" | cut -c1-260 | tee -a "$OUT/summary.log"
+}
+quick_kernels ""
+# AB_ENV: the same quick bench again under these settings (e.g. a switch that turns a change off),
+# then once more as before (the run-to-run spread)
 if [ -n "${AB_ENV:-}" ]; then
-  env $AB_ENV timeout 80 python3 bench/cuda_kernels.py --quick --tag "$NAME-ab" --out "$OUT" > "$OUT/$NAME-kernels-ab.log" 2>&1
-  echo "cuda_kernels --quick under $AB_ENV: rc=$?" | tee -a "$OUT/summary.log"
-  grep -h '"batch"' "$OUT/$NAME-kernels-ab.log" | cut -c1-260 | tee -a "$OUT/summary.log"
-  timeout 80 python3 bench/cuda_kernels.py --quick --tag "$NAME-again" --out "$OUT" > "$OUT/$NAME-kernels-again.log" 2>&1
-  echo "cuda_kernels --quick again: rc=$?" | tee -a "$OUT/summary.log"
-  grep -h '"batch"' "$OUT/$NAME-kernels-again.log" | cut -c1-260 | tee -a "$OUT/summary.log"
+  read -ra ab <<< "$AB_ENV"
+  quick_kernels -ab "${ab[@]}"
+  quick_kernels -again
 fi
 [ -n "${SKIP_GRID:-}" ] && exit 0
 timeout 90 python3 bench/decode_variants.py --out "$OUT" --name "cuda-kernels-$NAME-grid" --timeout 85 --variants base > "$OUT/$NAME-grid.log" 2>&1
