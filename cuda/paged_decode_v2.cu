@@ -122,44 +122,53 @@ __device__ __forceinline__ void store_combined(T* dst, const float4& o, float to
 // the team's barrier, which orders those stores before it) one thread adds one to its group's
 // arrival counter with an acquire-release atomic at GPU scope (as CUTLASS's GenericBarrier; it
 // measured faster than a __threadfence in every thread, bench/cuda_kernels_notes.md run 8); the team that
-// sees num_splits - 1 is the last, reads all the group's partials from L2 (ld.global.cg: never a stale L1 line),
-// combines them with launch_splitk_reduce's formula in a fixed order of partitions (so the result
-// does not depend on which team came last; the reduction kernel sums the weights in another
-// order, so the two are not bitwise equal) and resets the counter to zero for the next launch.
-// `tid` / `nthreads`: this thread's index within the team and the team's size. The loads-first
-// form stops at 8 partitions: at 16 it raised the kernel to 255 registers (168 before; 200-234 now).
+// sees num_splits - 1 is the last, reads all the group's partials from L2 (ld.global.cg: never a stale
+// L1 line), combines them with launch_splitk_reduce's formula and resets the counter to zero for the
+// next launch. The partials go in chunks of kChunk partitions, every load of a chunk issued before
+// any use (one L2 round trip per chunk; a chunk of 16 raised the kernel to 255 registers), merged
+// across chunks as online-softmax states (FlashAttention-2's rescaling by exp2(old max - new max)).
+// The order of partitions is fixed, so the result does not depend on which team came last; the
+// reduction kernel sums the weights in another order, so the two are not bitwise equal.
+// `tid` / `nthreads`: this thread's index within the team and the team's size.
 template <typename T, int D>
 __device__ __forceinline__ void combine_splits(const AttnParams& p, const DecodeItem& it, int tid, int nthreads) {
   constexpr int kCols = D / 4;  // float4 columns
-  constexpr int kFew = 8;       // up to this many partitions: every load issued before any use
+  constexpr int kChunk = 8;     // partitions per L2 round trip
   const int S = p.num_splits;
   const int64_t row0 = static_cast<int64_t>(it.seq) * p.num_heads + it.h0;
   for (int idx = tid; idx < it.nrows * kCols; idx += nthreads) {
     const int r = idx / kCols, c = idx % kCols;
     const int64_t prow = (row0 + r) * S;
-    T* dst = static_cast<T*>(p.out) + (row0 + r) * D + 4 * c;
-    if (S <= kFew) {  // one L2 round trip; the same formula and order as the loop below
-      float pm[kFew], ps[kFew];
-      float4 pv[kFew];
+    float mmax = neg_inf(), total = 0.f;  // running maximum, and the weights' sum relative to it
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < S; s0 += kChunk) {
+      float pm[kChunk], ps[kChunk];
+      float4 pv[kChunk];
 #pragma unroll
-      for (int s = 0; s < kFew; ++s) {
-        if (s < S) {
-          pm[s] = __ldcg(p.partial_max + prow + s);
-          ps[s] = __ldcg(p.partial_sum + prow + s);
-          pv[s] = __ldcg(reinterpret_cast<const float4*>(p.partial_out + (prow + s) * D) + c);
+      for (int s = 0; s < kChunk; ++s) {
+        if (s0 + s < S) {
+          pm[s] = __ldcg(p.partial_max + prow + s0 + s);
+          ps[s] = __ldcg(p.partial_sum + prow + s0 + s);
+          pv[s] = __ldcg(reinterpret_cast<const float4*>(p.partial_out + (prow + s0 + s) * D) + c);
         }
       }
-      float mmax = neg_inf();
+      float cmax = mmax;
 #pragma unroll
-      for (int s = 0; s < kFew; ++s)
-        if (s < S) mmax = fmaxf(mmax, pm[s]);
-      const float base = mmax == neg_inf() ? 0.f : mmax;
-      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-      float total = 0.f;
+      for (int s = 0; s < kChunk; ++s)
+        if (s0 + s < S) cmax = fmaxf(cmax, pm[s]);
+      if (cmax == neg_inf()) continue;  // every partition so far empty: nothing to add
+      // The state so far, rescaled to the new maximum (0 while it is empty: mmax = -inf).
+      const float f = exp2f(mmax - cmax);
+      total *= f;
+      o.x *= f;
+      o.y *= f;
+      o.z *= f;
+      o.w *= f;
+      mmax = cmax;
 #pragma unroll
-      for (int s = 0; s < kFew; ++s) {
-        if (s < S) {
-          const float w = ps[s] * exp2f(pm[s] - base);
+      for (int s = 0; s < kChunk; ++s) {
+        if (s0 + s < S) {
+          const float w = ps[s] * exp2f(pm[s] - cmax);
           total += w;
           o.x += w * pv[s].x;
           o.y += w * pv[s].y;
@@ -167,25 +176,8 @@ __device__ __forceinline__ void combine_splits(const AttnParams& p, const Decode
           o.w += w * pv[s].w;
         }
       }
-      store_combined(dst, o, total);
-      continue;
     }
-    float mmax = neg_inf();
-    for (int s = 0; s < S; ++s) mmax = fmaxf(mmax, __ldcg(p.partial_max + prow + s));
-    const float base = mmax == neg_inf() ? 0.f : mmax;  // all partitions empty: weights 0
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    float total = 0.f;
-#pragma unroll 4
-    for (int s = 0; s < S; ++s) {
-      const float w = __ldcg(p.partial_sum + prow + s) * exp2f(__ldcg(p.partial_max + prow + s) - base);
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial_out + (prow + s) * D) + c);
-      total += w;
-      o.x += w * v.x;
-      o.y += w * v.y;
-      o.z += w * v.z;
-      o.w += w * v.w;
-    }
-    store_combined(dst, o, total);
+    store_combined(static_cast<T*>(p.out) + (row0 + r) * D + 4 * c, o, total);
   }
 }
 
