@@ -148,7 +148,10 @@ int forced_combine() {  // 0 = model, 1 = reduction kernel, 2 = in-kernel
 /// run 8e). With the cost model's half round, 1 x 4,096 ties between 16 partitions in the kernel
 /// (11.88-12.06 us in run 8e and the final run) and 32 with the reduction kernel (11.77-11.86) and
 /// takes 16; a 300-token context under a 256-block table (1 x 300:w256) takes 16 in the kernel
-/// too (7.46 us; 8.3-8.6 with 32 and the reduction kernel in runs 8a/8b, 3-deep rings).
+/// too (7.46 us; 8.3-8.6 with 32 and the reduction kernel in runs 8a/8b, 3-deep rings). Since
+/// the combine reads partials in chunks of 8 (run 11), 1 x 4,096 with 16 in the kernel takes
+/// 11.34-11.55 us, and 24 / 32 in the kernel (12.01 / 12.05) beat the reduction kernel (12.40 /
+/// 12.28) but not 16. The limit stays 16: the wave model would price 32 (two CTAs per SM) lower.
 constexpr int64_t kInKernelCtaMaxSplits = 16;
 bool in_kernel_combine_pays(DecodeKernel kind, int64_t splits) {
   return kind == DecodeKernel::kV2Cta && splits <= kInKernelCtaMaxSplits;
