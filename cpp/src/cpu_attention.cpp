@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_attention_amx.h"
 #include "cpu_attention_tiles.h"
 #include "cpu_kernels.h"
 
@@ -26,6 +27,17 @@ using namespace tiles;
 /// Launches with less work than this (multiply-adds of QK^T per query head group) run on the
 /// calling thread only.
 constexpr int64_t kMinParallelElements = 1 << 16;
+
+/// The AMX path (cpu_attention_amx.h) applies: a bfloat16 cache of head size 64 or 128 on a CPU
+/// with AMX (unless PAGEDLLM_CPU_ATTENTION_AMX=0).
+template <typename T, int D>
+constexpr bool kAmxShape = std::is_same_v<T, bf16> && (D == 64 || D == 128);
+
+template <typename T, int D>
+bool use_amx() {
+  if constexpr (kAmxShape<T, D>) return amx_attention_enabled();
+  return false;
+}
 
 template <typename T>
 Context<T> make_context(const TensorView& key_cache, const TensorView& value_cache,
@@ -60,9 +72,13 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
     pacc.resize(pm.size() * D);
   }
   const int64_t items = B * Hkv * S;
+  const bool amx_decode = use_amx<T, D>() && G <= 16;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, items)))
   {
     Workspace w(G, D, c.block_size);
+#if PAGEDLLM_HAVE_AMX
+    AmxThread amx(amx_decode);
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t b = item / (Hkv * S);
@@ -80,7 +96,19 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
         w.pos[g] = static_cast<int32_t>(p);
       }
       reset_rows(w, G, D);
-      if (lo < hi) attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, scale, w);
+      if (lo < hi) {
+        bool done = false;
+#if PAGEDLLM_HAVE_AMX
+        if constexpr (kAmxShape<T, D>) {
+          if (amx_decode) {
+            attend_blocks_amx<D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, scale, w.qb.data(),
+                                 w.pos.data(), w.m.data(), w.l.data(), w.acc.data(), *amx.scratch);
+            done = true;
+          }
+        }
+#endif
+        if (!done) attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, scale, w);
+      }
       for (int g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
         if (S == 1) {
@@ -159,9 +187,13 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
   int64_t work = 0;  // query rows x visible tokens per KV head, in tiles
   for (const PrefillTile& t : tiles) work += t.cost;
   if (work * Hkv * D < kMinParallelElements) nt = 1;
+  const bool amx_prefill = use_amx<T, D>();
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, std::max<int64_t>(items, 1))))
   {
     Workspace w(R, D, c.block_size);
+#if PAGEDLLM_HAVE_AMX
+    AmxThread amx(amx_prefill);
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const PrefillTile& tile = tiles[item / Hkv];
@@ -182,12 +214,30 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
       const int64_t lo = c.sliding_window > 0
                              ? std::max<int64_t>(0, first_pos + tile.q0 - c.sliding_window + 1)
                              : 0;
-#if defined(__AVX512F__)
-      if (rows >= 16)
-        attend_blocks_rows16<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
-      else
+      bool done = false;
+#if PAGEDLLM_HAVE_AMX
+      if constexpr (kAmxShape<T, D>) {
+        if (amx_prefill) {  // groups of up to 16 rows (positions non-decreasing within the item)
+          for (int r0 = 0; r0 < rows; r0 += 16) {
+            const int n = std::min(16, rows - r0);
+            const int64_t ghi = w.pos[r0 + n - 1] + 1;
+            const int64_t glo = c.sliding_window > 0 ? std::max<int64_t>(0, w.pos[r0] - c.sliding_window + 1) : 0;
+            attend_blocks_amx<D>(c, c.block_tables + b * c.max_blocks, kvh, glo, ghi, n, scale,
+                                 w.qb.data() + r0 * D, w.pos.data() + r0, w.m.data() + r0, w.l.data() + r0,
+                                 w.acc.data() + size_t(r0) * D, *amx.scratch);
+          }
+          done = true;
+        }
+      }
 #endif
-        attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
+      if (!done) {
+#if defined(__AVX512F__)
+        if (rows >= 16)
+          attend_blocks_rows16<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
+        else
+#endif
+          attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, rows, scale, w);
+      }
       for (int64_t i = tile.q0; i < tile.q1; ++i)
         for (int g = 0; g < G; ++g) {
           const int r = static_cast<int>(i - tile.q0) * G + g;

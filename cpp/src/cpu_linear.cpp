@@ -16,21 +16,12 @@
 
 #include <algorithm>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_vec.h"
 #include "kernel_checks.h"
 #include "pagedllm/attention.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PAGEDLLM_HAVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define PAGEDLLM_HAVE_AMX 0
-#endif
 
 namespace pagedllm {
 
@@ -41,35 +32,8 @@ constexpr int64_t kRowBlock = 256;  // rows per row block (the x block stays in 
 constexpr int64_t kKBlock = 16;     // K steps per K block (a pair-block's 32 KB of weight stays in L1)
 
 #if PAGEDLLM_HAVE_AMX
-constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: request permission for a dynamic xstate feature
-constexpr long kXfeatureXtiledata = 18;
-
-bool request_tile_permission() {
-  static std::once_flag once;
-  static bool granted = false;
-  std::call_once(once, [] {
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return;
-    granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  });
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;  // 16 float32 accumulators or 32 bfloat16 per row
-  }
-  _tile_loadconfig(&cfg);
-}
+using cpu::amx_available;
+using cpu::load_amx_tile_config;
 
 /// out rows [0, rows) and columns [n0, n0 + 32) from the four accumulator tiles (+ bias).
 inline void store_block(float (*acc)[kTile], int64_t rows, cpu::bf16* out, int64_t ldo, const float* bias) {
@@ -144,7 +108,7 @@ void check_amx(const char* op) {
 
 bool amx_linear_supported() {
 #if PAGEDLLM_HAVE_AMX
-  return request_tile_permission();
+  return amx_available();
 #else
   return false;
 #endif
@@ -245,7 +209,7 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
   const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), pairs));
 #pragma omp parallel num_threads(threads)
   {
-    load_tile_config();
+    load_amx_tile_config();
     // float32 accumulators of the row block's chunks for one pair-block (32 KB), kept across
     // K blocks: a pair-block's K block of weight (kKBlock steps, 32 KB) stays in L1 while every
     // chunk of the row block uses it.

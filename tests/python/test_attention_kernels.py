@@ -8,7 +8,10 @@ is poisoned with NaN before each call; caches have shuffled block ids and NaN in
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -388,3 +391,17 @@ def test_num_threads_setting():
     assert ops.get_num_threads() == 1
     ops.set_num_threads(0)
     assert ops.get_num_threads() >= 1
+
+
+@pytest.mark.skipif(os.environ.get("PAGEDLLM_CPU_ATTENTION_AMX") == "0", reason="already on the AVX-512 path")
+def test_cpu_bf16_attention_without_amx():
+    """The CPU decode and prefill reference tests of this file again with PAGEDLLM_CPU_ATTENTION_AMX=0:
+    on a CPU with AMX, bfloat16 caches of head size 64 and 128 otherwise take the AMX tile path
+    (cpu_attention_amx.h), so this child pytest is what checks the AVX-512 path for them (the
+    setting is read once per process)."""
+    env = dict(os.environ, PAGEDLLM_CPU_ATTENTION_AMX="0")
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider",
+           "-m", "not cuda", "-k", "(decode or prefill) and cpu and not errors"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"CPU attention tests on the AVX-512 path failed:\n{r.stdout[-3000:]}"
+    assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-3000:]

@@ -1,0 +1,247 @@
+// cpp/src/cpu_attention_amx.h — attend_blocks on Intel AMX tiles (bf16 caches, head size 64 or
+// 128, at most 16 query rows per call). Used by cpu_attention.cpp for decode and prefill when
+// amx_available() (cpu_amx.h) and PAGEDLLM_CPU_ATTENTION_AMX is not 0.
+//
+// The context [lo, hi) is taken in segments of kAmxSegment tokens, each in three passes:
+//  1. scores: S^T[token][row] = K[token] . q[row] by TDPBF16PS, one 16 x 16 float32 tile per
+//     16-token chunk: A = the chunk's K rows straight from the cache (16 rows x 32 d, row stride
+//     D), B = Q^T in VNNI order (built once per call), so K is never converted or transposed;
+//  2. softmax per row on float32 vectors (a row's column of S^T gathered 16 tokens at a time):
+//     scale, soft cap, causal / window / range mask, the segment maximum, P = exp(s - m) rounded to
+//     bfloat16 and stored as the A operand P[row][token]; l sums the rounded P, so that
+//     out = sum P V / sum P uses the same weights;
+//  3. P V by TDPBF16PS into 16 x 16 float32 tiles (64 output columns at a time): B = V in VNNI
+//     order (pairs of token rows interleaved, two VPERMT2W per 32 columns), tokens outside
+//     [lo, hi) as zero rows (the cache may hold NaN in slots no sequence owns).
+// The segment's result merges into the caller's online-softmax state (m, l, acc) exactly as
+// attend_blocks does per block (FlashAttention-2, Dao 2023). Against attend_blocks the only
+// extra rounding is P in bfloat16 (as the CUDA kernels' mma.sync P operand).
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "cpu_amx.h"
+
+namespace pagedllm::cpu::tiles {
+
+/// The CPU attention kernels take the AMX path for bfloat16 caches of head size 64 or 128 when
+/// amx_available() and PAGEDLLM_CPU_ATTENTION_AMX is not "0" (read once; "0" keeps the AVX-512
+/// path, for benchmarking and testing both).
+inline bool amx_attention_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("PAGEDLLM_CPU_ATTENTION_AMX");
+    return amx_available() && !(v != nullptr && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
+}  // namespace pagedllm::cpu::tiles
+
+#if PAGEDLLM_HAVE_AMX
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+
+#include "cpu_attention_tiles.h"
+
+namespace pagedllm::cpu::tiles {
+
+constexpr int kAmxSegment = 256;  // tokens per segment (a multiple of 32)
+
+/// Per-thread scratch of attend_blocks_amx (~56 KB; allocate with new: 64-byte aligned).
+struct alignas(64) AmxScratch {
+  float st[kAmxSegment * 16];       // S^T [token][16 rows]
+  float x[16 * kAmxSegment];        // masked, scaled scores [row][token]
+  bf16 p[16 * kAmxSegment];         // P [16 rows][token], rows >= R zero (A operand)
+  uint32_t bq[4 * 16 * 16];         // Q^T, D / 32 VNNI tiles [d pair][row]
+  uint32_t bv[4 * 16 * 16];         // V, 4 VNNI tiles [token pair][16 columns]
+  float o[16 * 128];                // the segment's P V [16 rows][D]
+  float corr[16];                   // per row: exp(m_old - m_new)
+};
+
+/// One thread's AMX state for a parallel region: the scratch and the tile configuration, loaded on
+/// construction and released (TILERELEASE) on destruction; inert when `on` is false.
+struct AmxThread {
+  std::unique_ptr<AmxScratch> scratch;
+  explicit AmxThread(bool on) {
+    if (!on) return;
+    scratch.reset(new AmxScratch);
+    load_amx_tile_config();
+  }
+  ~AmxThread() {
+    if (scratch) _tile_release();
+  }
+  AmxThread(const AmxThread&) = delete;
+  AmxThread& operator=(const AmxThread&) = delete;
+};
+
+/// attend_blocks (cpu_attention_tiles.h) for a bfloat16 cache on AMX: R <= 16 query rows, qb their
+/// unscaled bf16 values [R][D], pos their positions; updates m, l ([R]) and acc ([R][D]).
+/// The calling thread must have loaded the tile configuration (load_amx_tile_config).
+template <int D>
+void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh, int64_t lo, int64_t hi, int R,
+                       float scale, const bf16* qb, const int32_t* pos, float* m, float* l, float* acc,
+                       AmxScratch& sc) {
+  static_assert(D == 64 || D == 128, "AMX attention takes head sizes 64 and 128");
+  constexpr int KC = D / 32;  // 32-column A / B tiles per score tile
+  const int bs = c.block_size;
+  const float cap = c.soft_cap;
+  const int32_t window = c.sliding_window;
+  // Q^T in VNNI order: bq[kc][i][n] = (q[n][32 kc + 2 i], q[n][32 kc + 2 i + 1]), zero for n >= R.
+  std::memset(sc.bq, 0, sizeof(uint32_t) * KC * 256);
+  for (int n = 0; n < R; ++n) {
+    uint32_t row[D / 2];
+    std::memcpy(row, qb + n * D, sizeof(row));
+    for (int i = 0; i < D / 2; ++i) sc.bq[i * 16 + n] = row[i];  // (kc, i) = (i / 16, i % 16)
+  }
+  // P rows >= R stay zero; rows < R are rewritten for every 32-token group a segment uses.
+  std::memset(sc.p + R * kAmxSegment, 0, sizeof(bf16) * (16 - R) * kAmxSegment);
+  const int64_t kv_stride = static_cast<int64_t>(c.num_kv_heads) * bs * D;  // elements per block
+  const int bs_shift = std::countr_zero(static_cast<unsigned>(bs));          // bs is a power of two
+  auto kv_row = [&](int64_t token) {  // offset of `token`'s row of KV head kvh
+    return static_cast<int64_t>(table[token >> bs_shift]) * kv_stride + (kvh * bs + (token & (bs - 1))) * D;
+  };
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i column = _mm512_slli_epi32(lane, 4);  // S^T's column stride: 16 floats
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  // VPERMT2W indices interleaving a[0..15] with b[0..15] (lo) and a[16..31] with b[16..31] (hi).
+  alignas(64) int16_t ilo[32], ihi[32];
+  for (int k = 0; k < 16; ++k) {
+    ilo[2 * k] = static_cast<int16_t>(k);
+    ilo[2 * k + 1] = static_cast<int16_t>(32 + k);
+    ihi[2 * k] = static_cast<int16_t>(16 + k);
+    ihi[2 * k + 1] = static_cast<int16_t>(48 + k);
+  }
+  const __m512i idx_lo = _mm512_load_si512(ilo), idx_hi = _mm512_load_si512(ihi);
+
+  for (int64_t s0 = lo & ~int64_t{15}; s0 < hi; s0 += kAmxSegment) {
+    const int64_t s1 = std::min<int64_t>(hi, s0 + kAmxSegment);
+    const int nch = static_cast<int>((s1 - s0 + 15) / 16);  // 16-token chunks, each inside one block
+    // ---- 1. S^T, one tile per chunk, two chunks at a time (tmm0 / tmm1: independent chains, so
+    // one chunk's TDPBF16PS overlaps the other's); K two chunks ahead and V prefetched.
+    for (int ch = 0; ch < nch; ++ch) {
+      const int64_t t = s0 + 16 * ch;
+      if (t + 32 < s1) {
+        const char* nk = reinterpret_cast<const char*>(c.key_cache + kv_row(t + 32));
+        for (int off = 0; off < 16 * D * 2; off += 64) _mm_prefetch(nk + off, _MM_HINT_T0);
+      }
+      const char* v = reinterpret_cast<const char*>(c.value_cache + kv_row(t));
+      for (int off = 0; off < 16 * D * 2; off += 64) _mm_prefetch(v + off, _MM_HINT_T0);
+    }
+    for (int ch = 0; ch < nch; ch += 2) {
+      const bf16* ka = c.key_cache + kv_row(s0 + 16 * ch);
+      const bool two = ch + 1 < nch;
+      const bf16* kb = two ? c.key_cache + kv_row(s0 + 16 * ch + 16) : ka;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int kc = 0; kc < KC; ++kc) {
+        _tile_loadd(4, sc.bq + kc * 256, 64);
+        _tile_loadd(2, ka + 32 * kc, D * 2);
+        _tile_loadd(3, kb + 32 * kc, D * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+      }
+      _tile_stored(0, sc.st + ch * 256, 64);
+      if (two) _tile_stored(1, sc.st + (ch + 1) * 256, 64);
+    }
+    // ---- 2. softmax per row over the segment; P in bf16 (zero past the last chunk up to 32)
+    const int ngr = (nch + 1) / 2;  // 32-token groups of pass 3
+    for (int r = 0; r < R; ++r) {
+      const int64_t p = pos[r];
+      const __m512i hi_v = _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(hi - 1, p)));
+      const __m512i lo_v = _mm512_set1_epi32(static_cast<int32_t>(
+          window > 0 ? std::max<int64_t>(lo, p - window + 1) : lo));
+      float* xr = sc.x + r * kAmxSegment;
+      bf16* pr = sc.p + r * kAmxSegment;
+      __m512 mx = ninf;
+      for (int ch = 0; ch < nch; ++ch) {
+        const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(s0 + 16 * ch)));
+        const __mmask16 valid = _mm512_cmp_epi32_mask(j, lo_v, _MM_CMPINT_NLT) &
+                                _mm512_cmp_epi32_mask(j, hi_v, _MM_CMPINT_LE);
+        __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(column, sc.st + ch * 256 + r, 4), _mm512_set1_ps(scale));
+        if (cap > 0.0f)
+          x = _mm512_mul_ps(_mm512_set1_ps(cap), tanh512(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / cap))));
+        x = _mm512_mask_mov_ps(ninf, valid, x);
+        _mm512_store_ps(xr + 16 * ch, x);
+        mx = _mm512_max_ps(mx, x);
+      }
+      const float seg_max = _mm512_reduce_max_ps(mx);
+      if (seg_max == kNegInf) {  // nothing visible in this segment: P = 0, state unchanged
+        std::memset(pr, 0, sizeof(bf16) * 32 * ngr);
+        sc.corr[r] = 1.0f;
+        continue;
+      }
+      const float m_new = std::max(m[r], seg_max);
+      const __m512 mn = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int ch = 0; ch < nch; ++ch) {
+        const __m512 x = _mm512_load_ps(xr + 16 * ch);
+        const __mmask16 seen = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+        const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, exp512_neg(_mm512_sub_ps(x, mn))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * ch), pb);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+      }
+      if (nch % 2) std::memset(pr + 16 * nch, 0, sizeof(bf16) * 16);
+      const float corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
+      m[r] = m_new;
+      l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
+      sc.corr[r] = corr;
+    }
+    // ---- 3. O = P V, 64 columns at a time (tiles 0-3), 32 tokens per step
+    for (int h = 0; h < D / 64; ++h) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int g = 0; g < ngr; ++g) {
+        for (int hc = 0; hc < 2; ++hc) {  // the group's two 16-token chunks, each inside one block
+          const int64_t tc = s0 + 32 * g + 16 * hc;
+          const bool in = tc < hi;
+          const bf16* vc = in ? c.value_cache + kv_row(tc) + 64 * h : nullptr;
+          for (int jq = 0; jq < 8; ++jq) {  // token pair (t, t + 1) -> VNNI row jp of the 4 B tiles
+            const int jp = 8 * hc + jq;
+            const int64_t t = tc + 2 * jq;
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
+            if (in && t >= lo && t < hi) {
+              a0 = _mm512_loadu_si512(vc + 2 * jq * D);
+              a1 = _mm512_loadu_si512(vc + 2 * jq * D + 32);
+            }
+            if (in && t + 1 >= lo && t + 1 < hi) {
+              b0 = _mm512_loadu_si512(vc + (2 * jq + 1) * D);
+              b1 = _mm512_loadu_si512(vc + (2 * jq + 1) * D + 32);
+            }
+            _mm512_store_si512(sc.bv + 0 * 256 + jp * 16, _mm512_permutex2var_epi16(a0, idx_lo, b0));
+            _mm512_store_si512(sc.bv + 1 * 256 + jp * 16, _mm512_permutex2var_epi16(a0, idx_hi, b0));
+            _mm512_store_si512(sc.bv + 2 * 256 + jp * 16, _mm512_permutex2var_epi16(a1, idx_lo, b1));
+            _mm512_store_si512(sc.bv + 3 * 256 + jp * 16, _mm512_permutex2var_epi16(a1, idx_hi, b1));
+          }
+        }
+        _tile_loadd(4, sc.p + 32 * g, kAmxSegment * 2);
+        _tile_loadd(5, sc.bv, 64);
+        _tile_loadd(6, sc.bv + 256, 64);
+        _tile_loadd(7, sc.bv + 512, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, sc.bv + 768, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, sc.o + 64 * h, D * 4);
+      _tile_stored(1, sc.o + 64 * h + 16, D * 4);
+      _tile_stored(2, sc.o + 64 * h + 32, D * 4);
+      _tile_stored(3, sc.o + 64 * h + 48, D * 4);
+    }
+    // ---- merge: acc = acc * corr + O
+    for (int r = 0; r < R; ++r) {
+      const __m512 cr = _mm512_set1_ps(sc.corr[r]);
+      for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(acc + r * D + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + r * D + d), cr,
+                                                          _mm512_load_ps(sc.o + r * D + d)));
+    }
+  }
+}
+
+}  // namespace pagedllm::cpu::tiles
+#endif  // PAGEDLLM_HAVE_AMX
