@@ -38,9 +38,13 @@ def test_large_activations_reuse_heap_memory():
         quiet = quiet + 1 if minor_faults() - start < 100 else 0
         if quiet == 2:
             break
-    before = minor_faults()
-    for _ in range(3):
+    per_round = []
+    for _ in range(5):
+        start = minor_faults()
         one_round()
-    faults = minor_faults() - before
-    # untuned: ~16,000 faults per round (one per 4 KiB page); tuned: the heap's pages are reused
-    assert faults < 2000, f"{faults} minor page faults for 3 reused 64 MiB blocks"
+        per_round.append(minor_faults() - start)
+    # untuned: ~16,000 faults in every round (one per 4 KiB page); tuned: the heap's pages are
+    # reused. One late heap growth (a CI run once saw 3,283 faults in 3 rounds after the warm-up)
+    # may still fault part of a block in one round, so the median round is what must be quiet.
+    assert sorted(per_round)[2] < 500, f"minor page faults per reused 64 MiB block: {per_round}"
+    assert sum(per_round) < 16000, f"minor page faults per reused 64 MiB block: {per_round}"
