@@ -28,6 +28,8 @@ PAGEDLLM_BINDING(attention, m) {
   m.def("set_num_threads", &pagedllm::set_num_threads, py::arg("n"),
         "Threads of the CPU kernels; n <= 0 = all cores.");
   m.def("get_num_threads", &pagedllm::get_num_threads, "Threads of the CPU kernels.");
+  m.def("cpu_attention_uses_amx", &pagedllm::cpu_attention_uses_amx,
+        "True when the CPU attention runs bfloat16 caches of head size 64 / 128 on AMX tiles.");
   m.def(
       "paged_attention",
       [](const TensorView& out, const TensorView& query, const TensorView& key_cache,

@@ -302,3 +302,9 @@ void paged_prefill_attention(const TensorView& out, const TensorView& query,
 }
 
 }  // namespace pagedllm::cpu
+
+namespace pagedllm {
+
+bool cpu_attention_uses_amx() { return cpu::tiles::amx_attention_enabled(); }
+
+}  // namespace pagedllm

@@ -50,7 +50,7 @@ namespace pagedllm::cpu::tiles {
 
 constexpr int kAmxSegment = 256;  // tokens per segment (a multiple of 32)
 
-/// Per-thread scratch of attend_blocks_amx (~56 KB; allocate with new: 64-byte aligned).
+/// Per-thread scratch of attend_blocks_amx (~57 KB; allocate with new: 64-byte aligned).
 struct alignas(64) AmxScratch {
   float st[kAmxSegment * 16];       // S^T [token][16 rows]
   float x[16 * kAmxSegment];        // masked, scaled scores [row][token]
@@ -61,17 +61,20 @@ struct alignas(64) AmxScratch {
   float corr[16];                   // per row: exp(m_old - m_new)
 };
 
-/// One thread's AMX state for a parallel region: the scratch and the tile configuration, loaded on
-/// construction and released (TILERELEASE) on destruction; inert when `on` is false.
+/// One thread's AMX state for a parallel region: the tile configuration, loaded on construction
+/// and released (TILERELEASE) on destruction, and the thread's scratch (allocated on the thread's
+/// first use, kept for the thread's lifetime); inert when `on` is false.
 struct AmxThread {
-  std::unique_ptr<AmxScratch> scratch;
+  AmxScratch* scratch = nullptr;
   explicit AmxThread(bool on) {
     if (!on) return;
-    scratch.reset(new AmxScratch);
+    thread_local std::unique_ptr<AmxScratch> mine;
+    if (!mine) mine.reset(new AmxScratch);
+    scratch = mine.get();
     load_amx_tile_config();
   }
   ~AmxThread() {
-    if (scratch) _tile_release();
+    if (scratch != nullptr) _tile_release();
   }
   AmxThread(const AmxThread&) = delete;
   AmxThread& operator=(const AmxThread&) = delete;
@@ -120,17 +123,19 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
     const int64_t s1 = std::min<int64_t>(hi, s0 + kAmxSegment);
     const int nch = static_cast<int>((s1 - s0 + 15) / 16);  // 16-token chunks, each inside one block
     // ---- 1. S^T, one tile per chunk, two chunks at a time (tmm0 / tmm1: independent chains, so
-    // one chunk's TDPBF16PS overlaps the other's); K two chunks ahead and V prefetched.
-    for (int ch = 0; ch < nch; ++ch) {
-      const int64_t t = s0 + 16 * ch;
-      if (t + 32 < s1) {
-        const char* nk = reinterpret_cast<const char*>(c.key_cache + kv_row(t + 32));
-        for (int off = 0; off < 16 * D * 2; off += 64) _mm_prefetch(nk + off, _MM_HINT_T0);
-      }
-      const char* v = reinterpret_cast<const char*>(c.value_cache + kv_row(t));
-      for (int off = 0; off < 16 * D * 2; off += 64) _mm_prefetch(v + off, _MM_HINT_T0);
-    }
+    // one chunk's TDPBF16PS overlaps the other's). Prefetched meanwhile: the K of the pair after
+    // next (the segment's first two pairs up front) and this pair's V, for pass 3.
+    auto prefetch_chunk = [&](const bf16* cache, int ch) {
+      if (ch >= nch) return;
+      const char* a = reinterpret_cast<const char*>(cache + kv_row(s0 + 16 * ch));
+      for (int off = 0; off < 16 * D * 2; off += 64) _mm_prefetch(a + off, _MM_HINT_T0);
+    };
+    for (int ch = 0; ch < 4; ++ch) prefetch_chunk(c.key_cache, ch);
     for (int ch = 0; ch < nch; ch += 2) {
+      prefetch_chunk(c.key_cache, ch + 4);
+      prefetch_chunk(c.key_cache, ch + 5);
+      prefetch_chunk(c.value_cache, ch);
+      prefetch_chunk(c.value_cache, ch + 1);
       const bf16* ka = c.key_cache + kv_row(s0 + 16 * ch);
       const bool two = ch + 1 < nch;
       const bf16* kb = two ? c.key_cache + kv_row(s0 + 16 * ch + 16) : ka;

@@ -205,6 +205,27 @@ def test_prefill_long_prompt(device, gen):
     run_prefill(device, torch.float32, [(600, 600), (300, 150)], 6, 2, 128, 16, gen)
 
 
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (300, None), (None, 4.0)])
+def test_cpu_bf16_prefill_long_prompts(head_size, block_size, sliding_window, soft_cap, gen):
+    """bfloat16 prefill past the AMX path's 256-token segments (cpu_attention_amx.h): rows whose
+    16-row groups straddle a segment boundary, a window longer than a segment, a soft cap."""
+    run_prefill("cpu", torch.bfloat16, [(600, 600), (300, 150), (520, 9), (257, 3)], 6, 2, head_size, block_size,
+                gen, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def test_cpu_attention_uses_amx_exactly_where_the_build_and_os_allow_it():
+    """The AMX attention path is on wherever amx_linear can run (same build and OS permission),
+    unless PAGEDLLM_CPU_ATTENTION_AMX=0; and a CPU that lists AMX-BF16 must get it (a refused
+    tile permission or a build without AMX would otherwise leave the AMX kernels untested)."""
+    expected = ops.amx_linear_supported() and os.environ.get("PAGEDLLM_CPU_ATTENTION_AMX") != "0"
+    assert _C.cpu_attention_uses_amx() == expected
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    if "amx_bf16" in flags and "amx_tile" in flags:
+        assert ops.amx_linear_supported(), "this CPU has AMX-BF16 but the build or the OS does not allow it"
+
+
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_prefill_decode_rows_equal_decode_kernel(device, dtype, gen):
     """A batch of q_len-1 rows through the prefill kernel equals the decode kernel (same inputs)."""
@@ -401,7 +422,7 @@ def test_cpu_bf16_attention_without_amx():
     setting is read once per process)."""
     env = dict(os.environ, PAGEDLLM_CPU_ATTENTION_AMX="0")
     cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider",
-           "-m", "not cuda", "-k", "(decode or prefill) and cpu and not errors"]
+           "-m", "not cuda", "-k", "(decode or prefill) and cpu and not errors and not float32"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"CPU attention tests on the AVX-512 path failed:\n{r.stdout[-3000:]}"
     assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-3000:]

@@ -45,6 +45,7 @@ def test_large_activations_reuse_heap_memory():
         per_round.append(minor_faults() - start)
     # untuned: ~16,000 faults in every round (one per 4 KiB page); tuned: the heap's pages are
     # reused. One late heap growth (a CI run once saw 3,283 faults in 3 rounds after the warm-up)
-    # may still fault part of a block in one round, so the median round is what must be quiet.
+    # may still fault up to a whole block (16,384 pages) in one round, so the median round is what
+    # must be quiet, and the five together may fault at most ~1.5 blocks.
     assert sorted(per_round)[2] < 500, f"minor page faults per reused 64 MiB block: {per_round}"
-    assert sum(per_round) < 16000, f"minor page faults per reused 64 MiB block: {per_round}"
+    assert sum(per_round) < 24000, f"minor page faults per reused 64 MiB block: {per_round}"

@@ -68,6 +68,11 @@ void set_num_threads(int n);
 /// The CPU kernels' current thread count (>= 1).
 int get_num_threads();
 
+/// True when the CPU attention kernels run bfloat16 caches of head size 64 and 128 on Intel AMX
+/// tiles (a build for a CPU with AMX-BF16, the OS tile permission granted, and
+/// PAGEDLLM_CPU_ATTENTION_AMX not "0"); otherwise they use AVX-512 (cpp/src/cpu_attention_amx.h).
+bool cpu_attention_uses_amx();
+
 /// Decode attention: one query token per sequence against its paged context.
 ///
 ///   out          [B, Hq, D]   dtype of the cache, same device; written (every element)
