@@ -5,7 +5,9 @@
 // the rows walk the (block, kv head) tiles of their context once, so each contiguous K/V tile is
 // read from memory once per item and reused from L1 by every row (online softmax, fp32).
 // Split-K (flash-decoding) partitions a sequence's context; the partial (m, l, acc) triples are
-// combined by a log-sum-exp reduction. Work items are spread over OpenMP threads.
+// combined by a log-sum-exp reduction. Work items are spread over OpenMP threads. bfloat16 caches
+// of head size 64 or 128 take cpu_attention_amx.h's AMX tile version of the same walk instead
+// (rows in groups of at most 16), where the CPU has AMX (cpu_attention_uses_amx()).
 #include <omp.h>
 
 #include <algorithm>
