@@ -7,7 +7,7 @@
 // Split-K (flash-decoding) partitions a sequence's context; the partial (m, l, acc) triples are
 // combined by a log-sum-exp reduction. Work items are spread over OpenMP threads. bfloat16 caches
 // of head size 64 or 128 take cpu_attention_amx.h's AMX tile version of the same walk instead
-// (rows in groups of at most 16), where the CPU has AMX (cpu_attention_uses_amx()).
+// (up to 64 rows per call), where the CPU has AMX (cpu_attention_uses_amx()).
 #include <omp.h>
 
 #include <algorithm>
@@ -219,11 +219,12 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
       bool done = false;
 #if PAGEDLLM_HAVE_AMX
       if constexpr (kAmxShape<T, D>) {
-        if (amx_prefill) {  // groups of up to 16 rows (positions non-decreasing within the item)
-          for (int r0 = 0; r0 < rows; r0 += 16) {
-            const int n = std::min(16, rows - r0);
-            const int64_t ghi = w.pos[r0 + n - 1] + 1;
-            const int64_t glo = c.sliding_window > 0 ? std::max<int64_t>(0, w.pos[r0] - c.sliding_window + 1) : 0;
+        if (amx_prefill) {  // up to kAmxMaxRows rows per call
+          for (int r0 = 0; r0 < rows; r0 += kAmxMaxRows) {
+            const int n = std::min(kAmxMaxRows, rows - r0);
+            const auto [pmin, pmax] = std::minmax_element(w.pos.data() + r0, w.pos.data() + r0 + n);
+            const int64_t ghi = int64_t{*pmax} + 1;
+            const int64_t glo = c.sliding_window > 0 ? std::max<int64_t>(0, *pmin - c.sliding_window + 1) : 0;
             attend_blocks_amx<D>(c, c.block_tables + b * c.max_blocks, kvh, glo, ghi, n, scale,
                                  w.qb.data() + r0 * D, w.pos.data() + r0, w.m.data() + r0, w.l.data() + r0,
                                  w.acc.data() + size_t(r0) * D, *amx.scratch);

@@ -1,19 +1,22 @@
 // cpp/src/cpu_attention_amx.h — attend_blocks on Intel AMX tiles (bf16 caches, head size 64 or
-// 128, at most 16 query rows per call). Used by cpu_attention.cpp for decode and prefill when
-// amx_available() (cpu_amx.h) and PAGEDLLM_CPU_ATTENTION_AMX is not 0.
+// 128, up to 64 query rows per call in groups of 16). Used by cpu_attention.cpp for decode and
+// prefill when amx_available() (cpu_amx.h) and PAGEDLLM_CPU_ATTENTION_AMX is not 0.
 //
-// The context [lo, hi) is taken in segments of kAmxSegment tokens, each in three passes:
+// The context [lo, hi) is taken in segments of kAmxSegment tokens, each in four passes:
 //  1. scores: S^T[token][row] = K[token] . q[row] by TDPBF16PS, one 16 x 16 float32 tile per
-//     16-token chunk: A = the chunk's K rows straight from the cache (16 rows x 32 d, row stride
-//     D), B = Q^T in VNNI order (built once per call), so K is never converted or transposed;
+//     16-token chunk and 16-row group: A = the chunk's K rows straight from the cache (16 rows x
+//     32 d, row stride D), B = the group's Q^T in VNNI order (built once per call), so K is never
+//     converted or transposed;
 //  2. softmax per row on float32 vectors (a row's column of S^T gathered 16 tokens at a time):
 //     scale, soft cap, causal / window / range mask, the segment maximum, P = exp(s - m) rounded to
 //     bfloat16 and stored as the A operand P[row][token]; l sums the rounded P, so that
 //     out = sum P V / sum P uses the same weights;
-//  3. P V by TDPBF16PS into 16 x 16 float32 tiles (64 output columns at a time): B = V in VNNI
-//     order (pairs of token rows interleaved, two VPERMT2W per 32 columns), tokens outside
-//     [lo, hi) as zero rows (the cache may hold NaN in slots no sequence owns).
-// The segment's result merges into the caller's online-softmax state (m, l, acc) exactly as
+//  3. V in VNNI order (pairs of token rows interleaved, two VPERMT2W per 32 columns), once per
+//     segment for all groups; tokens outside [lo, hi) as zero rows (the cache may hold NaN in
+//     slots no sequence owns);
+//  4. P V by TDPBF16PS into 16 x 16 float32 tiles, per group, 64 output columns at a time.
+// A group skips the chunks after its last row's position (a prefill item's causal triangle). The
+// segment's result merges into the caller's online-softmax state (m, l, acc) exactly as
 // attend_blocks does per block (FlashAttention-2, Dao 2023). Against attend_blocks the only
 // extra rounding is P in bfloat16 (as the CUDA kernels' mma.sync P operand).
 #pragma once
@@ -48,17 +51,19 @@ inline bool amx_attention_enabled() {
 
 namespace pagedllm::cpu::tiles {
 
-constexpr int kAmxSegment = 256;  // tokens per segment (a multiple of 32)
+constexpr int kAmxSegment = 256;               // tokens per segment (a multiple of 32)
+constexpr int kAmxGroups = 4;                   // 16-row groups per call
+constexpr int kAmxMaxRows = 16 * kAmxGroups;  // query rows per call
 
-/// Per-thread scratch of attend_blocks_amx (~57 KB; allocate with new: 64-byte aligned).
+/// Per-thread scratch of attend_blocks_amx (~270 KB; allocate with new: 64-byte aligned).
 struct alignas(64) AmxScratch {
-  float st[kAmxSegment * 16];       // S^T [token][16 rows]
-  float x[16 * kAmxSegment];        // masked, scaled scores [row][token]
-  bf16 p[16 * kAmxSegment];         // P [16 rows][token], rows >= R zero (A operand)
-  uint32_t bq[4 * 16 * 16];         // Q^T, D / 32 VNNI tiles [d pair][row]
-  uint32_t bv[4 * 16 * 16];         // V, 4 VNNI tiles [token pair][16 columns]
-  float o[16 * 128];                // the segment's P V [16 rows][D]
-  float corr[16];                   // per row: exp(m_old - m_new)
+  float st[kAmxGroups][kAmxSegment * 16];        // S^T per row group [token][16 rows]
+  float x[kAmxMaxRows * kAmxSegment];            // masked, scaled scores [row][token]
+  bf16 p[kAmxMaxRows * kAmxSegment];             // P [row][token], rows >= R zero (A operand)
+  uint32_t bq[kAmxGroups][4 * 256];              // Q^T per row group, D / 32 VNNI tiles [d pair][row]
+  uint32_t bv[kAmxSegment / 32][8 * 256];        // V per 32-token group, D / 16 VNNI tiles [token pair][16 columns]
+  float o[kAmxMaxRows * 128];                    // the segment's P V [row][D]
+  float corr[kAmxMaxRows];                       // per row: exp(m_old - m_new)
 };
 
 /// One thread's AMX state for a parallel region: the tile configuration, loaded on construction
@@ -80,9 +85,11 @@ struct AmxThread {
   AmxThread& operator=(const AmxThread&) = delete;
 };
 
-/// attend_blocks (cpu_attention_tiles.h) for a bfloat16 cache on AMX: R <= 16 query rows, qb their
-/// unscaled bf16 values [R][D], pos their positions; updates m, l ([R]) and acc ([R][D]).
-/// The calling thread must have loaded the tile configuration (load_amx_tile_config).
+/// attend_blocks (cpu_attention_tiles.h) for a bfloat16 cache on AMX: R <= kAmxMaxRows query rows
+/// in groups of 16 (a group's A / C tiles), qb their unscaled bf16 values [R][D], pos their
+/// positions; updates m, l ([R]) and acc ([R][D]). The segment's K tiles and V's VNNI tiles serve
+/// every group; a group skips the chunks after its last row's position (the causal triangle of a
+/// prefill item). The calling thread must have loaded the tile configuration (AmxThread).
 template <int D>
 void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh, int64_t lo, int64_t hi, int R,
                        float scale, const bf16* qb, const int32_t* pos, float* m, float* l, float* acc,
@@ -92,15 +99,22 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
   const int bs = c.block_size;
   const float cap = c.soft_cap;
   const int32_t window = c.sliding_window;
-  // Q^T in VNNI order: bq[kc][i][n] = (q[n][32 kc + 2 i], q[n][32 kc + 2 i + 1]), zero for n >= R.
-  std::memset(sc.bq, 0, sizeof(uint32_t) * KC * 256);
+  const int NG = (R + 15) / 16;
+  // Q^T in VNNI order per group: bq[g][kc][i][n] = (q[16 g + n][32 kc + 2 i], ...[32 kc + 2 i + 1]),
+  // zero for rows >= R; gmax[g]: the group's last visible position.
+  int64_t gmax[kAmxGroups];
+  for (int g = 0; g < NG; ++g) {
+    std::memset(sc.bq[g], 0, sizeof(uint32_t) * KC * 256);
+    gmax[g] = -1;
+  }
   for (int n = 0; n < R; ++n) {
     uint32_t row[D / 2];
     std::memcpy(row, qb + n * D, sizeof(row));
-    for (int i = 0; i < D / 2; ++i) sc.bq[i * 16 + n] = row[i];  // (kc, i) = (i / 16, i % 16)
+    for (int i = 0; i < D / 2; ++i) sc.bq[n / 16][i * 16 + n % 16] = row[i];  // (kc, i) = (i / 16, i % 16)
+    gmax[n / 16] = std::max<int64_t>(gmax[n / 16], std::min<int64_t>(hi - 1, pos[n]));
   }
   // P rows >= R stay zero; rows < R are rewritten for every 32-token group a segment uses.
-  std::memset(sc.p + R * kAmxSegment, 0, sizeof(bf16) * (16 - R) * kAmxSegment);
+  std::memset(sc.p + R * kAmxSegment, 0, sizeof(bf16) * (16 * NG - R) * kAmxSegment);
   const int64_t kv_stride = static_cast<int64_t>(c.num_kv_heads) * bs * D;  // elements per block
   const int bs_shift = std::countr_zero(static_cast<unsigned>(bs));          // bs is a power of two
   auto kv_row = [&](int64_t token) {  // offset of `token`'s row of KV head kvh
@@ -122,9 +136,13 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
   for (int64_t s0 = lo & ~int64_t{15}; s0 < hi; s0 += kAmxSegment) {
     const int64_t s1 = std::min<int64_t>(hi, s0 + kAmxSegment);
     const int nch = static_cast<int>((s1 - s0 + 15) / 16);  // 16-token chunks, each inside one block
-    // ---- 1. S^T, one tile per chunk, two chunks at a time (tmm0 / tmm1: independent chains, so
-    // one chunk's TDPBF16PS overlaps the other's). Prefetched meanwhile: the K of the pair after
-    // next (the segment's first two pairs up front) and this pair's V, for pass 3.
+    // Chunks and 32-token groups of this segment that group g needs (0 when it sees none).
+    auto chunks_of = [&](int g) {
+      return gmax[g] < s0 ? 0 : std::min<int>(nch, static_cast<int>((gmax[g] - s0) / 16) + 1);
+    };
+    // ---- 1. S^T, one tile per chunk and row group, two chunks at a time (tmm0 / tmm1: independent
+    // chains, so one chunk's TDPBF16PS overlaps the other's). Prefetched meanwhile: the K of the
+    // pair after next (the segment's first two pairs up front) and this pair's V, for pass 3.
     auto prefetch_chunk = [&](const bf16* cache, int ch) {
       if (ch >= nch) return;
       const char* a = reinterpret_cast<const char*>(cache + kv_row(s0 + 16 * ch));
@@ -139,21 +157,27 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
       const bf16* ka = c.key_cache + kv_row(s0 + 16 * ch);
       const bool two = ch + 1 < nch;
       const bf16* kb = two ? c.key_cache + kv_row(s0 + 16 * ch + 16) : ka;
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int kc = 0; kc < KC; ++kc) {
-        _tile_loadd(4, sc.bq + kc * 256, 64);
-        _tile_loadd(2, ka + 32 * kc, D * 2);
-        _tile_loadd(3, kb + 32 * kc, D * 2);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(1, 3, 4);
+      for (int g = 0; g < NG; ++g) {
+        if (ch >= chunks_of(g)) continue;  // after every row of the group: masked in pass 2
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int kc = 0; kc < KC; ++kc) {
+          _tile_loadd(4, sc.bq[g] + kc * 256, 64);
+          _tile_loadd(2, ka + 32 * kc, D * 2);
+          _tile_loadd(3, kb + 32 * kc, D * 2);
+          _tile_dpbf16ps(0, 2, 4);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+        _tile_stored(0, sc.st[g] + ch * 256, 64);
+        if (two) _tile_stored(1, sc.st[g] + (ch + 1) * 256, 64);
       }
-      _tile_stored(0, sc.st + ch * 256, 64);
-      if (two) _tile_stored(1, sc.st + (ch + 1) * 256, 64);
     }
-    // ---- 2. softmax per row over the segment; P in bf16 (zero past the last chunk up to 32)
-    const int ngr = (nch + 1) / 2;  // 32-token groups of pass 3
+    // ---- 2. softmax per row over its group's chunks; P in bf16 (zero up to the group's last
+    // 32-token group)
     for (int r = 0; r < R; ++r) {
+      const int g = r / 16;
+      const int nch_g = chunks_of(g);
+      const int ngr_g = (nch_g + 1) / 2;
       const int64_t p = pos[r];
       const __m512i hi_v = _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(hi - 1, p)));
       const __m512i lo_v = _mm512_set1_epi32(static_cast<int32_t>(
@@ -161,11 +185,12 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
       float* xr = sc.x + r * kAmxSegment;
       bf16* pr = sc.p + r * kAmxSegment;
       __m512 mx = ninf;
-      for (int ch = 0; ch < nch; ++ch) {
+      for (int ch = 0; ch < nch_g; ++ch) {
         const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(s0 + 16 * ch)));
         const __mmask16 valid = _mm512_cmp_epi32_mask(j, lo_v, _MM_CMPINT_NLT) &
                                 _mm512_cmp_epi32_mask(j, hi_v, _MM_CMPINT_LE);
-        __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(column, sc.st + ch * 256 + r, 4), _mm512_set1_ps(scale));
+        __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(column, sc.st[g] + ch * 256 + r % 16, 4),
+                                 _mm512_set1_ps(scale));
         if (cap > 0.0f)
           x = _mm512_mul_ps(_mm512_set1_ps(cap), tanh512(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / cap))));
         x = _mm512_mask_mov_ps(ninf, valid, x);
@@ -174,69 +199,76 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
       }
       const float seg_max = _mm512_reduce_max_ps(mx);
       if (seg_max == kNegInf) {  // nothing visible in this segment: P = 0, state unchanged
-        std::memset(pr, 0, sizeof(bf16) * 32 * ngr);
+        std::memset(pr, 0, sizeof(bf16) * 32 * ngr_g);
         sc.corr[r] = 1.0f;
         continue;
       }
       const float m_new = std::max(m[r], seg_max);
       const __m512 mn = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
-      for (int ch = 0; ch < nch; ++ch) {
+      for (int ch = 0; ch < nch_g; ++ch) {
         const __m512 x = _mm512_load_ps(xr + 16 * ch);
         const __mmask16 seen = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
         const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, exp512_neg(_mm512_sub_ps(x, mn))));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * ch), pb);
         sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
       }
-      if (nch % 2) std::memset(pr + 16 * nch, 0, sizeof(bf16) * 16);
+      if (nch_g % 2) std::memset(pr + 16 * nch_g, 0, sizeof(bf16) * 16);
       const float corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
       m[r] = m_new;
       l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
       sc.corr[r] = corr;
     }
-    // ---- 3. O = P V, 64 columns at a time (tiles 0-3), 32 tokens per step
-    for (int h = 0; h < D / 64; ++h) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int g = 0; g < ngr; ++g) {
-        for (int hc = 0; hc < 2; ++hc) {  // the group's two 16-token chunks, each inside one block
-          const int64_t tc = s0 + 32 * g + 16 * hc;
-          const bool in = tc < hi;
-          const bf16* vc = in ? c.value_cache + kv_row(tc) + 64 * h : nullptr;
-          for (int jq = 0; jq < 8; ++jq) {  // token pair (t, t + 1) -> VNNI row jp of the 4 B tiles
-            const int jp = 8 * hc + jq;
-            const int64_t t = tc + 2 * jq;
-            __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
-            if (in && t >= lo && t < hi) {
-              a0 = _mm512_loadu_si512(vc + 2 * jq * D);
-              a1 = _mm512_loadu_si512(vc + 2 * jq * D + 32);
-            }
-            if (in && t + 1 >= lo && t + 1 < hi) {
-              b0 = _mm512_loadu_si512(vc + (2 * jq + 1) * D);
-              b1 = _mm512_loadu_si512(vc + (2 * jq + 1) * D + 32);
-            }
-            _mm512_store_si512(sc.bv + 0 * 256 + jp * 16, _mm512_permutex2var_epi16(a0, idx_lo, b0));
-            _mm512_store_si512(sc.bv + 1 * 256 + jp * 16, _mm512_permutex2var_epi16(a0, idx_hi, b0));
-            _mm512_store_si512(sc.bv + 2 * 256 + jp * 16, _mm512_permutex2var_epi16(a1, idx_lo, b1));
-            _mm512_store_si512(sc.bv + 3 * 256 + jp * 16, _mm512_permutex2var_epi16(a1, idx_hi, b1));
+    // ---- 3. V in VNNI order, once per segment for every group: B tile dc of 32-token group tg
+    // holds columns 16 dc .. 16 dc + 15 as rows of token pairs; tokens outside [lo, hi) are zero.
+    int ngr_all = 0;
+    for (int g = 0; g < NG; ++g) ngr_all = std::max(ngr_all, (chunks_of(g) + 1) / 2);
+    for (int tg = 0; tg < ngr_all; ++tg) {
+      uint32_t* bvg = sc.bv[tg];
+      for (int hc = 0; hc < 2; ++hc) {  // the group's two 16-token chunks, each inside one block
+        const int64_t tc = s0 + 32 * tg + 16 * hc;
+        const bool in = tc < hi;
+        const bf16* vc = in ? c.value_cache + kv_row(tc) : nullptr;
+        for (int jq = 0; jq < 8; ++jq) {  // token pair (t, t + 1) -> VNNI row jp
+          const int jp = 8 * hc + jq;
+          const int64_t t = tc + 2 * jq;
+          const bool ua = in && t >= lo && t < hi, ub = in && t + 1 >= lo && t + 1 < hi;
+          for (int sl = 0; sl < D / 32; ++sl) {
+            const __m512i a = ua ? _mm512_loadu_si512(vc + 2 * jq * D + 32 * sl) : _mm512_setzero_si512();
+            const __m512i b = ub ? _mm512_loadu_si512(vc + (2 * jq + 1) * D + 32 * sl) : _mm512_setzero_si512();
+            _mm512_store_si512(bvg + (2 * sl) * 256 + jp * 16, _mm512_permutex2var_epi16(a, idx_lo, b));
+            _mm512_store_si512(bvg + (2 * sl + 1) * 256 + jp * 16, _mm512_permutex2var_epi16(a, idx_hi, b));
           }
         }
-        _tile_loadd(4, sc.p + 32 * g, kAmxSegment * 2);
-        _tile_loadd(5, sc.bv, 64);
-        _tile_loadd(6, sc.bv + 256, 64);
-        _tile_loadd(7, sc.bv + 512, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, sc.bv + 768, 64);
-        _tile_dpbf16ps(3, 4, 5);
       }
-      _tile_stored(0, sc.o + 64 * h, D * 4);
-      _tile_stored(1, sc.o + 64 * h + 16, D * 4);
-      _tile_stored(2, sc.o + 64 * h + 32, D * 4);
-      _tile_stored(3, sc.o + 64 * h + 48, D * 4);
+    }
+    // ---- 4. O = P V per row group, 64 columns at a time (tiles 0-3), 32 tokens per step
+    for (int g = 0; g < NG; ++g) {
+      const int ngr_g = (chunks_of(g) + 1) / 2;
+      const bf16* pg = sc.p + 16 * g * kAmxSegment;
+      float* og = sc.o + 16 * g * D;
+      for (int h = 0; h < D / 64; ++h) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int tg = 0; tg < ngr_g; ++tg) {
+          const uint32_t* bvh = sc.bv[tg] + 4 * h * 256;
+          _tile_loadd(4, pg + 32 * tg, kAmxSegment * 2);
+          _tile_loadd(5, bvh, 64);
+          _tile_loadd(6, bvh + 256, 64);
+          _tile_loadd(7, bvh + 512, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, bvh + 768, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, og + 64 * h, D * 4);
+        _tile_stored(1, og + 64 * h + 16, D * 4);
+        _tile_stored(2, og + 64 * h + 32, D * 4);
+        _tile_stored(3, og + 64 * h + 48, D * 4);
+      }
     }
     // ---- merge: acc = acc * corr + O
     for (int r = 0; r < R; ++r) {
