@@ -74,7 +74,7 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
     pacc.resize(pm.size() * D);
   }
   const int64_t items = B * Hkv * S;
-  const bool amx_decode = use_amx<T, D>() && G <= 16;
+  [[maybe_unused]] const bool amx_decode = use_amx<T, D>() && G <= 16;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, items)))
   {
     Workspace w(G, D, c.block_size);
@@ -189,7 +189,7 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
   int64_t work = 0;  // query rows x visible tokens per KV head, in tiles
   for (const PrefillTile& t : tiles) work += t.cost;
   if (work * Hkv * D < kMinParallelElements) nt = 1;
-  const bool amx_prefill = use_amx<T, D>();
+  [[maybe_unused]] const bool amx_prefill = use_amx<T, D>();
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, std::max<int64_t>(items, 1))))
   {
     Workspace w(R, D, c.block_size);
