@@ -211,7 +211,7 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
         const __mmask16 seen = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
         const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, exp512_neg(_mm512_sub_ps(x, mn))));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * ch), pb);
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+        sum = _mm512_add_ps(sum, widen16(pb));
       }
       if (nch_g % 2) std::memset(pr + 16 * nch_g, 0, sizeof(bf16) * 16);
       const float corr = exp_neg(m[r] - m_new);  // m[r] = -inf -> ~0, and acc, l are 0 then
