@@ -44,6 +44,7 @@ inline bool amx_attention_enabled() {
 
 #if PAGEDLLM_HAVE_AMX
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstdint>
 
@@ -65,6 +66,19 @@ struct alignas(64) AmxScratch {
   float o[kAmxMaxRows * 128];                    // the segment's P V [row][D]
   float corr[kAmxMaxRows];                       // per row: exp(m_old - m_new)
 };
+
+/// VPERMT2W index vectors for V's VNNI pairs: [0] takes a[k], b[k] for k < 16 (b = indices 32..63),
+/// [1] takes a[16 + k], b[16 + k].
+inline constexpr std::array<std::array<int16_t, 32>, 2> kInterleave = [] {
+  std::array<std::array<int16_t, 32>, 2> t{};
+  for (int k = 0; k < 16; ++k) {
+    t[0][2 * k] = static_cast<int16_t>(k);
+    t[0][2 * k + 1] = static_cast<int16_t>(32 + k);
+    t[1][2 * k] = static_cast<int16_t>(16 + k);
+    t[1][2 * k + 1] = static_cast<int16_t>(48 + k);
+  }
+  return t;
+}();
 
 /// One thread's AMX state for a parallel region: the tile configuration, loaded on construction
 /// and released (TILERELEASE) on destruction, and the thread's scratch (allocated on the thread's
@@ -124,14 +138,7 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
   const __m512i column = _mm512_slli_epi32(lane, 4);  // S^T's column stride: 16 floats
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   // VPERMT2W indices interleaving a[0..15] with b[0..15] (lo) and a[16..31] with b[16..31] (hi).
-  alignas(64) int16_t ilo[32], ihi[32];
-  for (int k = 0; k < 16; ++k) {
-    ilo[2 * k] = static_cast<int16_t>(k);
-    ilo[2 * k + 1] = static_cast<int16_t>(32 + k);
-    ihi[2 * k] = static_cast<int16_t>(16 + k);
-    ihi[2 * k + 1] = static_cast<int16_t>(48 + k);
-  }
-  const __m512i idx_lo = _mm512_load_si512(ilo), idx_hi = _mm512_load_si512(ihi);
+  const __m512i idx_lo = _mm512_loadu_si512(kInterleave[0].data()), idx_hi = _mm512_loadu_si512(kInterleave[1].data());
 
   for (int64_t s0 = lo & ~int64_t{15}; s0 < hi; s0 += kAmxSegment) {
     const int64_t s1 = std::min<int64_t>(hi, s0 + kAmxSegment);
