@@ -3,13 +3,14 @@
 // amx_linear: the output is computed in 32 x 32 blocks (2 x 2 tiles of 16 x 16 float32
 // accumulators, tmm0-3), the x rows as two A tiles (tmm4-5), the packed weight as two B tiles
 // (tmm6-7): per 32-wide K step, 4 tile loads feed 4 TDPBF16PS. Threads split the column
-// pair-blocks; each thread walks its pair-blocks in packed order (one sequential weight stream,
-// software-prefetched 8 KB ahead). Rows go in row blocks of kRowBlock; within one, a pair-block's
-// weight is taken kKBlock K steps (32 KB) at a time and every 32-row chunk of the row block
-// multiplies that K block while it is in L1 (the chunks' float32 sums wait in a 32 KB buffer
-// between K blocks). So at decode sizes (M <= 256) the weight is read from DRAM exactly once per
-// call. A last chunk of fewer than 32 rows is computed from a zero-padded copy; chunks of at most
-// 16 rows skip tmm5.
+// pair-blocks, claimed dynamically in runs of consecutive pair-blocks (a sequential weight stream
+// per run, software-prefetched 8 KB ahead): on a shared host one core may run at half the other's
+// speed (a busy SMT sibling on its AMX unit), and a static split then waits for the slower one.
+// Rows go in row blocks of kRowBlock; within one, a pair-block's weight is taken kKBlock K steps
+// (32 KB) at a time and every 32-row chunk of the row block multiplies that K block while it is in
+// L1 (the chunks' float32 sums wait in a 32 KB buffer between K blocks). So at decode sizes
+// (M <= 256) the weight is read from DRAM exactly once per call. A last chunk of fewer than 32 rows
+// is computed from a zero-padded copy; chunks of at most 16 rows skip tmm5.
 #include "pagedllm/cpu_linear.h"
 
 #include <omp.h>
@@ -30,6 +31,7 @@ namespace {
 constexpr int64_t kTile = 32;       // output columns per pair-block, inputs per K step, rows per chunk
 constexpr int64_t kRowBlock = 256;  // rows per row block (the x block stays in L2 while the weight streams)
 constexpr int64_t kKBlock = 16;     // K steps per K block (a pair-block's 32 KB of weight stays in L1)
+constexpr int64_t kClaimsPerThread = 8;  // dynamic-schedule claims per thread and row block
 
 #if PAGEDLLM_HAVE_AMX
 using cpu::amx_available;
@@ -207,6 +209,9 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
   }
   const float* b = bias_f.empty() ? nullptr : bias_f.data();
   const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), pairs));
+  // Pair-blocks per claim: about kClaimsPerThread claims per thread, so that a thread slowed by
+  // another tenant hands its remaining runs to the others.
+  const int64_t run = std::max<int64_t>(1, pairs / (int64_t{threads} * kClaimsPerThread));
 #pragma omp parallel num_threads(threads)
   {
     load_amx_tile_config();
@@ -218,7 +223,7 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
         acc_buf.data() + ((64 - reinterpret_cast<std::uintptr_t>(acc_buf.data()) % 64) % 64) / sizeof(float));
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(dynamic, run) nowait
       for (int64_t pb = 0; pb < pairs; ++pb) {
         const cpu::bf16* wp = w + pb * pair_elems;
         for (int64_t kb0 = 0; kb0 < ksteps; kb0 += kKBlock) {

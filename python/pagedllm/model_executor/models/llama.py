@@ -28,6 +28,10 @@ the CPU in bfloat16, pack_weights() (called by the model runner) swaps the proje
 AmxLinear (steps of at most 128 tokens through pagedllm.ops.amx_linear, larger ones through
 oneDNN's packed weight) or, without AMX, for PackedLinear; float32 uses F.linear. Every path
 accumulates in fp32 and rounds once, so results agree with F.linear within the dtype's rounding.
+When every projection is an AmxLinear, steps of at most CPU_DECODER_MAX_TOKENS tokens run all
+their layers in one native call (pagedllm._C.CpuDecoderStack, cpp/src/cpu_decoder.cpp): the same
+kernels in the same order, bit-identical results, without ~12 interpreted calls per layer
+(PAGEDLLM_CPU_NATIVE_DECODER=0 keeps the Python layers).
 
 Numerics follow Hugging Face transformers' modeling_llama / modeling_qwen2 / modeling_qwen3
 (RMSNorm in float32, weight multiplied in the model dtype), so fp32 logits agree with HF to
@@ -309,6 +313,9 @@ class LlamaForCausalLM(nn.Module):
         self.fused = ops.layer_ops_supported(device, dtype)
         self.gemv_max_tokens = gemv_max_tokens(device, dtype)
         self._fusion_fits: dict[int, tuple[bool, bool]] = {}
+        self._native_applies = False  # set by pack_weights(): every projection is an AmxLinear
+        self._native: _C.CpuDecoderStack | None = None
+        self._native_key: tuple | None = None
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
         )
@@ -340,6 +347,15 @@ class LlamaForCausalLM(nn.Module):
                        meta: AttentionMetadata, start: int, end: int) -> tuple:
         """Layers [start, end) over `state`; kv_caches holds every layer's (k, v)."""
         hidden, residual, cos_sin = state
+        native = self._native_stack(kv_caches, hidden.shape[0])
+        if native is not None and start < end:
+            has_residual = residual is not None
+            if not has_residual:
+                residual = torch.empty_like(hidden)
+            v = ops._view
+            native.forward(start, end, v(hidden), v(residual), has_residual, v(positions), v(meta.slot_mapping),
+                           v(meta.block_tables), v(meta.seq_lens), v(meta.query_start_loc), meta.decode_only)
+            return hidden, residual, cos_sin
         fusion = self._gemv_fusion(hidden.shape[0])
         for i in range(start, end):
             if fusion:
@@ -348,6 +364,45 @@ class LlamaForCausalLM(nn.Module):
                 hidden, residual = self.layers[i](hidden, residual, positions, cos_sin, self.rotary, kv_caches[i],
                                                   meta)
         return hidden, residual, cos_sin
+
+    def _native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], tokens: int) -> "_C.CpuDecoderStack | None":
+        """The native CPU decoder stack (pagedllm/cpu_decoder.h) for a step of `tokens` tokens, or
+        None where the Python layers run: it needs every projection packed for AMX
+        (pack_weights), the fused layer ops, 1 to CPU_DECODER_MAX_TOKENS tokens and
+        PAGEDLLM_CPU_NATIVE_DECODER not "0". Built on first use for these KV caches (it holds views
+        of the weights and caches; rebuilt when the caches change)."""
+        if not (self._native_applies and 0 < tokens <= _C.CPU_DECODER_MAX_TOKENS and len(kv_caches) == len(self.layers)):
+            return None
+        if os.environ.get("PAGEDLLM_CPU_NATIVE_DECODER", "1") == "0":
+            return None
+        key = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
+        if self._native is None or self._native_key != key:
+            self._native = self._build_native_stack(kv_caches)
+            self._native_key = key
+        return self._native
+
+    def _build_native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "_C.CpuDecoderStack":
+        cfg = self.config
+        conf = _C.CpuDecoderConfig()
+        conf.hidden_size, conf.intermediate_size = cfg.hidden_size, cfg.intermediate_size
+        conf.num_heads, conf.num_kv_heads, conf.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        conf.rms_norm_eps = float(self.layers[0].input_layernorm.eps) if self.layers else cfg.rms_norm_eps
+        conf.scale = float(self.layers[0].attn.scale) if self.layers else cfg.head_dim**-0.5
+        v = ops._view
+        layers = []
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            n = _C.CpuDecoderLayer()
+            n.input_norm, n.post_norm = v(layer.input_layernorm.weight), v(layer.post_attention_layernorm.weight)
+            n.qkv, n.qkv_bias = layer.qkv_proj._packed_view, layer.qkv_proj._bias_view
+            n.o = layer.o_proj._packed_view
+            n.gate_up, n.gate_up_bias = layer.gate_up_proj._packed_view, layer.gate_up_proj._bias_view
+            n.down, n.down_bias = layer.down_proj._packed_view, layer.down_proj._bias_view
+            if layer.qk_norm:
+                n.q_norm, n.k_norm = v(layer.q_norm.weight), v(layer.k_norm.weight)
+            n.key_cache, n.value_cache = v(key_cache), v(value_cache)
+            n.sliding_window = layer.attn.sliding_window or 0
+            layers.append(n)
+        return _C.CpuDecoderStack(conf, layers, v(self.rotary.cos_sin_cache))
 
     def logits(self, state: tuple, logits_indices: torch.Tensor) -> torch.Tensor:
         """The state after the last layer -> float32 logits [R, vocab_size] of rows logits_indices."""
@@ -412,6 +467,10 @@ class LlamaForCausalLM(nn.Module):
                 lin = getattr(layer, name)
                 setattr(layer, name, pack(lin.weight, lin.bias))
         self.packed_lm_head = pack(self.lm_head_weight, None)
+        self._native_applies = self.fused and all(
+            isinstance(getattr(layer, name), AmxLinear)
+            for layer in self.layers for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        self._native = self._native_key = None
         return True
 
     # ---- weights ---------------------------------------------------------------------------
