@@ -65,7 +65,7 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
   // Below ~64K K elements (e.g. 1 sequence x 1K tokens x 1 KV head x d64) the work is a few
   // microseconds: waking other threads would cost more than it saves.
   if (total_len * Hkv * D < kMinParallelElements) nt = 1;
-  const int S = decode_num_splits(B, Hkv, max_len, o.split_k, nt);
+  const int S = decode_num_splits(B, max_len, o.split_k, nt);
   // Split-K partials, [B][Hq][S] (m, l) and [B][Hq][S][D] (acc); unused when S == 1.
   std::vector<float> pm, pl, pacc;
   if (S > 1) {
@@ -73,7 +73,11 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
     pl.resize(pm.size());
     pacc.resize(pm.size() * D);
   }
-  const int64_t items = B * Hkv * S;
+  // A work item is one partition of one sequence, all its KV heads: a block's heads are one
+  // contiguous [Hkv, block_size, D] run of the cache (6 KB for SmolLM2's 3 heads of d64 in 16-token
+  // blocks), and random 2 KB pieces stream from DRAM at ~2/3 the rate of 6-12 KB ones (the dev VM:
+  // 15 against 16-21 GB/s). The AMX walk of the first head prefetches every head's rows.
+  const int64_t items = B * S;
   [[maybe_unused]] const bool amx_decode = use_amx<T, D>() && G <= 16;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, items)))
   {
@@ -83,8 +87,7 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t b = item / (Hkv * S);
-      const int64_t kvh = (item / S) % Hkv;
+      const int64_t b = item / S;
       const int split = static_cast<int>(item % S);
       const int64_t len = sl[b];
       const int64_t p = len - 1;  // the query's position
@@ -93,33 +96,37 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
       const int64_t part = (span + S - 1) / S;
       const int64_t lo = start + split * part;
       const int64_t hi = std::min<int64_t>(len, lo + part);
-      for (int g = 0; g < G; ++g) {
-        load_query<T, D>(qp + b * query.stride(0) + (kvh * G + g) * D, scale, w.q.data() + g * D, w.qb.data() + g * D);
-        w.pos[g] = static_cast<int32_t>(p);
-      }
-      reset_rows(w, G, D);
-      if (lo < hi) {
-        bool done = false;
-#if PAGEDLLM_HAVE_AMX
-        if constexpr (kAmxShape<T, D>) {
-          if (amx_decode) {
-            attend_blocks_amx<D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, scale, w.qb.data(),
-                                 w.pos.data(), w.m.data(), w.l.data(), w.acc.data(), *amx.scratch);
-            done = true;
-          }
+      for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+        for (int g = 0; g < G; ++g) {
+          load_query<T, D>(qp + b * query.stride(0) + (kvh * G + g) * D, scale, w.q.data() + g * D,
+                           w.qb.data() + g * D);
+          w.pos[g] = static_cast<int32_t>(p);
         }
+        reset_rows(w, G, D);
+        if (lo < hi) {
+          bool done = false;
+#if PAGEDLLM_HAVE_AMX
+          if constexpr (kAmxShape<T, D>) {
+            if (amx_decode) {
+              const int prefetch_heads = kvh == 0 ? static_cast<int>(Hkv) : 1;
+              attend_blocks_amx<D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, scale, w.qb.data(),
+                                   w.pos.data(), w.m.data(), w.l.data(), w.acc.data(), *amx.scratch, prefetch_heads);
+              done = true;
+            }
+          }
 #endif
-        if (!done) attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, scale, w);
-      }
-      for (int g = 0; g < G; ++g) {
-        const int64_t h = kvh * G + g;
-        if (S == 1) {
-          store_row<T, D>(w.acc.data() + g * D, w.l[g], op + (b * Hq + h) * D);
-        } else {
-          const size_t idx = (size_t(b) * Hq + h) * S + split;
-          pm[idx] = w.m[g];
-          pl[idx] = w.l[g];
-          std::copy_n(w.acc.data() + g * D, D, pacc.data() + idx * D);
+          if (!done) attend_blocks<T, D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, scale, w);
+        }
+        for (int g = 0; g < G; ++g) {
+          const int64_t h = kvh * G + g;
+          if (S == 1) {
+            store_row<T, D>(w.acc.data() + g * D, w.l[g], op + (b * Hq + h) * D);
+          } else {
+            const size_t idx = (size_t(b) * Hq + h) * S + split;
+            pm[idx] = w.m[g];
+            pl[idx] = w.l[g];
+            std::copy_n(w.acc.data() + g * D, D, pacc.data() + idx * D);
+          }
         }
       }
     }
@@ -270,13 +277,13 @@ void dispatch(DType dtype, int64_t head_size, F&& f) {
 
 }  // namespace
 
-int decode_num_splits(int64_t batch, int64_t num_kv_heads, int64_t max_seq_len, int split_k,
-                      int num_threads) {
+int decode_num_splits(int64_t batch, int64_t max_seq_len, int split_k, int num_threads) {
   if (split_k > 0) return split_k;
   if (split_k == 0) return 1;
-  // Auto: split only when the (sequence, kv head) items cannot keep every thread busy, into
-  // partitions of at least 256 tokens; aim for ~8 items per thread to balance uneven lengths.
-  const int64_t items = std::max<int64_t>(1, batch * num_kv_heads);
+  // Auto: split only when the sequences (one work item each, all KV heads) cannot keep every
+  // thread busy, into partitions of at least 256 tokens; aim for ~8 items per thread to balance
+  // uneven lengths.
+  const int64_t items = std::max<int64_t>(1, batch);
   if (items >= 8LL * num_threads) return 1;
   const int64_t want = (8LL * num_threads + items - 1) / items;
   const int64_t most = std::max<int64_t>(1, max_seq_len / 256);

@@ -32,7 +32,6 @@ void copy_blocks(const std::vector<TensorView>& key_caches, const std::vector<Te
 void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView& block_mapping);
 
 /// Number of split-K partitions the CPU decode kernel uses for this batch (>= 1).
-int decode_num_splits(int64_t batch, int64_t num_kv_heads, int64_t max_seq_len, int split_k,
-                      int num_threads);
+int decode_num_splits(int64_t batch, int64_t max_seq_len, int split_k, int num_threads);
 
 }  // namespace pagedllm::cpu

@@ -7,6 +7,12 @@ requests/s, the ratios, and start-up seconds (engine construction, and construct
 first generated token). Prints JSON and writes it to
 bench/results/<YYYY-MM-DD>-<hostname>-<name>.json (with the git commit) under --results-dir.
 
+Rounds (--rounds R, default 3): every engine is constructed once and then generates the workload R
+times, the engines taking turns (pagedllm, HF, vLLM, pagedllm, ...), so that a change in the
+machine's speed during the run (a shared host) lands on all of them. Each engine's figures are the
+median over its rounds; the ratios are the medians of the per-round ratios, with every round's
+tokens/s kept under "rounds".
+
     pagedllm bench throughput [--num-prompts 64 --input-len 128 --output-len 128
                                --dtype bfloat16 --threads 2 --skip-hf --vllm-python PY]
     python3 bench/throughput.py ...           (the same, from a source checkout)
@@ -22,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -39,95 +46,175 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return rng.integers(100, vocab - 100, size=(n, length)).tolist()
 
 
-def bench_pagedllm(args, prompts) -> dict:
-    from pagedllm import LLM, SamplingParams
+class PagedllmRunner:
+    """pagedllm's LLM, constructed (and warmed by one token) once; run() times one generate."""
 
-    t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes, max_model_len=args.max_model_len,
-              seed=0)
-    construct = time.perf_counter() - t0
-    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=1), use_tqdm=False)
-    first_token = time.perf_counter() - t0
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-    t1 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - t1
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")} if hasattr(llm, "get_metrics") else {}
-    llm.shutdown()
-    return {
-        "output_tokens": n_out, "seconds": seconds, "output_tok_s": n_out / seconds,
-        "requests_s": len(prompts) / seconds, "startup_construct_s": construct,
-        "startup_to_first_token_s": first_token,
-        "process_start_to_first_token_s": t0 - PROCESS_START + first_token,
-        "num_preemptions": metrics.get("pagedllm:num_preemptions", metrics.get("pagedllm:num_preemptions_total")),
-    }
+    def __init__(self, args, prompts):
+        from pagedllm import LLM, SamplingParams
 
+        t0 = time.perf_counter()
+        self.llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
+                       max_model_len=args.max_model_len, seed=0)
+        construct = time.perf_counter() - t0
+        self.llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        first_token = time.perf_counter() - t0
+        self.startup = {"startup_construct_s": construct, "startup_to_first_token_s": first_token,
+                        "process_start_to_first_token_s": t0 - PROCESS_START + first_token}
+        self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+        self.prompts = [{"prompt_token_ids": p} for p in prompts]
 
-def bench_hf(args, prompts, folder) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}.get(args.dtype, torch.float32)
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
-    model.eval()
-    model.generation_config.eos_token_id = None
-    startup = time.perf_counter() - t0
-    ids = torch.tensor(prompts)
-    sample = args.temperature > 0
-    kwargs = dict(do_sample=sample, temperature=args.temperature if sample else None, top_p=None, top_k=None)
-    with torch.inference_mode():
-        t_first = time.perf_counter()
-        model.generate(input_ids=ids[:1, :16], attention_mask=torch.ones_like(ids[:1, :16]), max_new_tokens=1,
-                       pad_token_id=0, **kwargs)
-        first_token = startup + time.perf_counter() - t_first
+    def run(self) -> dict:
         t1 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
-                             min_new_tokens=args.output_len, pad_token_id=0, **kwargs)
-    seconds = time.perf_counter() - t1
-    n_out = int((out.shape[1] - ids.shape[1]) * ids.shape[0])
-    return {"output_tokens": n_out, "seconds": seconds, "output_tok_s": n_out / seconds,
-            "requests_s": len(prompts) / seconds, "startup_construct_s": startup,
-            "startup_to_first_token_s": first_token}
+        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        seconds = time.perf_counter() - t1
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"output_tokens": n_out, "seconds": seconds}
+
+    def close(self) -> dict:
+        llm = self.llm
+        metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+        llm.shutdown()
+        return {"num_preemptions": metrics.get("pagedllm:num_preemptions",
+                                               metrics.get("pagedllm:num_preemptions_total"))}
 
 
+class HfRunner:
+    """Hugging Face transformers' generate over the whole workload as one static batch."""
+
+    def __init__(self, args, prompts, folder):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}.get(
+            args.dtype, torch.float32)
+        t0 = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+        self.model.eval()
+        self.model.generation_config.eos_token_id = None
+        startup = time.perf_counter() - t0
+        self.ids = torch.tensor(prompts)
+        sample = args.temperature > 0
+        self.kwargs = dict(do_sample=sample, temperature=args.temperature if sample else None, top_p=None,
+                           top_k=None, pad_token_id=0)
+        self.output_len = args.output_len
+        with torch.inference_mode():
+            t_first = time.perf_counter()
+            self.model.generate(input_ids=self.ids[:1, :16], attention_mask=torch.ones_like(self.ids[:1, :16]),
+                                max_new_tokens=1, **self.kwargs)
+        self.startup = {"startup_construct_s": startup,
+                        "startup_to_first_token_s": startup + time.perf_counter() - t_first}
+
+    def run(self) -> dict:
+        torch, ids = self.torch, self.ids
+        with torch.inference_mode():
+            t1 = time.perf_counter()
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      max_new_tokens=self.output_len, min_new_tokens=self.output_len, **self.kwargs)
+            seconds = time.perf_counter() - t1
+        return {"output_tokens": int((out.shape[1] - ids.shape[1]) * ids.shape[0]), "seconds": seconds}
+
+    def close(self) -> dict:
+        del self.model
+        return {}
+
+
+# vLLM runs in its own Python: one JSON line of prompts on stdin, then one line per round ("run"
+# or "quit"); it prints READY (with its start-up) once and RESULT (one round) per "run".
 VLLM_SCRIPT = r"""
 import json, sys, time
 if __name__ == "__main__":
     folder, dtype, out_len, temperature, max_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
-    prompts = json.load(sys.stdin)
+    prompts = json.loads(sys.stdin.readline())
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     llm = LLM(folder, dtype=dtype, max_model_len=max_len, seed=0)
     construct = time.perf_counter() - t0
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=1), use_tqdm=False)
     first = time.perf_counter() - t0
+    print("READY " + json.dumps({"startup_construct_s": construct, "startup_to_first_token_s": first}), flush=True)
     params = SamplingParams(temperature=temperature, max_tokens=out_len, ignore_eos=True)
-    t1 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - t1
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT " + json.dumps({"output_tokens": n, "seconds": seconds, "output_tok_s": n / seconds,
-                                  "requests_s": len(prompts) / seconds, "startup_construct_s": construct,
-                                  "startup_to_first_token_s": first}), flush=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t1 = time.perf_counter()
+        outs = llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - t1
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        print("RESULT " + json.dumps({"output_tokens": n, "seconds": seconds}), flush=True)
 """
 
 
-def bench_vllm(args, prompts, folder) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="4",
-               VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
-    cmd = [args.vllm_python, "-c", VLLM_SCRIPT, str(folder), args.dtype, str(args.output_len), str(args.temperature),
-           str(args.max_model_len)]
-    try:
-        proc = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True, env=env,
-                              timeout=args.vllm_timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"vLLM did not finish within {args.vllm_timeout} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    return {"error": (proc.stderr or proc.stdout)[-2000:]}
+class VllmRunner:
+    """vLLM's CPU build in a subprocess (VLLM_SCRIPT), constructed once, driven round by round."""
+
+    def __init__(self, args, prompts, folder):
+        import tempfile
+
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="4",
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
+        cmd = [args.vllm_python, "-c", VLLM_SCRIPT, str(folder), args.dtype, str(args.output_len),
+               str(args.temperature), str(args.max_model_len)]
+        self.log = tempfile.TemporaryFile(mode="w+")  # vLLM's own log, for the error message
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=env)
+        self.timeout = args.vllm_timeout
+        self.proc.stdin.write(json.dumps(prompts) + "\n")
+        self.proc.stdin.flush()
+        self.startup = self._expect("READY ")
+
+    def _expect(self, prefix: str) -> dict:
+        """The JSON after `prefix` on vLLM's next such line; RuntimeError with its log's tail when it
+        exits or exceeds --vllm-timeout first."""
+        import threading
+
+        timer = threading.Timer(self.timeout, self.proc.kill)
+        timer.start()
+        try:
+            for line in self.proc.stdout:
+                if line.startswith(prefix):
+                    return json.loads(line[len(prefix):])
+        finally:
+            timer.cancel()
+        self.log.seek(0)
+        raise RuntimeError(f"vLLM exited (or ran past {self.timeout} s) before {prefix.strip()}: "
+                           + self.log.read()[-2000:])
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._expect("RESULT ")
+
+    def close(self) -> dict:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        self.log.close()
+        return {}
+
+
+def run_rounds(runners: dict, rounds: int, pause_s: float) -> dict:
+    """Each runner's run() `rounds` times, in turns; per engine: every round's output tokens/s and
+    their medians."""
+    per_round: dict = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, runner in runners.items():
+            time.sleep(pause_s)  # the other engines' worker threads stop spinning
+            r = runner.run()
+            r["output_tok_s"] = r["output_tokens"] / r["seconds"]
+            per_round[name].append(r)
+    out = {}
+    for name, rs in per_round.items():
+        tok_s = [r["output_tok_s"] for r in rs]
+        seconds = statistics.median(r["seconds"] for r in rs)
+        n = rs[0]["output_tokens"]
+        out[name] = {"output_tokens": n, "seconds": seconds, "output_tok_s": statistics.median(tok_s),
+                     "rounds_output_tok_s": tok_s}
+    return out
 
 
 def git_commit(root: Path) -> str:
@@ -154,11 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="CPU threads for every engine (default 2)")
     p.add_argument("--kv-bytes", type=int, default=1 << 30, help="pagedllm's KV pool in bytes (default 1 GiB)")
     p.add_argument("--max-model-len", type=int, default=2048, help="pagedllm's max_model_len (default 2048)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="generate runs per engine, the engines taking turns; medians reported (default 3)")
+    p.add_argument("--pause", type=float, default=2.0, help="seconds of rest before each run (default 2)")
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face transformers")
     p.add_argument("--skip-pagedllm", action="store_true", help="do not run pagedllm")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_VLLM_PYTHON"),
                    help="a Python with vllm-cpu installed (default $PAGEDLLM_VLLM_PYTHON)")
-    p.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for the vLLM run (default 1200)")
+    p.add_argument("--vllm-timeout", type=float, default=1200.0,
+                   help="seconds vLLM may take to start, and then for each round (default 1200)")
     p.add_argument("--name", default="throughput", help="result file: <date>-<hostname>-<name>.json (default throughput)")
     p.add_argument("--results-dir", default=None, help="default: bench/results of the source checkout, else ./bench/results")
     return p
@@ -194,20 +285,37 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                      "dtype": args.dtype, "temperature": args.temperature, "ignore_eos": True},
     }
+    runners: dict = {}
+    errors: dict = {}
     if not args.skip_pagedllm:
-        result["pagedllm"] = bench_pagedllm(args, prompts)
+        runners["pagedllm"] = PagedllmRunner(args, prompts)
     if not args.skip_hf:
-        result["hf_transformers"] = bench_hf(args, prompts, folder)
+        runners["hf_transformers"] = HfRunner(args, prompts, folder)
     if args.vllm_python:
-        result["vllm_cpu"] = bench_vllm(args, prompts, folder)
+        try:
+            runners["vllm_cpu"] = VllmRunner(args, prompts, folder)
+        except (OSError, RuntimeError) as e:
+            errors["vllm_cpu"] = {"error": str(e)}
     else:
-        result["vllm_cpu"] = {"skipped": "no --vllm-python / $PAGEDLLM_VLLM_PYTHON given"}
+        errors["vllm_cpu"] = {"skipped": "no --vllm-python / $PAGEDLLM_VLLM_PYTHON given"}
+    try:
+        measured = run_rounds(runners, args.rounds, args.pause)
+    finally:
+        closing = {name: runner.close() for name, runner in runners.items()}
+    result["rounds"] = args.rounds
+    for name, runner in runners.items():
+        entry = measured[name]
+        entry["requests_s"] = args.num_prompts / entry["seconds"]
+        result[name] = {**entry, **runner.startup, **closing[name]}
+    result.update(errors)
     result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    ours = result.get("pagedllm", {}).get("output_tok_s")
+
     for key, name in (("hf_transformers", "ratio_vs_hf"), ("vllm_cpu", "ratio_vs_vllm_cpu")):
-        theirs = result.get(key, {}).get("output_tok_s")
-        if ours and theirs:
-            result[name] = ours / theirs
+        if "pagedllm" in measured and key in measured:
+            pairs = [a / b for a, b in zip(measured["pagedllm"]["rounds_output_tok_s"],
+                                           measured[key]["rounds_output_tok_s"])]
+            result[name] = statistics.median(pairs)  # paired: round i against round i
+            result[name + "_rounds"] = pairs
     text = json.dumps(result, indent=2)
     print(text)
     out_dir = Path(args.results_dir) if args.results_dir else root / "bench" / "results"
