@@ -9,7 +9,8 @@ bench/results/<YYYY-MM-DD>-<hostname>-<name>.json (with the git commit) under --
 
 Rounds (--rounds R, default 3): every engine is constructed once and then generates the workload R
 times, the engines taking turns (pagedllm, HF, vLLM, pagedllm, ...), so that a change in the
-machine's speed during the run (a shared host) lands on all of them. Each engine's figures are the
+machine's speed during the run (a shared host) lands on all of them. Each round has its own random
+prompts (seed = round), so no round reuses another's prefix cache. Each engine's figures are the
 median over its rounds; the ratios are the medians of the per-round ratios, with every round's
 tokens/s kept under "rounds".
 
@@ -47,25 +48,27 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 
 class PagedllmRunner:
-    """pagedllm's LLM, constructed (and warmed by one token) once; run() times one generate."""
+    """pagedllm's LLM, constructed (and warmed by one token) once; run(i) times one generate of
+    round i's prompts."""
 
-    def __init__(self, args, prompts):
+    def __init__(self, args, prompts: list[list[list[int]]]):
         from pagedllm import LLM, SamplingParams
 
         t0 = time.perf_counter()
         self.llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
                        max_model_len=args.max_model_len, seed=0)
         construct = time.perf_counter() - t0
-        self.llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        warm = [t + 1 for t in prompts[0][0][:16]]  # not a prefix of any prompt
+        self.llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=1), use_tqdm=False)
         first_token = time.perf_counter() - t0
         self.startup = {"startup_construct_s": construct, "startup_to_first_token_s": first_token,
                         "process_start_to_first_token_s": t0 - PROCESS_START + first_token}
         self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-        self.prompts = [{"prompt_token_ids": p} for p in prompts]
+        self.prompts = [[{"prompt_token_ids": p} for p in round_prompts] for round_prompts in prompts]
 
-    def run(self) -> dict:
+    def run(self, i: int) -> dict:
         t1 = time.perf_counter()
-        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        outs = self.llm.generate(self.prompts[i], self.params, use_tqdm=False)
         seconds = time.perf_counter() - t1
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         return {"output_tokens": n_out, "seconds": seconds}
@@ -81,7 +84,7 @@ class PagedllmRunner:
 class HfRunner:
     """Hugging Face transformers' generate over the whole workload as one static batch."""
 
-    def __init__(self, args, prompts, folder):
+    def __init__(self, args, prompts: list[list[list[int]]], folder):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -93,20 +96,20 @@ class HfRunner:
         self.model.eval()
         self.model.generation_config.eos_token_id = None
         startup = time.perf_counter() - t0
-        self.ids = torch.tensor(prompts)
+        self.ids = [torch.tensor(p) for p in prompts]
         sample = args.temperature > 0
         self.kwargs = dict(do_sample=sample, temperature=args.temperature if sample else None, top_p=None,
                            top_k=None, pad_token_id=0)
         self.output_len = args.output_len
         with torch.inference_mode():
             t_first = time.perf_counter()
-            self.model.generate(input_ids=self.ids[:1, :16], attention_mask=torch.ones_like(self.ids[:1, :16]),
-                                max_new_tokens=1, **self.kwargs)
+            warm = self.ids[0][:1, :16]
+            self.model.generate(input_ids=warm, attention_mask=torch.ones_like(warm), max_new_tokens=1, **self.kwargs)
         self.startup = {"startup_construct_s": startup,
                         "startup_to_first_token_s": startup + time.perf_counter() - t_first}
 
-    def run(self) -> dict:
-        torch, ids = self.torch, self.ids
+    def run(self, i: int) -> dict:
+        torch, ids = self.torch, self.ids[i]
         with torch.inference_mode():
             t1 = time.perf_counter()
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -119,8 +122,8 @@ class HfRunner:
         return {}
 
 
-# vLLM runs in its own Python: one JSON line of prompts on stdin, then one line per round ("run"
-# or "quit"); it prints READY (with its start-up) once and RESULT (one round) per "run".
+# vLLM runs in its own Python: one JSON line on stdin with every round's prompts, then one line per
+# round ("run <i>" or "quit"); it prints READY (with its start-up) once and RESULT per "run".
 VLLM_SCRIPT = r"""
 import json, sys, time
 if __name__ == "__main__":
@@ -130,14 +133,16 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     llm = LLM(folder, dtype=dtype, max_model_len=max_len, seed=0)
     construct = time.perf_counter() - t0
-    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [t + 1 for t in prompts[0][0][:16]]}], SamplingParams(max_tokens=1),
+                 use_tqdm=False)
     first = time.perf_counter() - t0
     print("READY " + json.dumps({"startup_construct_s": construct, "startup_to_first_token_s": first}), flush=True)
     params = SamplingParams(temperature=temperature, max_tokens=out_len, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts]
     for line in sys.stdin:
-        if line.strip() != "run":
+        words = line.split()
+        if not words or words[0] != "run":
             break
+        requests = [{"prompt_token_ids": p} for p in prompts[int(words[1])]]
         t1 = time.perf_counter()
         outs = llm.generate(requests, params, use_tqdm=False)
         seconds = time.perf_counter() - t1
@@ -149,7 +154,7 @@ if __name__ == "__main__":
 class VllmRunner:
     """vLLM's CPU build in a subprocess (VLLM_SCRIPT), constructed once, driven round by round."""
 
-    def __init__(self, args, prompts, folder):
+    def __init__(self, args, prompts: list[list[list[int]]], folder):
         import tempfile
 
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="4",
@@ -181,8 +186,8 @@ class VllmRunner:
         raise RuntimeError(f"vLLM exited (or ran past {self.timeout} s) before {prefix.strip()}: "
                            + self.log.read()[-2000:])
 
-    def run(self) -> dict:
-        self.proc.stdin.write("run\n")
+    def run(self, i: int) -> dict:
+        self.proc.stdin.write(f"run {i}\n")
         self.proc.stdin.flush()
         return self._expect("RESULT ")
 
@@ -201,10 +206,10 @@ def run_rounds(runners: dict, rounds: int, pause_s: float) -> dict:
     """Each runner's run() `rounds` times, in turns; per engine: every round's output tokens/s and
     their medians."""
     per_round: dict = {name: [] for name in runners}
-    for _ in range(rounds):
+    for i in range(rounds):
         for name, runner in runners.items():
             time.sleep(pause_s)  # the other engines' worker threads stop spinning
-            r = runner.run()
+            r = runner.run(i)
             r["output_tok_s"] = r["output_tokens"] / r["seconds"]
             per_round[name].append(r)
     out = {}
@@ -271,7 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     folder = resolve_model(args.model)
     vocab = ModelConfig.from_pretrained(folder).vocab_size
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab)
+    prompts = [random_prompts(args.num_prompts, args.input_len, vocab, seed=i) for i in range(args.rounds)]
     checkout = Path(__file__).resolve().parents[3]
     in_checkout = (checkout / "bench").is_dir() and (checkout / "python" / "pagedllm").is_dir()
     root = checkout if in_checkout else Path.cwd()
