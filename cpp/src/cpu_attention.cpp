@@ -76,8 +76,10 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
   // A work item is one partition of one sequence, all its KV heads: a block's heads are one
   // contiguous [Hkv, block_size, D] run of the cache (6 KB for SmolLM2's 3 heads of d64 in 16-token
   // blocks), and random 2 KB pieces stream from DRAM at ~2/3 the rate of 6-12 KB ones (the dev VM:
-  // 15 against 16-21 GB/s). The AMX walk of the first head prefetches every head's rows.
-  const int64_t items = B * S;
+  // 15 against 16-21 GB/s). The AMX walk of the first head prefetches every head's rows. With fewer
+  // such items than threads (a few short sequences on a many-core host) each head is an item.
+  const int64_t heads_per_item = (B * S < nt) ? 1 : Hkv;
+  const int64_t items = B * S * (Hkv / heads_per_item);
   [[maybe_unused]] const bool amx_decode = use_amx<T, D>() && G <= 16;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, items)))
   {
@@ -87,8 +89,10 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t b = item / S;
-      const int split = static_cast<int>(item % S);
+      const int64_t seq_part = item / (Hkv / heads_per_item);
+      const int64_t b = seq_part / S;
+      const int split = static_cast<int>(seq_part % S);
+      const int64_t kv0 = (item % (Hkv / heads_per_item)) * heads_per_item;
       const int64_t len = sl[b];
       const int64_t p = len - 1;  // the query's position
       const int64_t start = (c.sliding_window > 0) ? std::max<int64_t>(0, p - c.sliding_window + 1) : 0;
@@ -96,7 +100,7 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
       const int64_t part = (span + S - 1) / S;
       const int64_t lo = start + split * part;
       const int64_t hi = std::min<int64_t>(len, lo + part);
-      for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      for (int64_t kvh = kv0; kvh < kv0 + heads_per_item; ++kvh) {
         for (int g = 0; g < G; ++g) {
           load_query<T, D>(qp + b * query.stride(0) + (kvh * G + g) * D, scale, w.q.data() + g * D,
                            w.qb.data() + g * D);
@@ -108,7 +112,7 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
 #if PAGEDLLM_HAVE_AMX
           if constexpr (kAmxShape<T, D>) {
             if (amx_decode) {
-              const int prefetch_heads = kvh == 0 ? static_cast<int>(Hkv) : 1;
+              const int prefetch_heads = kvh == kv0 ? static_cast<int>(heads_per_item) : 1;
               attend_blocks_amx<D>(c, c.block_tables + b * c.max_blocks, kvh, lo, hi, G, scale, w.qb.data(),
                                    w.pos.data(), w.m.data(), w.l.data(), w.acc.data(), *amx.scratch, prefetch_heads);
               done = true;

@@ -103,8 +103,8 @@ struct AmxThread {
 /// in groups of 16 (a group's A / C tiles), qb their unscaled bf16 values [R][D], pos their
 /// positions; updates m, l ([R]) and acc ([R][D]). The segment's K tiles and V's VNNI tiles serve
 /// every group; a group skips the chunks after its last row's position (the causal triangle of a
-/// prefill item). prefetch_heads: the K / V rows of heads kvh .. kvh + prefetch_heads - 1 are
-/// prefetched (a caller that walks the other heads next finds them in cache). The calling thread
+/// prefill item). prefetch_heads: the K / V rows of heads kvh + 1 .. kvh + prefetch_heads - 1 are
+/// prefetched into L2 along with kvh's own (a caller that walks those heads next finds them there). The calling thread
 /// must have loaded the tile configuration (AmxThread).
 template <int D>
 void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh, int64_t lo, int64_t hi, int R,
@@ -155,8 +155,9 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
     auto prefetch_chunk = [&](const bf16* cache, int ch) {
       if (ch >= nch) return;
       const char* a = reinterpret_cast<const char*>(cache + kv_row(s0 + 16 * ch));
-      for (int h = 0; h < prefetch_heads; ++h, a += int64_t{bs} * D * 2)
-        for (int off = 0; off < 16 * D * 2; off += 64) _mm_prefetch(a + off, _MM_HINT_T0);
+      for (int off = 0; off < 16 * D * 2; off += 64) _mm_prefetch(a + off, _MM_HINT_T0);
+      for (int h = 1; h < prefetch_heads; ++h)  // the heads walked later: to L2, not to L1
+        for (int off = 0; off < 16 * D * 2; off += 64) _mm_prefetch(a + h * int64_t{bs} * D * 2 + off, _MM_HINT_T1);
     };
     for (int ch = 0; ch < 4; ++ch) prefetch_chunk(c.key_cache, ch);
     for (int ch = 0; ch < nch; ch += 2) {

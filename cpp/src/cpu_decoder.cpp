@@ -1,7 +1,9 @@
 // CpuDecoderStack (pagedllm/cpu_decoder.h): the Llama decoder layers of one step, natively.
 #include "pagedllm/cpu_decoder.h"
 
+#include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -72,9 +74,10 @@ CpuDecoderStack::CpuDecoderStack(const CpuDecoderConfig& cfg, std::vector<CpuDec
                  cfg.intermediate_size, ", num_heads ", cfg.num_heads, ", num_kv_heads ", cfg.num_kv_heads,
                  ", head_dim ", cfg.head_dim);
   PAGEDLLM_CHECK(cos_sin_cache.device == DeviceType::kCPU && cos_sin_cache.dtype == DType::kBFloat16 &&
-                     cos_sin_cache.ndim == 2,
-                 kOp, ": cos_sin_cache must be a bfloat16 [max_position, rotary_dim] cpu tensor, got ",
-                 cos_sin_cache.describe());
+                     cos_sin_cache.ndim == 2 && cos_sin_cache.is_contiguous() && cos_sin_cache.size(1) % 2 == 0 &&
+                     cos_sin_cache.size(1) <= cfg.head_dim,
+                 kOp, ": cos_sin_cache must be a contiguous bfloat16 [max_position, rotary_dim] cpu tensor with an "
+                 "even rotary_dim <= head_dim ", cfg.head_dim, ", got ", cos_sin_cache.describe());
   const int64_t H = cfg.hidden_size, I = cfg.intermediate_size, D = cfg.head_dim;
   const int64_t q_size = cfg.num_heads * D, qkv_size = q_size + 2 * cfg.num_kv_heads * D;
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -97,9 +100,13 @@ CpuDecoderStack::CpuDecoderStack(const CpuDecoderConfig& cfg, std::vector<CpuDec
     check_bias(at + "down_bias", l.down_bias, H);
     for (const TensorView* c : {&l.key_cache, &l.value_cache})
       PAGEDLLM_CHECK(c->device == DeviceType::kCPU && c->dtype == DType::kBFloat16 && c->ndim == 4 &&
-                         c->size(1) == cfg.num_kv_heads && c->size(3) == D,
-                     kOp, ": ", at, "KV cache must be bfloat16 [num_blocks, ", cfg.num_kv_heads, ", block_size, ", D,
-                     "] on the cpu, got ", c->describe());
+                         c->size(1) == cfg.num_kv_heads && c->size(3) == D && c->is_contiguous(),
+                     kOp, ": ", at, "KV cache must be a contiguous bfloat16 [num_blocks, ", cfg.num_kv_heads,
+                     ", block_size, ", D, "] cpu tensor, got ", c->describe());
+    bool same = true;
+    for (int d = 0; d < 4; ++d) same = same && l.key_cache.size(d) == l.value_cache.size(d);
+    PAGEDLLM_CHECK(same, kOp, ": ", at, "key_cache ", l.key_cache.describe(), " and value_cache ",
+                   l.value_cache.describe(), " differ in shape");
     PAGEDLLM_CHECK(l.sliding_window >= 0, kOp, ": ", at, "sliding_window must be >= 0, got ", l.sliding_window);
   }
   const int64_t T = kCpuDecoderMaxTokens;
@@ -107,7 +114,7 @@ CpuDecoderStack::CpuDecoderStack(const CpuDecoderConfig& cfg, std::vector<CpuDec
   attn_.resize(T * q_size);
   gate_up_.resize(T * 2 * I);
   act_.resize(T * I);
-  if (!layers_.empty() && layers_[0].q_norm) {
+  if (std::any_of(layers_.begin(), layers_.end(), [](const CpuDecoderLayer& l) { return l.q_norm.has_value(); })) {
     q_.resize(T * q_size);
     k_.resize(T * cfg.num_kv_heads * D);
   }
@@ -115,6 +122,9 @@ CpuDecoderStack::CpuDecoderStack(const CpuDecoderConfig& cfg, std::vector<CpuDec
 
 void CpuDecoderStack::forward(int64_t start, int64_t end, const TensorView& hidden, const TensorView& residual,
                               bool has_residual, const CpuDecoderStep& step) {
+  std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+  PAGEDLLM_CHECK(lock.owns_lock(), kOp, ": forward called while another forward of this stack runs (its scratch "
+                 "activations are shared); use one stack per thread");
   PAGEDLLM_CHECK(0 <= start && start <= end && end <= num_layers(), kOp, ": layers [", start, ", ", end,
                  ") out of range for ", num_layers(), " layers");
   const int64_t H = cfg_.hidden_size, I = cfg_.intermediate_size, D = cfg_.head_dim;
@@ -126,6 +136,8 @@ void CpuDecoderStack::forward(int64_t start, int64_t end, const TensorView& hidd
                    kOp, ": ", name, " must be a contiguous bfloat16 [T, ", H, "] cpu tensor, got ", t->describe());
   const int64_t T = hidden.size(0);
   PAGEDLLM_CHECK(residual.size(0) == T, kOp, ": residual has ", residual.size(0), " rows, hidden ", T);
+  PAGEDLLM_CHECK(!detail::overlaps(hidden, residual), kOp, ": hidden and residual must not overlap, got hidden ",
+                 hidden.describe(), " and residual ", residual.describe());
   PAGEDLLM_CHECK(T <= kCpuDecoderMaxTokens, kOp, ": a step of ", T, " tokens exceeds kCpuDecoderMaxTokens (",
                  kCpuDecoderMaxTokens, ")");
   if (T == 0 || start == end) return;

@@ -20,7 +20,10 @@ def tiny(tmp_path_factory):
 
         if arch not in cache:
             folder = tmp_path_factory.mktemp(arch)
-            build_tiny_model(arch, folder)
+            if arch == "llama-bias":  # gate_up and down with biases (Qwen2 has the qkv bias)
+                build_tiny_model("llama", folder, mlp_bias=True)
+            else:
+                build_tiny_model(arch, folder)
             synthetic_tokenizer(1024).save_pretrained(folder)
             cache[arch] = folder
         return cache[arch]
@@ -40,8 +43,10 @@ def load_packed(folder):
     return model
 
 
-def run_steps(model, steps, native: bool, monkeypatch) -> tuple[list[torch.Tensor], list, int]:
-    """Logits of each step, the KV caches after them and how many steps the native stack ran."""
+def run_steps(model, steps, native: bool, monkeypatch, num_seqs: int = 3, max_len: int = 200,
+              split_at: int | None = None) -> tuple[list[torch.Tensor], list, int]:
+    """Logits of each step, the KV caches after them and how many layer calls the native stack
+    ran. split_at: the layers run as two forward_layers calls, [0, split_at) and [split_at, L)."""
     monkeypatch.setenv("PAGEDLLM_CPU_NATIVE_DECODER", "1" if native else "0")
     fired = []
     original = type(model)._native_stack
@@ -52,9 +57,19 @@ def run_steps(model, steps, native: bool, monkeypatch) -> tuple[list[torch.Tenso
         return stack
 
     monkeypatch.setattr(type(model), "_native_stack", spy)
-    harness = PagedHarness(model, 3, 200, seed=5)
+    if split_at is not None:
+        def forward(input_ids, positions, kv_caches, meta, logits_indices):
+            state = model.embed(input_ids, positions)
+            state = model.forward_layers(state, positions, kv_caches, meta, 0, split_at)
+            state = model.forward_layers(state, positions, kv_caches, meta, split_at, len(model.layers))
+            return model.logits(state, logits_indices)
+
+        monkeypatch.setattr(model, "forward", forward)
+    harness = PagedHarness(model, num_seqs, max_len, seed=5)
     logits = [harness.step(chunks) for chunks in steps]
     monkeypatch.setattr(type(model), "_native_stack", original)
+    if split_at is not None:
+        monkeypatch.delattr(model, "forward")
     return logits, harness.kv_caches, sum(fired)
 
 
@@ -65,7 +80,14 @@ def amx_or_skip():
         pytest.skip("no AMX-BF16 on this machine: the native stack does not apply (test_no_native_stack_without_amx)")
 
 
-@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def assert_identical(native, python, native_caches, python_caches) -> None:
+    for i, (a, b) in enumerate(zip(native, python)):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max().item()}"
+    for (k1, v1), (k2, v2) in zip(native_caches, python_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS) + ["llama-bias"])
 def test_native_stack_is_bit_identical_to_the_python_layers(tiny, arch, monkeypatch):
     amx_or_skip()
     folder = tiny(arch)
@@ -89,10 +111,26 @@ def test_native_stack_is_bit_identical_to_the_python_layers(tiny, arch, monkeypa
     native, native_caches, fired_on = run_steps(model, steps, True, monkeypatch)
     assert fired_off == 0
     assert fired_on == len(steps) - 1  # every step but the 140-token one
-    for i, (a, b) in enumerate(zip(native, python)):
-        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max().item()}"
-    for (k1, v1), (k2, v2) in zip(native_caches, python_caches):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert_identical(native, python, native_caches, python_caches)
+
+
+def test_native_stack_in_two_pieces_and_on_a_long_context(tiny, monkeypatch):
+    """forward_layers over [0, 1) then [1, 2) (the second piece starts with a residual), and a
+    600-token sequence (chunks of 120, then decode steps: with 2 or more threads the decode kernel
+    splits its context in two): still bit-identical."""
+    amx_or_skip()
+
+    model = load_packed(tiny("llama3"))  # 1,024 positions
+    g = torch.Generator().manual_seed(8)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(3, 1024, (n,), generator=g).tolist()
+
+    steps = [[(0, toks(120))] for _ in range(5)] + [[(0, toks(1))] for _ in range(3)]
+    python, python_caches, _ = run_steps(model, steps, False, monkeypatch, num_seqs=1, max_len=700)
+    native, native_caches, fired = run_steps(model, steps, True, monkeypatch, num_seqs=1, max_len=700, split_at=1)
+    assert fired == 2 * len(steps)  # two pieces per step
+    assert_identical(native, python, native_caches, python_caches)
 
 
 def test_native_stack_with_the_engine_gives_the_same_tokens(tiny, monkeypatch):
@@ -109,7 +147,7 @@ def test_native_stack_with_the_engine_gives_the_same_tokens(tiny, monkeypatch):
     for native in ("1", "0"):
         monkeypatch.setenv("PAGEDLLM_CPU_NATIVE_DECODER", native)
         llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=48,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, device="cpu")
         outs[native] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
                         for o in llm.generate(prompts, params, use_tqdm=False)]
         assert (llm.llm_engine.runner.model._native is not None) == (native == "1")
@@ -119,13 +157,19 @@ def test_native_stack_with_the_engine_gives_the_same_tokens(tiny, monkeypatch):
 
 def test_no_native_stack_without_amx(tiny, monkeypatch):
     """Where the projections are not AMX-packed (no AMX, or float32) the Python layers run."""
+    from pagedllm.model_executor.config import ModelConfig
+    from pagedllm.model_executor.loader import load_safetensors
+    from pagedllm.model_executor.models import LlamaForCausalLM
     from pagedllm.model_executor.models.llama import AmxLinear
 
     monkeypatch.setattr(AmxLinear, "applies", staticmethod(lambda weight: False))
     folder = tiny("llama")
-    model = load_packed(folder)
-    assert not model._native_applies
-    assert model._native_stack([None] * len(model.layers), 4) is None
+    for dtype in (torch.bfloat16, torch.float32):
+        model = LlamaForCausalLM(ModelConfig.from_pretrained(folder), dtype, torch.device("cpu"))
+        model.load_weights(load_safetensors(folder))
+        model.pack_weights()  # oneDNN's PackedLinear (bfloat16, where oneDNN has it) or nothing
+        assert not model._native_applies
+        assert model._native_stack([None] * len(model.layers), 4) is None
 
 
 def test_bad_operands_are_named(tiny):
@@ -146,7 +190,6 @@ def test_bad_operands_are_named(tiny):
     with pytest.raises(ValueError, match=r"layers \[0, 9\) out of range"):
         stack.forward(0, 9, v(hidden[:1]), v(hidden[1:2].clone()), False, v(i64), v(i64), v(i32.view(1, 1)),
                       v(i32), v(torch.zeros(2, dtype=torch.int32)), True)
-    layer = model._build_native_stack(harness.kv_caches)  # a fresh one to break
     conf = _C.CpuDecoderConfig()
     conf.hidden_size, conf.intermediate_size = model.config.hidden_size, model.config.intermediate_size
     conf.num_heads, conf.num_kv_heads, conf.head_dim = 4, 2, 64
@@ -157,4 +200,6 @@ def test_bad_operands_are_named(tiny):
     bad.key_cache, bad.value_cache = v(harness.kv_caches[0][0]), v(harness.kv_caches[0][1])
     with pytest.raises(ValueError, match="layer 0 qkv must be a packed bfloat16 weight"):
         _C.CpuDecoderStack(conf, [bad], v(model.rotary.cos_sin_cache))
-    del layer
+    with pytest.raises(ValueError, match="hidden and residual must not overlap"):
+        stack.forward(0, 1, v(hidden[:2]), v(hidden[1:3]), True, v(i64), v(i64), v(i32.view(1, 1)), v(i32),
+                      v(torch.zeros(2, dtype=torch.int32)), True)

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -68,17 +69,18 @@ struct CpuDecoderStep {
 };
 
 /// The layers of one model plus the scratch activations of a step (reused across calls; one call
-/// at a time per stack).
+/// at a time per stack: a concurrent forward throws).
 class CpuDecoderStack {
  public:
   /// Checks every operand's dtype, device and shape against cfg (InvalidArgument naming the layer
   /// and operand) and that AMX is available. cos_sin_cache [max_position, R] bfloat16 (RoPE table
-  /// of rotary_embedding).
+  /// of rotary_embedding, R even and <= head_dim). The step's tensors are checked by the kernels.
   CpuDecoderStack(const CpuDecoderConfig& cfg, std::vector<CpuDecoderLayer> layers, const TensorView& cos_sin_cache);
 
   /// Layers [start, end) over hidden and residual [T, hidden_size] bfloat16, contiguous, in place
-  /// (T <= kCpuDecoderMaxTokens). has_residual false: residual's contents are ignored and it
-  /// receives the stream before layer `start` (= hidden), as for the first layer.
+  /// (T <= kCpuDecoderMaxTokens; hidden and residual must not overlap). has_residual false:
+  /// residual's contents are ignored and it receives the stream before layer `start` (= hidden),
+  /// as for the first layer.
   void forward(int64_t start, int64_t end, const TensorView& hidden, const TensorView& residual, bool has_residual,
                const CpuDecoderStep& step);
 
@@ -90,6 +92,7 @@ class CpuDecoderStack {
   TensorView cos_sin_cache_;
   // scratch, [kCpuDecoderMaxTokens x width] bfloat16 each
   std::vector<uint16_t> qkv_, q_, k_, attn_, gate_up_, act_;
+  std::mutex busy_;  // held by forward
 };
 
 }  // namespace pagedllm

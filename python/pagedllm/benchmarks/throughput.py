@@ -8,11 +8,12 @@ first generated token). Prints JSON and writes it to
 bench/results/<YYYY-MM-DD>-<hostname>-<name>.json (with the git commit) under --results-dir.
 
 Rounds (--rounds R, default 3): every engine is constructed once and then generates the workload R
-times, the engines taking turns (pagedllm, HF, vLLM, pagedllm, ...), so that a change in the
-machine's speed during the run (a shared host) lands on all of them. Each round has its own random
-prompts (seed = round), so no round reuses another's prefix cache. Each engine's figures are the
-median over its rounds; the ratios are the medians of the per-round ratios, with every round's
-tokens/s kept under "rounds".
+times, the engines taking turns (the order rotates each round: pagedllm, HF, vLLM; HF, vLLM,
+pagedllm; ...), so that a change in the machine's speed during the run (a shared host) lands on all
+of them. Each round has its own random prompts (seed = round), so no round reuses another's prefix
+cache. Each engine's figures are the median over its rounds, with every round's tokens/s under
+"rounds_output_tok_s"; the ratios are the medians of the per-round ratios (listed under
+"ratio_vs_*_rounds"). An engine that fails in a round is reported with its error and dropped.
 
     pagedllm bench throughput [--num-prompts 64 --input-len 128 --output-len 128
                                --dtype bfloat16 --threads 2 --skip-hf --vllm-python PY]
@@ -74,6 +75,7 @@ class PagedllmRunner:
         return {"output_tokens": n_out, "seconds": seconds}
 
     def close(self) -> dict:
+        """num_preemptions: the engine's count over every round (and the warm-up)."""
         llm = self.llm
         metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
         llm.shutdown()
@@ -122,13 +124,14 @@ class HfRunner:
         return {}
 
 
-# vLLM runs in its own Python: one JSON line on stdin with every round's prompts, then one line per
+# vLLM runs in its own Python: every round's prompts in a JSON file (argv), then one stdin line per
 # round ("run <i>" or "quit"); it prints READY (with its start-up) once and RESULT per "run".
 VLLM_SCRIPT = r"""
 import json, sys, time
 if __name__ == "__main__":
     folder, dtype, out_len, temperature, max_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
-    prompts = json.loads(sys.stdin.readline())
+    with open(sys.argv[6]) as f:
+        prompts = json.load(f)
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     llm = LLM(folder, dtype=dtype, max_model_len=max_len, seed=0)
@@ -161,20 +164,26 @@ class VllmRunner:
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
         cmd = [args.vllm_python, "-c", VLLM_SCRIPT, str(folder), args.dtype, str(args.output_len),
                str(args.temperature), str(args.max_model_len)]
+        self.prompt_file = tempfile.NamedTemporaryFile(mode="w", suffix=".json", delete=False)
+        json.dump(prompts, self.prompt_file)
+        self.prompt_file.close()
         self.log = tempfile.TemporaryFile(mode="w+")  # vLLM's own log, for the error message
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env=env)
+        # its own session: a timeout kills vLLM's engine-core processes too (they hold stdout open)
+        self.proc = subprocess.Popen(cmd + [self.prompt_file.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env, start_new_session=True)
         self.timeout = args.vllm_timeout
-        self.proc.stdin.write(json.dumps(prompts) + "\n")
-        self.proc.stdin.flush()
-        self.startup = self._expect("READY ")
+        try:
+            self.startup = self._expect("READY ")
+        except RuntimeError:
+            self.close()
+            raise
 
     def _expect(self, prefix: str) -> dict:
         """The JSON after `prefix` on vLLM's next such line; RuntimeError with its log's tail when it
         exits or exceeds --vllm-timeout first."""
         import threading
 
-        timer = threading.Timer(self.timeout, self.proc.kill)
+        timer = threading.Timer(self.timeout, self._kill)
         timer.start()
         try:
             for line in self.proc.stdout:
@@ -186,9 +195,20 @@ class VllmRunner:
         raise RuntimeError(f"vLLM exited (or ran past {self.timeout} s) before {prefix.strip()}: "
                            + self.log.read()[-2000:])
 
+    def _kill(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
     def run(self, i: int) -> dict:
-        self.proc.stdin.write(f"run {i}\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(f"run {i}\n")
+            self.proc.stdin.flush()
+        except OSError as e:
+            raise RuntimeError(f"vLLM is gone: {e}") from e
         return self._expect("RESULT ")
 
     def close(self) -> dict:
@@ -197,29 +217,42 @@ class VllmRunner:
             self.proc.stdin.close()
             self.proc.wait(timeout=120)
         except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
+            pass
+        self._kill()  # whatever of its session is left
         self.log.close()
+        os.unlink(self.prompt_file.name)
         return {}
 
 
-def run_rounds(runners: dict, rounds: int, pause_s: float) -> dict:
-    """Each runner's run() `rounds` times, in turns; per engine: every round's output tokens/s and
-    their medians."""
+def run_rounds(runners: dict, rounds: int, pause_s: float) -> tuple[dict, dict]:
+    """Each runner's run(i) for rounds i = 0 .. rounds - 1, in turns (the order rotated by one each
+    round). Returns (per engine: every round's output tokens/s and their medians, per failed engine:
+    its error); a runner that raises is dropped from the later rounds."""
     per_round: dict = {name: [] for name in runners}
+    errors: dict = {}
+    names = list(runners)
     for i in range(rounds):
-        for name, runner in runners.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            if name in errors:
+                continue
             time.sleep(pause_s)  # the other engines' worker threads stop spinning
-            r = runner.run(i)
+            try:
+                r = runners[name].run(i)
+            except Exception as e:  # noqa: BLE001 (any engine failure: report it, keep the others)
+                errors[name] = {"error": f"round {i}: {type(e).__name__}: {e}"[:2000]}
+                continue
             r["output_tok_s"] = r["output_tokens"] / r["seconds"]
             per_round[name].append(r)
     out = {}
     for name, rs in per_round.items():
+        if name in errors:
+            continue
         tok_s = [r["output_tok_s"] for r in rs]
         seconds = statistics.median(r["seconds"] for r in rs)
         n = rs[0]["output_tokens"]
         out[name] = {"output_tokens": n, "seconds": seconds, "output_tok_s": statistics.median(tok_s),
                      "rounds_output_tok_s": tok_s}
-    return out
+    return out, errors
 
 
 def git_commit(root: Path) -> str:
@@ -261,7 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -304,11 +340,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         errors["vllm_cpu"] = {"skipped": "no --vllm-python / $PAGEDLLM_VLLM_PYTHON given"}
     try:
-        measured = run_rounds(runners, args.rounds, args.pause)
+        measured, failed = run_rounds(runners, args.rounds, args.pause)
     finally:
         closing = {name: runner.close() for name, runner in runners.items()}
+    errors.update(failed)
     result["rounds"] = args.rounds
     for name, runner in runners.items():
+        if name not in measured:
+            continue
         entry = measured[name]
         entry["requests_s"] = args.num_prompts / entry["seconds"]
         result[name] = {**entry, **runner.startup, **closing[name]}

@@ -370,12 +370,15 @@ class LlamaForCausalLM(nn.Module):
         None where the Python layers run: it needs every projection packed for AMX
         (pack_weights), the fused layer ops, 1 to CPU_DECODER_MAX_TOKENS tokens and
         PAGEDLLM_CPU_NATIVE_DECODER not "0". Built on first use for these KV caches (it holds views
-        of the weights and caches; rebuilt when the caches change)."""
-        if not (self._native_applies and 0 < tokens <= _C.CPU_DECODER_MAX_TOKENS and len(kv_caches) == len(self.layers)):
+        of the weights and caches; rebuilt when a cache's address, shape, strides or dtype change, and
+        dropped by pack_weights)."""
+        # both limits: above AmxLinear.MAX_TOKENS the Python path takes oneDNN, whose sums differ
+        limit = min(_C.CPU_DECODER_MAX_TOKENS, AmxLinear.MAX_TOKENS)
+        if not (self._native_applies and 0 < tokens <= limit and len(kv_caches) == len(self.layers)):
             return None
         if os.environ.get("PAGEDLLM_CPU_NATIVE_DECODER", "1") == "0":
             return None
-        key = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
+        key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for kv in kv_caches for t in kv)
         if self._native is None or self._native_key != key:
             self._native = self._build_native_stack(kv_caches)
             self._native_key = key
