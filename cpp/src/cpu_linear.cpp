@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_amx.h"
@@ -37,15 +38,34 @@ constexpr int64_t kClaimsPerThread = 8;  // dynamic-schedule claims per thread a
 using cpu::amx_available;
 using cpu::load_amx_tile_config;
 
-/// out rows [0, rows) and columns [n0, n0 + 32) from the four accumulator tiles (+ bias).
-inline void store_block(float (*acc)[kTile], int64_t rows, cpu::bf16* out, int64_t ldo, const float* bias) {
+/// out rows [0, rows) and columns [n0, n0 + 32) from the four accumulator tiles (+ bias), rounded
+/// to bfloat16 (nearest even). A float32 out receives those rounded values widened, by streaming
+/// stores where its row segments are 64-byte aligned (a large output, e.g. the logits, is not read
+/// back soon enough to be worth the cache lines).
+template <typename Out>
+inline void store_block(float (*acc)[kTile], int64_t rows, Out* out, int64_t ldo, const float* bias) {
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 lo = _mm512_add_ps(_mm512_load_ps(acc[r]), b0);
     const __m512 hi = _mm512_add_ps(_mm512_load_ps(acc[r] + 16), b1);
     const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);  // round to nearest even
-    _mm512_storeu_si512(reinterpret_cast<void*>(out + r * ldo), (__m512i)v);
+    if constexpr (std::is_same_v<Out, cpu::bf16>) {
+      _mm512_storeu_si512(reinterpret_cast<void*>(out + r * ldo), (__m512i)v);
+    } else {
+      const __m512i h = (__m512i)v;  // 32 bf16: lo in the low 256 bits
+      const __m512 wlo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+      const __m512 whi =
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+      float* o = out + r * ldo;
+      if (reinterpret_cast<std::uintptr_t>(o) % 64 == 0) {
+        _mm512_stream_ps(o, wlo);
+        _mm512_stream_ps(o + 16, whi);
+      } else {
+        _mm512_storeu_ps(o, wlo);
+        _mm512_storeu_ps(o + 16, whi);
+      }
+    }
   }
 }
 
@@ -162,8 +182,11 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
   detail::check_ndim(op, "x", x, 2, "[num_tokens, in_features]");
   detail::check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
   detail::check_ndim(op, "packed", packed, 5, "[out_features / 32, in_features / 32, 2, 16, 32]");
-  for (auto [name, t] : {std::pair{"x", &x}, std::pair{"out", &out}, std::pair{"packed", &packed}})
+  for (auto [name, t] : {std::pair{"x", &x}, std::pair{"packed", &packed}})
     detail::check_dtype(op, name, *t, DType::kBFloat16);
+  PAGEDLLM_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
+                 ": out must be bfloat16 or float32, got ", dtype_name(out.dtype));
+  const bool out_f32 = out.dtype == DType::kFloat32;
   detail::check_contiguous(op, "packed", packed);
   const int64_t M = x.size(0), K = packed.size(1) * kTile, N = packed.size(0) * kTile;
   PAGEDLLM_CHECK(packed.size(0) > 0 && packed.size(1) > 0 && packed.size(2) == 2 && packed.size(3) == 16 &&
@@ -195,7 +218,8 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
 #if PAGEDLLM_HAVE_AMX
   const auto* xa = x.ptr<const cpu::bf16>();
   const auto* w = packed.ptr<const cpu::bf16>();
-  auto* o = out.ptr<cpu::bf16>();
+  auto* o = out.ptr<cpu::bf16>();  // (float* when out_f32)
+  auto* of = out.ptr<float>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0), ksteps = K / kTile, pairs = N / kTile;
   const int64_t pair_elems = ksteps * 2 * 512;
   const char* w_end = reinterpret_cast<const char*>(w + pairs * pair_elems);
@@ -242,12 +266,17 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
           }
         }
         const float* bp = b ? b + pb * kTile : nullptr;
-        for (int64_t mc = m0; mc < m1; mc += kTile)
-          store_block(acc_all + (mc - m0), std::min(kTile, m1 - mc), o + mc * ldo + pb * kTile, ldo, bp);
+        for (int64_t mc = m0; mc < m1; mc += kTile) {
+          if (out_f32)
+            store_block(acc_all + (mc - m0), std::min(kTile, m1 - mc), of + mc * ldo + pb * kTile, ldo, bp);
+          else
+            store_block(acc_all + (mc - m0), std::min(kTile, m1 - mc), o + mc * ldo + pb * kTile, ldo, bp);
+        }
       }
     }
     _tile_release();
   }
+  if (out_f32) _mm_sfence();  // the streaming stores are globally visible before returning
 #endif
 }
 

@@ -41,6 +41,23 @@ def test_amx_linear_matches_float64(m, k, n, bias_dtype, gen):
     check_close(out, reference(x, weight, bias), k)
 
 
+@pytest.mark.parametrize("m,n,offset", [(1, 64, 0), (17, 960, 0), (64, 2048, 0), (33, 96, 1), (5, 64, 16)])
+def test_amx_linear_float32_out_is_the_bfloat16_result_widened(m, n, offset, gen):
+    """out float32 (the LM head's logits) holds exactly .float() of the bfloat16 out, whether its
+    rows are 64-byte aligned (streaming stores) or not (offset floats into a larger buffer)."""
+    k = 192
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    packed = ops.amx_pack_linear_weight(weight)
+    ref = ops.amx_linear(x, packed, bias)
+    buf = torch.full((m * n + offset,), float("nan"))
+    out = buf[offset:].view(m, n)
+    assert ops.amx_linear(x, packed, bias, out=out) is out
+    assert torch.equal(out, ref.float())
+    check_close(ref, reference(x, weight, bias), k)
+
+
 def test_amx_linear_strided_rows_and_f_linear(gen):
     """x and out with a row stride larger than their width; the result within one rounding of
     torch.nn.functional.linear in bfloat16 (which rounds the same float32 sums)."""
@@ -77,6 +94,8 @@ def test_amx_linear_argument_errors(gen):
         ops.amx_pack_linear_weight(weight.float())
     with pytest.raises(ValueError, match=r"amx_linear: x .*float32"):
         ops.amx_linear(x.float(), packed)
+    with pytest.raises(ValueError, match=r"amx_linear: out must be bfloat16 or float32, got float16"):
+        ops.amx_linear(x, packed, out=torch.empty(3, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"amx_linear: x .*dimension 1.*64.*96|amx_linear: x .*in_features"):
         ops.amx_linear(torch.randn(3, 64).bfloat16(), packed)
     with pytest.raises(ValueError, match=r"amx_linear: out .*num_tokens"):

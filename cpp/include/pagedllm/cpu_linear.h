@@ -15,8 +15,10 @@
 // — the "VNNI" B operand of TDPBF16PS (Intel SDM vol. 2, TDPBF16PS; Intel Optimization Reference
 // Manual ch. 20, "Intel AMX"). A thread's share of the weight is therefore one sequential stream.
 //
-// dtypes: x, weight, packed, out bfloat16; bias float32 or bfloat16 [N] (optional); accumulation in
-// float32, out rounded to nearest even once (as torch.nn.functional.linear in bfloat16). x and out
+// dtypes: x, weight, packed bfloat16; bias float32 or bfloat16 [N] (optional); accumulation in
+// float32, rounded to bfloat16 (nearest even) once, as torch.nn.functional.linear in bfloat16; out
+// bfloat16, or float32 holding those rounded values (= a bfloat16 out widened with .float(), in one
+// pass: the LM head's logits). x and out
 // must have a contiguous last dimension (any row stride). CPU only. Launchers validate and throw
 // InvalidArgument naming the bad value; amx_linear_supported() says whether this machine (CPU and
 // OS permission for the tile state) and this build can run the kernel at all.
@@ -40,8 +42,9 @@ std::vector<int64_t> amx_packed_weight_shape(int64_t N, int64_t K);
 /// packed bf16 amx_packed_weight_shape(N, K), contiguous  <-  weight bf16 [N, K], contiguous rows.
 void amx_pack_linear_weight(const TensorView& packed, const TensorView& weight);
 
-/// out bf16 [M, N] = x bf16 [M, K] @ weight^T + bias, weight given packed [N/32, K/32, 2, 16, 32];
-/// bias: nullptr or a float32/bfloat16 [N] view. M = 0 does nothing. out must not overlap x.
+/// out [M, N] = x bf16 [M, K] @ weight^T + bias, weight given packed [N/32, K/32, 2, 16, 32], out
+/// bfloat16 or float32 (bfloat16-rounded values, see above); bias: nullptr or a float32/bfloat16
+/// [N] view. M = 0 does nothing. out must not overlap x.
 void amx_linear(const TensorView& out, const TensorView& x, const TensorView& packed, const TensorView* bias);
 
 }  // namespace pagedllm

@@ -35,8 +35,9 @@ def amx_pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ weight.T (+ bias [N])`` from ``packed = amx_pack_linear_weight(weight)``;
-    bfloat16 x and out (contiguous last dimension, not overlapping), float32 or bfloat16 bias.
-    Returns ``out``."""
+    bfloat16 x, out bfloat16 (default) or float32 (the bfloat16-rounded values, widened: what
+    ``.float()`` of the bfloat16 result gives), contiguous last dimensions, not overlapping;
+    float32 or bfloat16 bias. Returns ``out``."""
     for name, t, ndim in (("x", x, 2), ("packed", packed, 5)):
         if not isinstance(t, torch.Tensor) or t.dim() != ndim:
             raise ValueError(f"amx_linear: {name} must be a {ndim}-D tensor, got "

@@ -132,10 +132,13 @@ class AmxLinear(nn.Module):
     def applies(weight: torch.Tensor) -> bool:
         return weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and ops.amx_linear_supported()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype float32: the bfloat16-rounded result widened, as .float() of the bfloat16 one
+        (in one pass where the AMX kernel runs: the LM head's logits)."""
         if x.shape[0] > self.MAX_TOKENS:
-            return self.prefill(x)
-        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+            y = self.prefill(x)
+            return y if out_dtype in (None, y.dtype) else y.to(out_dtype)
+        out = torch.empty((x.shape[0], self.out_features), dtype=out_dtype or x.dtype)
         _C.amx_linear(ops._view(out), ops._view(x), self._packed_view, self._bias_view)
         return out
 
@@ -442,6 +445,8 @@ class LlamaForCausalLM(nn.Module):
         return self._lm_head(self.norm(hidden))
 
     def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.packed_lm_head, AmxLinear):
+            return self.packed_lm_head(normed, out_dtype=torch.float32)  # = .float() of its bf16 logits
         if self.packed_lm_head is not None:
             return self.packed_lm_head(normed).float()
         if 0 < normed.shape[0] <= self.gemv_max_tokens:
