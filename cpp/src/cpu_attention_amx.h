@@ -65,6 +65,10 @@ struct alignas(64) AmxScratch {
   uint32_t bv[kAmxSegment / 32][8 * 256];        // V per 32-token group, D / 16 VNNI tiles [token pair][16 columns]
   float o[kAmxMaxRows * 128];                    // the segment's P V [row][D]
   float corr[kAmxMaxRows];                       // per row: exp(m_old - m_new)
+  // Rows >= bq_rows of every bq group and rows >= p_rows of p are zero (the operands' padding
+  // rows); a call clears only what an earlier call with more rows left behind (everything, first).
+  int bq_rows = kAmxMaxRows;
+  int p_rows = kAmxMaxRows;
 };
 
 /// VPERMT2W index vectors for V's VNNI pairs: [0] takes a[k], b[k] for k < 16 (b = indices 32..63),
@@ -119,10 +123,11 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
   // Q^T in VNNI order per group: bq[g][kc][i][n] = (q[16 g + n][32 kc + 2 i], ...[32 kc + 2 i + 1]),
   // zero for rows >= R; gmax[g]: the group's last visible position.
   int64_t gmax[kAmxGroups];
-  for (int g = 0; g < NG; ++g) {
-    std::memset(sc.bq[g], 0, sizeof(uint32_t) * KC * 256);
-    gmax[g] = -1;
+  for (int g = 0; g < NG; ++g) gmax[g] = -1;
+  if (sc.bq_rows > R) {  // zero the padding lanes (whole groups: rows < R are rewritten below)
+    for (int g = R / 16; g < (sc.bq_rows + 15) / 16; ++g) std::memset(sc.bq[g], 0, sizeof(sc.bq[g]));
   }
+  sc.bq_rows = R;
   for (int n = 0; n < R; ++n) {
     uint32_t row[D / 2];
     std::memcpy(row, qb + n * D, sizeof(row));
@@ -130,7 +135,8 @@ void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh
     gmax[n / 16] = std::max<int64_t>(gmax[n / 16], std::min<int64_t>(hi - 1, pos[n]));
   }
   // P rows >= R stay zero; rows < R are rewritten for every 32-token group a segment uses.
-  std::memset(sc.p + R * kAmxSegment, 0, sizeof(bf16) * (16 * NG - R) * kAmxSegment);
+  if (sc.p_rows > R) std::memset(sc.p + R * kAmxSegment, 0, sizeof(bf16) * (sc.p_rows - R) * kAmxSegment);
+  sc.p_rows = R;
   const int64_t kv_stride = static_cast<int64_t>(c.num_kv_heads) * bs * D;  // elements per block
   const int bs_shift = std::countr_zero(static_cast<unsigned>(bs));          // bs is a power of two
   auto kv_row = [&](int64_t token) {  // offset of `token`'s row of KV head kvh
