@@ -108,8 +108,8 @@ struct AmxThread {
 /// positions; updates m, l ([R]) and acc ([R][D]). The segment's K tiles and V's VNNI tiles serve
 /// every group; a group skips the chunks after its last row's position (the causal triangle of a
 /// prefill item). prefetch_heads: the K / V rows of heads kvh + 1 .. kvh + prefetch_heads - 1 are
-/// prefetched into L2 along with kvh's own (a caller that walks those heads next finds them there). The calling thread
-/// must have loaded the tile configuration (AmxThread).
+/// prefetched into L2 along with kvh's own (a caller that walks those heads next finds them
+/// there). The calling thread must have loaded the tile configuration (AmxThread).
 template <int D>
 void attend_blocks_amx(const Context<bf16>& c, const int32_t* table, int64_t kvh, int64_t lo, int64_t hi, int R,
                        float scale, const bf16* qb, const int32_t* pos, float* m, float* l, float* acc,

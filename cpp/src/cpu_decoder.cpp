@@ -145,8 +145,8 @@ void CpuDecoderStack::forward(int64_t start, int64_t end, const TensorView& hidd
 
   const TensorView qkv = rows_view(qkv_, T, qkv_size);
   uint16_t* qkv_data = qkv_.data();
-  TensorView q = bf16_view(qkv_data, {T, Hq, D}, {qkv_size, D, 1});
-  TensorView k = bf16_view(qkv_data + q_size, {T, Hkv, D}, {qkv_size, D, 1});
+  const TensorView q = bf16_view(qkv_data, {T, Hq, D}, {qkv_size, D, 1});
+  const TensorView k = bf16_view(qkv_data + q_size, {T, Hkv, D}, {qkv_size, D, 1});
   const TensorView v = bf16_view(qkv_data + q_size + kv_size, {T, Hkv, D}, {qkv_size, D, 1});
   const TensorView attn3 = bf16_view(attn_.data(), {T, Hq, D}, {q_size, D, 1});
   const TensorView attn2 = rows_view(attn_, T, q_size);

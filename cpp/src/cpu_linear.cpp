@@ -274,9 +274,9 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
         }
       }
     }
+    if (out_f32) _mm_sfence();  // this thread's streaming stores are visible before the region ends
     _tile_release();
   }
-  if (out_f32) _mm_sfence();  // the streaming stores are globally visible before returning
 #endif
 }
 
