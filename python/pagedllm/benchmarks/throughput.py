@@ -231,7 +231,7 @@ def run_rounds(runners: dict, rounds: int, pause_s: float) -> tuple[dict, dict]:
     per_round: dict = {name: [] for name in runners}
     errors: dict = {}
     names = list(runners)
-    for i in range(rounds):
+    for i in range(rounds if names else 0):
         for name in names[i % len(names):] + names[:i % len(names)]:
             if name in errors:
                 continue
