@@ -34,7 +34,7 @@ TensorView bf16_view(void* data, std::initializer_list<int64_t> shape, std::init
 }
 
 TensorView rows_view(std::vector<uint16_t>& buf, int64_t rows, int64_t cols) {
-  return bf16_view(buf.data(), {rows, cols}, {cols, 1});
+  return TensorView::contiguous(buf.data(), DType::kBFloat16, {rows, cols});
 }
 
 void check_vector(const std::string& where, const TensorView& t, int64_t n) {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import TINY_CONFIGS, PagedHarness, build_tiny_model
+from tiny_models import TINY_CONFIGS, PagedHarness, build_tiny_model, load_pagedllm
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +33,7 @@ def tiny(tmp_path_factory):
 
 def load_packed(folder):
     """The bfloat16 model with its projections packed (as the model runner does)."""
-    from pagedllm.model_executor.config import ModelConfig
-    from pagedllm.model_executor.loader import load_safetensors
-    from pagedllm.model_executor.models import LlamaForCausalLM
-
-    model = LlamaForCausalLM(ModelConfig.from_pretrained(folder), torch.bfloat16, torch.device("cpu"))
-    model.load_weights(load_safetensors(folder))
+    model = load_pagedllm(folder, torch.bfloat16)
     assert model.pack_weights()
     return model
 
@@ -157,16 +152,12 @@ def test_native_stack_with_the_engine_gives_the_same_tokens(tiny, monkeypatch):
 
 def test_no_native_stack_without_amx(tiny, monkeypatch):
     """Where the projections are not AMX-packed (no AMX, or float32) the Python layers run."""
-    from pagedllm.model_executor.config import ModelConfig
-    from pagedllm.model_executor.loader import load_safetensors
-    from pagedllm.model_executor.models import LlamaForCausalLM
     from pagedllm.model_executor.models.llama import AmxLinear
 
     monkeypatch.setattr(AmxLinear, "applies", staticmethod(lambda weight: False))
     folder = tiny("llama")
     for dtype in (torch.bfloat16, torch.float32):
-        model = LlamaForCausalLM(ModelConfig.from_pretrained(folder), dtype, torch.device("cpu"))
-        model.load_weights(load_safetensors(folder))
+        model = load_pagedllm(folder, dtype)
         model.pack_weights()  # oneDNN's PackedLinear (bfloat16, where oneDNN has it) or nothing
         assert not model._native_applies
         assert model._native_stack([None] * len(model.layers), 4) is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import TINY_CONFIGS, PagedHarness, build_tiny_model
+from tiny_models import TINY_CONFIGS, PagedHarness, build_tiny_model, load_pagedllm
 
 torch.set_num_threads(1)
 
@@ -33,17 +33,6 @@ def tiny(tmp_path_factory):
         return cache[name]
 
     return get
-
-
-def load_pagedllm(folder, dtype=torch.float32):
-    from pagedllm.model_executor.config import ModelConfig
-    from pagedllm.model_executor.loader import load_safetensors
-    from pagedllm.model_executor.models import LlamaForCausalLM
-
-    cfg = ModelConfig.from_pretrained(folder)
-    model = LlamaForCausalLM(cfg, dtype, torch.device("cpu"))
-    model.load_weights(load_safetensors(folder))
-    return model
 
 
 def run_schedule(model, seqs, block_size=16):

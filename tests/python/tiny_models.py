@@ -61,6 +61,17 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0, dtype=torch.float32
     return model
 
 
+def load_pagedllm(folder, dtype=torch.float32):
+    """pagedllm's LlamaForCausalLM (on the CPU, in `dtype`) with the weights of the HF folder."""
+    from pagedllm.model_executor.config import ModelConfig
+    from pagedllm.model_executor.loader import load_safetensors
+    from pagedllm.model_executor.models import LlamaForCausalLM
+
+    model = LlamaForCausalLM(ModelConfig.from_pretrained(folder), dtype, torch.device("cpu"))
+    model.load_weights(load_safetensors(folder))
+    return model
+
+
 class PagedHarness:
     """Runs a pagedllm LlamaForCausalLM over hand-built paged batches, on the model's device.
 
