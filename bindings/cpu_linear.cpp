@@ -23,4 +23,22 @@ PAGEDLLM_BINDING(cpu_linear, m) {
       },
       py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
       py::call_guard<py::gil_scoped_release>(), "out [M, N] = x [M, K] @ weight^T (+ bias) from the packed weight.");
+  m.def(
+      "amx_linear_silu_mul",
+      [](const pagedllm::TensorView& out, const pagedllm::TensorView& x, const pagedllm::TensorView& packed,
+         const std::optional<pagedllm::TensorView>& bias) {
+        pagedllm::amx_linear_silu_mul(out, x, packed, bias ? &*bias : nullptr);
+      },
+      py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
+      py::call_guard<py::gil_scoped_release>(),
+      "out [M, I] = silu(gate) * up of the gate_up projection x [M, K] @ weight [2I, K]^T (+ bias).");
+  m.def(
+      "amx_linear_argmax",
+      [](const pagedllm::TensorView& out, const pagedllm::TensorView& x, const pagedllm::TensorView& packed,
+         int64_t vocab, const std::optional<pagedllm::TensorView>& bias) {
+        pagedllm::amx_linear_argmax(out, x, packed, vocab, bias ? &*bias : nullptr);
+      },
+      py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("vocab") = 0, py::arg("bias") = py::none(),
+      py::call_guard<py::gil_scoped_release>(),
+      "out int64 [M] = per-row argmax over columns [0, vocab) of x @ weight^T (+ bias), logits not written.");
 }

@@ -112,7 +112,6 @@ CpuDecoderStack::CpuDecoderStack(const CpuDecoderConfig& cfg, std::vector<CpuDec
   const int64_t T = kCpuDecoderMaxTokens;
   qkv_.resize(T * qkv_size);
   attn_.resize(T * q_size);
-  gate_up_.resize(T * 2 * I);
   act_.resize(T * I);
   if (std::any_of(layers_.begin(), layers_.end(), [](const CpuDecoderLayer& l) { return l.q_norm.has_value(); })) {
     q_.resize(T * q_size);
@@ -150,7 +149,6 @@ void CpuDecoderStack::forward(int64_t start, int64_t end, const TensorView& hidd
   const TensorView v = bf16_view(qkv_data + q_size + kv_size, {T, Hkv, D}, {qkv_size, D, 1});
   const TensorView attn3 = bf16_view(attn_.data(), {T, Hq, D}, {q_size, D, 1});
   const TensorView attn2 = rows_view(attn_, T, q_size);
-  const TensorView gate_up = rows_view(gate_up_, T, 2 * I);
   const TensorView act = rows_view(act_, T, I);
 
   for (int64_t i = start; i < end; ++i) {
@@ -183,8 +181,7 @@ void CpuDecoderStack::forward(int64_t start, int64_t end, const TensorView& hidd
                               step.query_start_loc, cfg_.scale, options);
     amx_linear(hidden, attn2, l.o, nullptr);
     fused_add_rms_norm(hidden, residual, l.post_norm, cfg_.rms_norm_eps);
-    amx_linear(gate_up, hidden, l.gate_up, opt(l.gate_up_bias));
-    silu_and_mul(act, gate_up);
+    amx_linear_silu_mul(act, hidden, l.gate_up, opt(l.gate_up_bias));  // = amx_linear, then silu_and_mul
     amx_linear(hidden, act, l.down, opt(l.down_bias));
   }
 }

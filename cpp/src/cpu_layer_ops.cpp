@@ -1,8 +1,8 @@
 // CPU kernels of pagedllm/layer_ops.h: RMSNorm (+ residual add), SiLU-and-mul, rotary embedding.
 //
 // Rows are independent, so each op is one OpenMP loop over rows (tokens, or token x head for
-// RoPE), run on the calling thread alone when the tensor is small (a decode step's [64, 576]:
-// waking a second thread costs more than the work). Inner loops run 16 float32 lanes at a time
+// RoPE), run on the calling thread alone when the tensor is small (under 16K elements, e.g. a
+// single decode token: waking a second thread costs more than the work). Inner loops run 16 float32 lanes at a time
 // with AVX-512 (bfloat16 widened on load and rounded to nearest even with VCVTNEPS2BF16 on
 // store), or as portable scalar loops (cpu_vec.h) without it. This file is compiled with -ffp-contract=off: a product and a sum that HF
 // rounds separately are never fused into one FMA, so fp32 results match eager PyTorch.
@@ -20,14 +20,18 @@
 #endif
 
 #include "cpu_layer_kernels.h"
+#include "cpu_silu.h"
 #include "cpu_vec.h"
 
 namespace pagedllm::cpu {
 
 namespace {
 
-/// Below this many elements an op runs on one thread.
-constexpr int64_t kMinParallelElements = 1 << 16;
+/// Below this many elements an op runs on one thread. A decode step's norms ([64, 576]) and RoPE
+/// ([64, 12, 64]) run on both threads of the dev VM: inside the decoder stack the other thread is
+/// still spinning from the previous op, so waking it costs ~1 us (engine decode step A/B against
+/// 1 << 16: 0.968; 1 << 11 measured the same as 1 << 14).
+constexpr int64_t kMinParallelElements = 1 << 14;
 
 int threads_for(int64_t elements, int num_threads) {
   return elements >= kMinParallelElements ? num_threads : 1;
@@ -83,19 +87,6 @@ inline __m512 round16(__m512 v) {
 }
 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= 16 ? __mmask16(0xffff) : __mmask16((1u << remaining) - 1u);
-}
-/// 16-lane exp(x): the same reduction as exp_full, the polynomial in FMAs and the 2^n scaling
-/// by VSCALEFPS (which also gives +inf above ln(FLT_MAX) and 0 far below), ~2e-7 relative.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  for (float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
 }
 
 #define PAGEDLLM_LAYER_OPS_AVX512 1
@@ -195,13 +186,9 @@ void silu_and_mul_impl(const TensorView& out, const TensorView& input, int nt) {
     const T* up = gate + n;
     T* o = row_ptr_mut<T>(out, r);
 #ifdef PAGEDLLM_LAYER_OPS_AVX512
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = tail_mask(n - i);
-      const __m512 g = load16(gate + i, m);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 act = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-      store16(o + i, _mm512_mul_ps(act, load16(up + i, m)), m);
+      store16(o + i, silu_mul16<std::is_same_v<T, bf16>>(load16(gate + i, m), load16(up + i, m)), m);
     }
 #else
 #pragma omp simd

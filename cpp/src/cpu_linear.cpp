@@ -13,14 +13,20 @@
 // is computed from a zero-padded copy; chunks of at most 16 rows skip tmm5.
 #include "pagedllm/cpu_linear.h"
 
+// GCC 12 warns "__Y may be used uninitialized" inside its own AVX-512 intrinsics (their unused
+// pass-through operand is _mm512_undefined_ps()): a known false positive (as in cpu_qk_pv.h).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include <omp.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_silu.h"
 #include "cpu_vec.h"
 #include "kernel_checks.h"
 #include "pagedllm/attention.h"
@@ -174,108 +180,293 @@ void amx_pack_linear_weight(const TensorView& packed, const TensorView& weight) 
       }
 }
 
-void amx_linear(const TensorView& out, const TensorView& x, const TensorView& packed, const TensorView* bias) {
-  const char* op = "amx_linear";
+namespace {
+
+/// The operands every entry point shares, validated: x [M, K] (row stride ldx) and the packed weight.
+struct GemmOperands {
+  const cpu::bf16* x = nullptr;
+  int64_t ldx = 0, M = 0, K = 0;
+  const cpu::bf16* w = nullptr;
+  int64_t pairs = 0;  // column pair-blocks in the packed weight (N / 32)
+};
+
+/// Checks x and packed (and out's rows and columns, when given) for op; returns the operands.
+GemmOperands check_operands(const char* op, const TensorView& x, const TensorView& packed) {
   check_amx(op);
-  for (const TensorView* t : {&out, &x, &packed})
+  for (const TensorView* t : {&x, &packed})
     PAGEDLLM_CHECK(t->device == DeviceType::kCPU, op, ": tensors must be on the cpu, got ", t->describe());
   detail::check_ndim(op, "x", x, 2, "[num_tokens, in_features]");
-  detail::check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
   detail::check_ndim(op, "packed", packed, 5, "[out_features / 32, in_features / 32, 2, 16, 32]");
   for (auto [name, t] : {std::pair{"x", &x}, std::pair{"packed", &packed}})
     detail::check_dtype(op, name, *t, DType::kBFloat16);
-  PAGEDLLM_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
-                 ": out must be bfloat16 or float32, got ", dtype_name(out.dtype));
-  const bool out_f32 = out.dtype == DType::kFloat32;
   detail::check_contiguous(op, "packed", packed);
-  const int64_t M = x.size(0), K = packed.size(1) * kTile, N = packed.size(0) * kTile;
   PAGEDLLM_CHECK(packed.size(0) > 0 && packed.size(1) > 0 && packed.size(2) == 2 && packed.size(3) == 16 &&
                      packed.size(4) == kTile,
                  op, ": packed must have shape [N / 32, K / 32, 2, 16, 32] with N, K > 0, got ", packed.describe());
+  const int64_t K = packed.size(1) * kTile;
   detail::check_dim(op, "x", x, 1, K, "in_features, must match packed");
-  detail::check_dim(op, "out", out, 0, M, "num_tokens, must match x");
-  detail::check_dim(op, "out", out, 1, N, "out_features, must match packed");
-  PAGEDLLM_CHECK((K <= 1 || x.stride(1) == 1) && (N <= 1 || out.stride(1) == 1), op,
-                 ": x and out must have a contiguous last dimension, got x ", x.describe(), " and out ",
-                 out.describe());
-  // out is written column block by column block while x is still being read
-  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x, got out ", out.describe(), " and x ",
-                 x.describe());
-  std::vector<float> bias_f;
-  if (bias != nullptr) {
-    PAGEDLLM_CHECK(bias->device == DeviceType::kCPU && bias->ndim == 1 && bias->size(0) == N &&
-                       (bias->size(0) <= 1 || bias->stride(0) == 1) &&
-                       (bias->dtype == DType::kFloat32 || bias->dtype == DType::kBFloat16),
-                   op, ": bias must be a contiguous float32 or bfloat16 [", N, "] cpu tensor, got ",
-                   bias->describe());
-    bias_f.resize(N);
-    if (bias->dtype == DType::kFloat32)
-      std::memcpy(bias_f.data(), bias->ptr<const float>(), N * sizeof(float));
-    else
-      cpu::to_float_row(bias->ptr<const cpu::bf16>(), bias_f.data(), static_cast<int>(N));
-  }
-  if (M == 0) return;
+  PAGEDLLM_CHECK(K <= 1 || x.stride(1) == 1, op, ": x must have a contiguous last dimension, got ", x.describe());
+  return {x.ptr<const cpu::bf16>(), x.stride(0), x.size(0), K, packed.ptr<const cpu::bf16>(), packed.size(0)};
+}
+
+/// bias as float32 [n] (empty when none), after checking it is a contiguous float32/bfloat16 [n] cpu view.
+std::vector<float> bias_as_float(const char* op, const TensorView* bias, int64_t n) {
+  std::vector<float> f;
+  if (bias == nullptr) return f;
+  PAGEDLLM_CHECK(bias->device == DeviceType::kCPU && bias->ndim == 1 && bias->size(0) == n &&
+                     (bias->size(0) <= 1 || bias->stride(0) == 1) &&
+                     (bias->dtype == DType::kFloat32 || bias->dtype == DType::kBFloat16),
+                 op, ": bias must be a contiguous float32 or bfloat16 [", n, "] cpu tensor, got ", bias->describe());
+  f.resize(n);
+  if (bias->dtype == DType::kFloat32)
+    std::memcpy(f.data(), bias->ptr<const float>(), n * sizeof(float));
+  else
+    cpu::to_float_row(bias->ptr<const cpu::bf16>(), f.data(), static_cast<int>(n));
+  return f;
+}
+
 #if PAGEDLLM_HAVE_AMX
-  const auto* xa = x.ptr<const cpu::bf16>();
-  const auto* w = packed.ptr<const cpu::bf16>();
-  auto* o = out.ptr<cpu::bf16>();  // (float* when out_f32)
-  auto* of = out.ptr<float>();
-  const int64_t ldx = x.stride(0), ldo = out.stride(0), ksteps = K / kTile, pairs = N / kTile;
-  const int64_t pair_elems = ksteps * 2 * 512;
-  const char* w_end = reinterpret_cast<const char*>(w + pairs * pair_elems);
+/// A 64-byte aligned float32 buffer of `n` floats.
+struct AlignedFloats {
+  std::vector<float> buf;
+  float* data;
+  explicit AlignedFloats(int64_t n) : buf(n + 16) {
+    data = buf.data() + ((64 - reinterpret_cast<std::uintptr_t>(buf.data()) % 64) % 64) / sizeof(float);
+  }
+};
+
+/// The shared driver. Threads claim `units` dynamically (runs of ~1/kClaimsPerThread of a thread's
+/// share); for each row block [m0, m1) of kRowBlock rows and each claimed unit u it calls
+/// body(tid, u, m0, m1, multiply, acc), where multiply(pb, a) computes rows [m0, m1) of
+/// pair-block pb into a ([kRowBlock][32] float32) and acc[0 .. kNumAcc) are the thread's buffers.
+/// finish(tid) runs once per thread at the end, inside the parallel region.
+template <int kNumAcc, class Body, class Finish>
+void amx_gemm(const GemmOperands& g, int64_t units, Body&& body, Finish&& finish) {
+  const int64_t M = g.M, K = g.K, ksteps = K / kTile, pair_elems = ksteps * 2 * 512;
+  const char* w_end = reinterpret_cast<const char*>(g.w + g.pairs * pair_elems);
   // The last chunk of fewer than 32 rows comes from a zero-padded copy (tile loads read 16 rows).
   const int64_t full_rows = M / kTile * kTile, tail_rows = M - full_rows;
   std::vector<cpu::bf16> tail;
   if (tail_rows > 0) {
     tail.assign(kTile * K, cpu::bf16{0});
     for (int64_t r = 0; r < tail_rows; ++r)
-      std::memcpy(tail.data() + r * K, xa + (full_rows + r) * ldx, K * sizeof(cpu::bf16));
+      std::memcpy(tail.data() + r * K, g.x + (full_rows + r) * g.ldx, K * sizeof(cpu::bf16));
   }
-  const float* b = bias_f.empty() ? nullptr : bias_f.data();
-  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), pairs));
-  // Pair-blocks per claim: about kClaimsPerThread claims per thread, so that a thread slowed by
-  // another tenant hands its remaining runs to the others.
-  const int64_t run = std::max<int64_t>(1, pairs / (int64_t{threads} * kClaimsPerThread));
+  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), units));
+  // Units per claim: about kClaimsPerThread claims per thread, so that a thread slowed by another
+  // tenant hands its remaining runs to the others.
+  const int64_t run = std::max<int64_t>(1, units / (int64_t{threads} * kClaimsPerThread));
 #pragma omp parallel num_threads(threads)
   {
     load_amx_tile_config();
+    const int tid = omp_get_thread_num();
     // float32 accumulators of the row block's chunks for one pair-block (32 KB), kept across
     // K blocks: a pair-block's K block of weight (kKBlock steps, 32 KB) stays in L1 while every
     // chunk of the row block uses it.
-    std::vector<float> acc_buf(kRowBlock * kTile + 16);
-    auto* acc_all = reinterpret_cast<float (*)[kTile]>(
-        acc_buf.data() + ((64 - reinterpret_cast<std::uintptr_t>(acc_buf.data()) % 64) % 64) / sizeof(float));
+    AlignedFloats acc_mem(kNumAcc * kRowBlock * kTile);
+    float(*acc[kNumAcc])[kTile];
+    for (int i = 0; i < kNumAcc; ++i) acc[i] = reinterpret_cast<float(*)[kTile]>(acc_mem.data + i * kRowBlock * kTile);
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
-#pragma omp for schedule(dynamic, run) nowait
-      for (int64_t pb = 0; pb < pairs; ++pb) {
-        const cpu::bf16* wp = w + pb * pair_elems;
+      auto multiply = [&](int64_t pb, float (*out)[kTile]) {
+        const cpu::bf16* wp = g.w + pb * pair_elems;
         for (int64_t kb0 = 0; kb0 < ksteps; kb0 += kKBlock) {
           const int64_t kb1 = std::min(ksteps, kb0 + kKBlock);
           for (int64_t mc = m0; mc < m1; mc += kTile) {
-            const int64_t rows = std::min(kTile, m1 - mc);
             const bool padded = mc >= full_rows;
-            const cpu::bf16* a = padded ? tail.data() : xa + mc * ldx;
-            const int64_t lda = padded ? K : ldx;
+            const cpu::bf16* a = padded ? tail.data() : g.x + mc * g.ldx;
+            const int64_t lda = padded ? K : g.ldx;
             const bool prefetch = mc == m0;  // later chunks find the K block in L1/L2
-            float(*acc)[kTile] = acc_all + (mc - m0);
-            if (rows > 16)
-              chunk_times_pair<true>(a, lda, wp, kb0, kb1, kb0 == 0, w_end, prefetch, acc);
+            if (std::min(kTile, m1 - mc) > 16)
+              chunk_times_pair<true>(a, lda, wp, kb0, kb1, kb0 == 0, w_end, prefetch, out + (mc - m0));
             else
-              chunk_times_pair<false>(a, lda, wp, kb0, kb1, kb0 == 0, w_end, prefetch, acc);
+              chunk_times_pair<false>(a, lda, wp, kb0, kb1, kb0 == 0, w_end, prefetch, out + (mc - m0));
           }
         }
-        const float* bp = b ? b + pb * kTile : nullptr;
-        for (int64_t mc = m0; mc < m1; mc += kTile) {
-          if (out_f32)
-            store_block(acc_all + (mc - m0), std::min(kTile, m1 - mc), of + mc * ldo + pb * kTile, ldo, bp);
-          else
-            store_block(acc_all + (mc - m0), std::min(kTile, m1 - mc), o + mc * ldo + pb * kTile, ldo, bp);
-        }
-      }
+      };
+#pragma omp for schedule(dynamic, run) nowait
+      for (int64_t u = 0; u < units; ++u) body(tid, u, m0, m1, multiply, acc);
     }
-    if (out_f32) _mm_sfence();  // this thread's streaming stores are visible before the region ends
+    finish(tid);
     _tile_release();
+  }
+}
+
+/// out rows [0, rows), columns [0, 32): silu(gate) * up of the two pair-blocks' accumulators, each
+/// first rounded to bfloat16 with its bias (the gate_up projection's output), then as silu_and_mul.
+inline void store_silu_block(float (*gate)[kTile], float (*up)[kTile], int64_t rows, cpu::bf16* out, int64_t ldo,
+                             const float* bias_gate, const float* bias_up) {
+  __m512 bg[2], bu[2];
+  for (int h = 0; h < 2; ++h) {
+    bg[h] = bias_gate ? _mm512_loadu_ps(bias_gate + 16 * h) : _mm512_setzero_ps();
+    bu[h] = bias_up ? _mm512_loadu_ps(bias_up + 16 * h) : _mm512_setzero_ps();
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512 g = cpu::round_bf16x16(_mm512_add_ps(_mm512_load_ps(gate[r] + 16 * h), bg[h]));
+      const __m512 u = cpu::round_bf16x16(_mm512_add_ps(_mm512_load_ps(up[r] + 16 * h), bu[h]));
+      v[h] = cpu::silu_mul16<true>(g, u);
+    }
+    _mm512_storeu_si512(reinterpret_cast<void*>(out + r * ldo), (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+  }
+}
+#endif  // PAGEDLLM_HAVE_AMX
+
+}  // namespace
+
+void amx_linear(const TensorView& out, const TensorView& x, const TensorView& packed, const TensorView* bias) {
+  const char* op = "amx_linear";
+  const GemmOperands g = check_operands(op, x, packed);
+  PAGEDLLM_CHECK(out.device == DeviceType::kCPU, op, ": tensors must be on the cpu, got ", out.describe());
+  detail::check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
+  PAGEDLLM_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
+                 ": out must be bfloat16 or float32, got ", dtype_name(out.dtype));
+  const int64_t N = g.pairs * kTile;
+  detail::check_dim(op, "out", out, 0, g.M, "num_tokens, must match x");
+  detail::check_dim(op, "out", out, 1, N, "out_features, must match packed");
+  PAGEDLLM_CHECK(N <= 1 || out.stride(1) == 1, op, ": out must have a contiguous last dimension, got ",
+                 out.describe());
+  // out is written column block by column block while x is still being read
+  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x, got out ", out.describe(), " and x ",
+                 x.describe());
+  const std::vector<float> bias_f = bias_as_float(op, bias, N);
+  if (g.M == 0) return;
+#if PAGEDLLM_HAVE_AMX
+  const bool out_f32 = out.dtype == DType::kFloat32;
+  auto* o = out.ptr<cpu::bf16>();  // (float* when out_f32)
+  auto* of = out.ptr<float>();
+  const int64_t ldo = out.stride(0);
+  const float* b = bias_f.empty() ? nullptr : bias_f.data();
+  amx_gemm<1>(
+      g, g.pairs,
+      [&](int, int64_t pb, int64_t m0, int64_t m1, auto& multiply, float (*const* acc)[kTile]) {
+        multiply(pb, acc[0]);
+        const float* bp = b ? b + pb * kTile : nullptr;
+        if (out_f32)
+          store_block(acc[0], m1 - m0, of + m0 * ldo + pb * kTile, ldo, bp);
+        else
+          store_block(acc[0], m1 - m0, o + m0 * ldo + pb * kTile, ldo, bp);
+      },
+      [&](int) {
+        if (out_f32) _mm_sfence();  // this thread's streaming stores are visible before the region ends
+      });
+#endif
+}
+
+void amx_linear_silu_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
+                         const TensorView* bias) {
+  const char* op = "amx_linear_silu_mul";
+  const GemmOperands g = check_operands(op, x, packed);
+  PAGEDLLM_CHECK(g.pairs % 2 == 0, op, ": packed must hold the gate and up projections of an intermediate size that "
+                 "is a multiple of 32, i.e. an even number of pair-blocks, got ", packed.describe());
+  const int64_t I = g.pairs / 2 * kTile;
+  PAGEDLLM_CHECK(out.device == DeviceType::kCPU, op, ": tensors must be on the cpu, got ", out.describe());
+  detail::check_ndim(op, "out", out, 2, "[num_tokens, intermediate_size]");
+  detail::check_dtype(op, "out", out, DType::kBFloat16);
+  detail::check_dim(op, "out", out, 0, g.M, "num_tokens, must match x");
+  detail::check_dim(op, "out", out, 1, I, "intermediate_size, half of packed's out_features");
+  PAGEDLLM_CHECK(I <= 1 || out.stride(1) == 1, op, ": out must have a contiguous last dimension, got ",
+                 out.describe());
+  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x, got out ", out.describe(), " and x ",
+                 x.describe());
+  const std::vector<float> bias_f = bias_as_float(op, bias, 2 * I);
+  if (g.M == 0) return;
+#if PAGEDLLM_HAVE_AMX
+  auto* o = out.ptr<cpu::bf16>();
+  const int64_t ldo = out.stride(0), units = g.pairs / 2;
+  const float* b = bias_f.empty() ? nullptr : bias_f.data();
+  amx_gemm<2>(
+      g, units,
+      [&](int, int64_t u, int64_t m0, int64_t m1, auto& multiply, float (*const* acc)[kTile]) {
+        multiply(u, acc[0]);          // gate columns 32u ..
+        multiply(u + units, acc[1]);  // up columns I + 32u ..
+        store_silu_block(acc[0], acc[1], m1 - m0, o + m0 * ldo + u * kTile, ldo, b ? b + u * kTile : nullptr,
+                         b ? b + I + u * kTile : nullptr);
+      },
+      [](int) {});
+#endif
+}
+
+void amx_linear_argmax(const TensorView& out, const TensorView& x, const TensorView& packed, int64_t vocab,
+                       const TensorView* bias) {
+  const char* op = "amx_linear_argmax";
+  const GemmOperands g = check_operands(op, x, packed);
+  const int64_t N = g.pairs * kTile;
+  const int64_t n = vocab == 0 ? N : vocab;
+  PAGEDLLM_CHECK(n >= 1 && n <= N, op, ": vocab = ", vocab, " must be in [1, ", N, "] (0 = all columns)");
+  PAGEDLLM_CHECK(out.device == DeviceType::kCPU, op, ": tensors must be on the cpu, got ", out.describe());
+  detail::check_ndim(op, "out", out, 1, "[num_tokens]");
+  detail::check_dtype(op, "out", out, DType::kInt64);
+  detail::check_contiguous(op, "out", out);
+  detail::check_dim(op, "out", out, 0, g.M, "num_tokens, must match x");
+  const std::vector<float> bias_f = bias_as_float(op, bias, N);
+  if (g.M == 0) return;
+#if PAGEDLLM_HAVE_AMX
+  const int64_t M = g.M, units = (n + kTile - 1) / kTile;  // pair-blocks that hold vocabulary columns
+  const float* b = bias_f.empty() ? nullptr : bias_f.data();
+  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), units));
+  // Per thread and row, the best (value, column) once its 16 lanes are merged.
+  std::vector<float> best_v(static_cast<size_t>(threads) * M);
+  std::vector<int32_t> best_i(static_cast<size_t>(threads) * M);
+  // Per thread and row, 16 lanes of (best value, its column), columns taken in any order.
+  std::vector<AlignedFloats> lane_v;
+  std::vector<std::vector<int32_t>> lane_i(threads, std::vector<int32_t>(M * 16, INT32_MAX));
+  for (int t = 0; t < threads; ++t) {
+    lane_v.emplace_back(M * 16);
+    std::fill(lane_v[t].data, lane_v[t].data + M * 16, -std::numeric_limits<float>::infinity());
+  }
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  amx_gemm<1>(
+      g, units,
+      [&](int tid, int64_t pb, int64_t m0, int64_t m1, auto& multiply, float (*const* acc)[kTile]) {
+        float* lv = lane_v[tid].data;
+        int32_t* li = lane_i[tid].data();
+        multiply(pb, acc[0]);
+        const float* bp = b ? b + pb * kTile : nullptr;
+        for (int h = 0; h < 2; ++h) {
+          const int64_t c0 = pb * kTile + 16 * h;
+          if (c0 >= n) break;
+          const __mmask16 valid = n - c0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - c0)) - 1u);
+          const __m512 bias16 = bp ? _mm512_loadu_ps(bp + 16 * h) : _mm512_setzero_ps();
+          const __m512i col = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c0)), lane);
+          for (int64_t r = m0; r < m1; ++r) {
+            // the logit as amx_linear stores it: rounded to bfloat16
+            const __m512 v = cpu::round_bf16x16(_mm512_add_ps(_mm512_load_ps(acc[0][r - m0] + 16 * h), bias16));
+            const __m512 bv = _mm512_load_ps(lv + r * 16);
+            const __m512i bi = _mm512_loadu_si512(li + r * 16);
+            // a larger value, or an equal one at a smaller column (NaN never wins; a row of -inf
+            // keeps its first column)
+            const __mmask16 take = valid & (_mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ) |
+                                            (_mm512_cmp_ps_mask(v, bv, _CMP_EQ_OQ) & _mm512_cmplt_epi32_mask(col, bi)));
+            _mm512_store_ps(lv + r * 16, _mm512_mask_mov_ps(bv, take, v));
+            _mm512_storeu_si512(li + r * 16, _mm512_mask_mov_epi32(bi, take, col));
+          }
+        }
+      },
+      [&](int tid) {
+        for (int64_t r = 0; r < M; ++r) {
+          float v = -std::numeric_limits<float>::infinity();
+          int32_t i = INT32_MAX;
+          for (int l = 0; l < 16; ++l) {
+            const float lv = lane_v[tid].data[r * 16 + l];
+            const int32_t li = lane_i[tid][r * 16 + l];
+            if (lv > v || (lv == v && li < i)) v = lv, i = li;
+          }
+          best_v[tid * M + r] = v;
+          best_i[tid * M + r] = i;
+        }
+      });
+  int64_t* o = out.ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    float v = best_v[r];
+    int32_t i = best_i[r];
+    for (int t = 1; t < threads; ++t) {
+      const float tv = best_v[t * M + r];
+      const int32_t ti = best_i[t * M + r];
+      if (tv > v || (tv == v && ti < i)) v = tv, i = ti;
+    }
+    o[r] = i == INT32_MAX ? 0 : i;  // a row of NaN only: column 0, as argmax_rows
   }
 #endif
 }

@@ -150,6 +150,35 @@ def test_native_stack_with_the_engine_gives_the_same_tokens(tiny, monkeypatch):
     assert outs["1"] == outs["0"]
 
 
+def test_greedy_argmax_in_the_lm_head_gives_the_sampler_tokens(tiny, monkeypatch):
+    """Plain greedy steps take the argmax inside the AMX LM head (AmxLinear.argmax, no logits
+    written); the tokens equal those the sampler picks from the logits (the same requests asking
+    for logprobs, which need the logits), and a batch mixing both kinds takes the logits path."""
+    amx_or_skip()
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model_executor.models.llama import AmxLinear
+
+    calls = []
+    original = AmxLinear.argmax
+    monkeypatch.setattr(AmxLinear, "argmax", lambda self, x, vocab: calls.append(x.shape[0]) or original(self, x, vocab))
+    g = torch.Generator().manual_seed(9)
+    prompts = [{"prompt_token_ids": torch.randint(3, 1024, (n,), generator=g).tolist()} for n in (7, 40, 23)]
+    llm = LLM(str(tiny("llama")), dtype="bfloat16", kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False,
+              device="cpu")
+    runs = {}
+    for name, lp in (("fused", None), ("logits", 0)):
+        calls.clear()
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=lp)
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert (len(calls) > 0) == (name == "fused")
+    assert runs["fused"] == runs["logits"]
+    calls.clear()
+    mixed = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=lp) for lp in (None, 0, None)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)] == runs["logits"]
+    assert not calls
+    llm.shutdown()
+
+
 def test_no_native_stack_without_amx(tiny, monkeypatch):
     """Where the projections are not AMX-packed (no AMX, or float32) the Python layers run."""
     from pagedllm.model_executor.models.llama import AmxLinear

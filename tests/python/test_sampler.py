@@ -469,3 +469,24 @@ def test_cuda_plain_greedy_uses_the_native_argmax(gen):
         assert got.dtype == np.int32
         assert np.array_equal(got, want)
         assert np.array_equal(got, logits[:, :V].float().argmax(-1).numpy())
+
+
+def test_argmax_suffices_only_for_plain_greedy_rows_without_logprobs():
+    """The engine lets the model take the argmax itself (no logits written) only when the sampler
+    would return the argmax of the raw logits: every row greedy, no logit_bias, no penalty, no
+    active min_tokens, no logprobs; from_argmax wraps the ids as the sampler would."""
+    plain = SamplingParams(temperature=0)
+    others = [SamplingParams(temperature=0.8), SamplingParams(temperature=0, logprobs=0),
+              SamplingParams(temperature=0, logit_bias={3: 1.0}), SamplingParams(temperature=0, presence_penalty=0.5),
+              SamplingParams(temperature=0, min_tokens=2)]
+    s, all_ids = make_sampler([plain, plain] + others, eos=(0,))
+    ids = all_ids[:2]
+    assert s.argmax_suffices(ids)
+    for i in range(len(others)):
+        assert not s.argmax_suffices(np.array([100, 100 + 7 * (2 + i)])), others[i]
+    logits = fixed_logits(2)
+    assert np.array_equal(s.from_argmax(torch.argmax(logits, dim=1)).sampled_token_ids,
+                          s(logits, ids).sampled_token_ids)
+    s.append_output_tokens(np.array([100 + 7 * 6] * 2), np.array([5, 6]))  # min_tokens reached
+    assert s.argmax_suffices(np.array([100, 100 + 7 * 6]))
+    assert not s.argmax_suffices(np.zeros(0, dtype=np.int64))

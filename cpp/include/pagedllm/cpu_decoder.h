@@ -91,7 +91,7 @@ class CpuDecoderStack {
   std::vector<CpuDecoderLayer> layers_;
   TensorView cos_sin_cache_;
   // scratch, [kCpuDecoderMaxTokens x width] bfloat16 each
-  std::vector<uint16_t> qkv_, q_, k_, attn_, gate_up_, act_;
+  std::vector<uint16_t> qkv_, q_, k_, attn_, act_;
   std::mutex busy_;  // held by forward
 };
 

@@ -2,6 +2,10 @@
 //
 //   amx_pack_linear_weight  packed = weight [N, K] (nn.Linear layout) re-laid out as AMX B tiles
 //   amx_linear              out [M, N] = x [M, K] @ weight^T (+ bias), from the packed weight
+//   amx_linear_silu_mul     out [M, I] = silu(gate) * up of a gate_up projection [2I, K]
+//                           (amx_linear, then silu_and_mul, in one pass: the same bits)
+//   amx_linear_argmax       out [M] = argmax over the columns of x @ weight^T (+ bias), without
+//                           writing them (amx_linear, then argmax_rows: the same ids)
 //
 // Why: at decode batch sizes (M of 1-256 tokens) a projection is bound by reading its weight once
 // from DRAM; oneDNN's matmul primitive adds ~50-100 us of dispatch per call and reads the weight at
@@ -46,5 +50,22 @@ void amx_pack_linear_weight(const TensorView& packed, const TensorView& weight);
 /// bfloat16 or float32 (bfloat16-rounded values, see above); bias: nullptr or a float32/bfloat16
 /// [N] view. M = 0 does nothing. out must not overlap x.
 void amx_linear(const TensorView& out, const TensorView& x, const TensorView& packed, const TensorView* bias);
+
+/// out bf16 [M, I] = silu(g) * u, where [g | u] = x bf16 [M, K] @ weight^T + bias is a gate_up
+/// projection (weight [2I, K]: the gate rows, then the up rows; packed [2I/32, K/32, 2, 16, 32],
+/// I % 32 == 0; bias nullptr or float32/bfloat16 [2I]). g and u are rounded to bfloat16 first and
+/// silu(g) = g / (1 + exp(-g)) is rounded to bfloat16 before the product: bit for bit what
+/// amx_linear into a [M, 2I] buffer followed by silu_and_mul gives (HF's LlamaMLP in bfloat16), with
+/// the [M, 2I] activations never written. out must not overlap x.
+void amx_linear_silu_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
+                         const TensorView* bias);
+
+/// out int64 [M]: per row of x bf16 [M, K], the column in [0, vocab) (vocab 0 = all N) of the
+/// largest value of x @ weight^T + bias rounded to bfloat16 (the logits amx_linear would write);
+/// the smallest such column on ties; NaN never wins; a row with nothing above -inf gives its first
+/// -inf column, a row of NaN only gives 0 — exactly argmax_rows of amx_linear's output (greedy
+/// sampling from the LM head without writing the [M, N] logits). Throws when vocab is not in [0, N].
+void amx_linear_argmax(const TensorView& out, const TensorView& x, const TensorView& packed, int64_t vocab,
+                       const TensorView* bias);
 
 }  // namespace pagedllm

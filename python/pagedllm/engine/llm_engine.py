@@ -212,10 +212,14 @@ class LLMEngine:
             proc.on_schedule(sched)
             self.histograms["iteration_tokens_total"].observe(int(sched.num_tokens))
             self.histograms["iteration_num_seqs"].observe(int(sched.num_seqs))
-            run = self.runner.execute_model(sched)
+            greedy = self.sampler.argmax_suffices(sched.sample_seq_ids)
+            run = self.runner.execute_model(sched, greedy_vocab=self.sampler.vocab_size if greedy else 0)
             # the previous step's output processing, while the GPU runs this step's forward pass
             stops += self._flush_pending()
-            sampled = self.sampler(run.logits, sched.sample_seq_ids)
+            if run.sampled_ids is not None:  # the model took the argmax itself (no logits written)
+                sampled = self.sampler.from_argmax(run.sampled_ids)
+            else:
+                sampled = self.sampler(run.logits, sched.sample_seq_ids)
             for request_id, (first_position, rows) in run.prompt_logits.items():
                 state = proc.requests.get(request_id)
                 if state is None or state.params.prompt_logprobs is None:

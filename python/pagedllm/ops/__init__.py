@@ -43,6 +43,8 @@ __all__ = [
     "amx_linear_supported",
     "amx_pack_linear_weight",
     "amx_linear",
+    "amx_linear_silu_mul",
+    "amx_linear_argmax",
     "GEMV_MAX_TOKENS",
     "gemv",
     "gemv_supported",
@@ -203,7 +205,13 @@ from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
     silu_and_mul,
 )
 from pagedllm.ops.sampling_ops import argmax_rows  # noqa: E402
-from pagedllm.ops.cpu_linear import amx_linear, amx_linear_supported, amx_pack_linear_weight  # noqa: E402
+from pagedllm.ops.cpu_linear import (  # noqa: E402
+    amx_linear,
+    amx_linear_argmax,
+    amx_linear_silu_mul,
+    amx_linear_supported,
+    amx_pack_linear_weight,
+)
 from pagedllm.ops.gemv import (  # noqa: E402
     GEMV_MAX_TOKENS,
     gemv,

@@ -254,6 +254,21 @@ class Sampler:
             u[r] = torch.rand(1, generator=self._generator(int(slots[r])), dtype=torch.float64)[0]
         return u
 
+    def argmax_suffices(self, seq_ids) -> bool:
+        """Whether this step's sample is the argmax of the raw logits for every row (greedy,
+        nothing that changes the logits, no logprobs): then a model may pick the ids itself without
+        materializing the logits (LlamaForCausalLM.forward(greedy_vocab=...)); wrap them with
+        ``from_argmax``."""
+        slots = self._slots_for(seq_ids)
+        return len(slots) > 0 and not bool((self.num_logprobs[slots] >= 0).any()) and self._plain_greedy(slots)
+
+    @staticmethod
+    def from_argmax(token_ids) -> SamplerOutput:
+        """The SamplerOutput of ids chosen as argmax_suffices allows (int [R], host or device)."""
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.cpu().numpy()
+        return SamplerOutput(np.asarray(token_ids, dtype=np.int32), None)
+
     def _plain_greedy(self, slots: np.ndarray) -> bool:
         """Every row greedy with nothing that changes the logits this step."""
         return bool(

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -47,12 +48,14 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 
 @dataclasses.dataclass
 class ModelRunnerOutput:
-    """logits: float32 [R, vocab] for the sampled rows, in logits_indices order.
+    """logits: float32 [R, vocab] for the sampled rows, in logits_indices order (None when the
+    model picked the greedy ids itself: sampled_ids, int64 [R]).
     prompt_logits: request_id -> (first_position, float32 [num_rows, vocab]) where row i scores the
     prompt token at position first_position + i + 1."""
 
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]
     prompt_logits: dict[str, tuple[int, torch.Tensor]]
+    sampled_ids: Optional[torch.Tensor] = None
 
 
 class ModelRunner:
@@ -223,8 +226,11 @@ class ModelRunner:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute_model(self, sched) -> ModelRunnerOutput:
-        """Run one SchedulerOutput (see engine contract); returns the logits to sample from."""
+    def execute_model(self, sched, greedy_vocab: int = 0) -> ModelRunnerOutput:
+        """Run one SchedulerOutput (see engine contract); returns the logits to sample from.
+        greedy_vocab > 0 (the sampler's argmax_suffices): where the model can, it returns the
+        argmax over the first greedy_vocab logits of each sampled row instead (sampled_ids), the
+        logits never written."""
         copy_orders = sched.copy_orders
         if len(copy_orders):
             keys = [k for k, _ in self.kv_caches]
@@ -249,6 +255,10 @@ class ModelRunner:
             query_start_loc=self._tensor(sched.query_start_loc),
             decode_only=int(sched.max_query_len) == 1,
         )
+        if greedy_vocab > 0 and not prompt_rows and self.model.argmax_applies(num_sampled):
+            ids = self.model(self._tensor(sched.input_ids), self._tensor(sched.positions), self.kv_caches, meta,
+                             logits_indices, greedy_vocab=greedy_vocab)
+            return ModelRunnerOutput(None, {}, ids)
         logits = self.model(self._tensor(sched.input_ids), self._tensor(sched.positions), self.kv_caches,
                             meta, logits_indices)
         prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}

@@ -142,6 +142,14 @@ class AmxLinear(nn.Module):
         _C.amx_linear(ops._view(out), ops._view(x), self._packed_view, self._bias_view)
         return out
 
+    def argmax(self, x: torch.Tensor, vocab: int) -> torch.Tensor:
+        """int64 [T]: per row of x (at most MAX_TOKENS rows), the column of the largest of the first
+        `vocab` outputs (ops.amx_linear_argmax: the same ids as argmax_rows of forward's float32
+        output, the outputs never written)."""
+        out = torch.empty((x.shape[0],), dtype=torch.int64)
+        _C.amx_linear_argmax(ops._view(out), ops._view(x), self._packed_view, int(vocab), self._bias_view)
+        return out
+
 
 def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether PackedLinear applies: bfloat16 on a CPU whose oneDNN build supports it."""
@@ -331,9 +339,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        greedy_vocab: int = 0,
     ) -> torch.Tensor:
+        """float32 logits [R, vocab_size] of rows logits_indices; with greedy_vocab > 0 (where
+        argmax_applies(R)) the int64 [R] argmax over each row's first greedy_vocab logits instead."""
         state = self.embed(input_ids, positions)
         state = self.forward_layers(state, positions, kv_caches, meta, 0, len(self.layers))
+        if greedy_vocab > 0:
+            return self.greedy_ids(state, logits_indices, greedy_vocab)
         return self.logits(state, logits_indices)
 
     # forward in three pieces, so that a decode CUDA graph can be captured as several segments
@@ -421,6 +434,19 @@ class LlamaForCausalLM(nn.Module):
         normed, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
                                            residual.index_select(0, logits_indices))
         return self._lm_head(normed)
+
+    def argmax_applies(self, rows: int) -> bool:
+        """Whether greedy_ids (the LM head and the argmax in one AMX pass) runs for `rows` rows."""
+        return isinstance(self.packed_lm_head, AmxLinear) and 0 < rows <= AmxLinear.MAX_TOKENS and bool(self.layers)
+
+    def greedy_ids(self, state: tuple, logits_indices: torch.Tensor, vocab: int) -> torch.Tensor:
+        """int64 [R]: the argmax over the first `vocab` columns of logits(state, logits_indices),
+        the smallest column on ties (as argmax_rows), without writing the logits; needs
+        argmax_applies(R)."""
+        hidden, residual, _ = state
+        normed, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
+                                           residual.index_select(0, logits_indices))
+        return self.packed_lm_head.argmax(normed, vocab)
 
     def _gemv_fusion(self, tokens: int) -> int:
         """For a step of `tokens` tokens: 0 (no GEMV fusion), 1 (norms and residual adds fused into
