@@ -121,6 +121,9 @@ def main(argv=None) -> int:
             phases[self.key].append(time.perf_counter() - t0)
             return out
 
+        def __getattr__(self, name):  # the wrapped object's other attributes (e.g. the sampler's)
+            return getattr(self.obj, name)
+
     engine.add_request("b1", None, prompt, greedy)
     for _ in range(4):
         engine.step()

@@ -212,7 +212,10 @@ class LLMEngine:
             proc.on_schedule(sched)
             self.histograms["iteration_tokens_total"].observe(int(sched.num_tokens))
             self.histograms["iteration_num_seqs"].observe(int(sched.num_seqs))
-            greedy = self.sampler.argmax_suffices(sched.sample_seq_ids)
+            # a plain greedy step on a model that can take the argmax in its LM head (the CPU's AMX
+            # head) gets the ids without logits; the check costs host time, so only there
+            greedy = (self.runner.argmax_applies(len(sched.sample_seq_ids))
+                      and self.sampler.argmax_suffices(sched.sample_seq_ids))
             run = self.runner.execute_model(sched, greedy_vocab=self.sampler.vocab_size if greedy else 0)
             # the previous step's output processing, while the GPU runs this step's forward pass
             stops += self._flush_pending()

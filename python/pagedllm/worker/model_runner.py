@@ -225,6 +225,10 @@ class ModelRunner:
         t = torch.from_numpy(array)
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
+    def argmax_applies(self, num_sampled: int) -> bool:
+        """Whether execute_model can return the greedy ids of num_sampled rows itself (greedy_vocab)."""
+        return self.model.argmax_applies(num_sampled)
+
     @torch.inference_mode()
     def execute_model(self, sched, greedy_vocab: int = 0) -> ModelRunnerOutput:
         """Run one SchedulerOutput (see engine contract); returns the logits to sample from.
@@ -255,7 +259,7 @@ class ModelRunner:
             query_start_loc=self._tensor(sched.query_start_loc),
             decode_only=int(sched.max_query_len) == 1,
         )
-        if greedy_vocab > 0 and not prompt_rows and self.model.argmax_applies(num_sampled):
+        if greedy_vocab > 0 and not prompt_rows and self.argmax_applies(num_sampled):
             ids = self.model(self._tensor(sched.input_ids), self._tensor(sched.positions), self.kv_caches, meta,
                              logits_indices, greedy_vocab=greedy_vocab)
             return ModelRunnerOutput(None, {}, ids)
