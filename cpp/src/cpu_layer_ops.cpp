@@ -2,10 +2,11 @@
 //
 // Rows are independent, so each op is one OpenMP loop over rows (tokens, or token x head for
 // RoPE), run on the calling thread alone when the tensor is small (under 16K elements, e.g. a
-// single decode token: waking a second thread costs more than the work). Inner loops run 16 float32 lanes at a time
-// with AVX-512 (bfloat16 widened on load and rounded to nearest even with VCVTNEPS2BF16 on
-// store), or as portable scalar loops (cpu_vec.h) without it. This file is compiled with -ffp-contract=off: a product and a sum that HF
-// rounds separately are never fused into one FMA, so fp32 results match eager PyTorch.
+// single decode token: waking a second thread costs more than the work). Inner loops run 16
+// float32 lanes at a time with AVX-512 (bfloat16 widened on load and rounded to nearest even with
+// VCVTNEPS2BF16 on store), or as portable scalar loops (cpu_vec.h) without it. This file is
+// compiled with -ffp-contract=off: a product and a sum that HF rounds separately are never fused
+// into one FMA, so fp32 results match eager PyTorch.
 #include <omp.h>
 
 #include <bit>

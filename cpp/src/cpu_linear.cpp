@@ -190,7 +190,7 @@ struct GemmOperands {
   int64_t pairs = 0;  // column pair-blocks in the packed weight (N / 32)
 };
 
-/// Checks x and packed (and out's rows and columns, when given) for op; returns the operands.
+/// Checks x and packed for op (each entry point checks its own out); returns the operands.
 GemmOperands check_operands(const char* op, const TensorView& x, const TensorView& packed) {
   check_amx(op);
   for (const TensorView* t : {&x, &packed})
@@ -406,9 +406,10 @@ void amx_linear_argmax(const TensorView& out, const TensorView& x, const TensorV
   const int64_t M = g.M, units = (n + kTile - 1) / kTile;  // pair-blocks that hold vocabulary columns
   const float* b = bias_f.empty() ? nullptr : bias_f.data();
   const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), units));
-  // Per thread and row, the best (value, column) once its 16 lanes are merged.
-  std::vector<float> best_v(static_cast<size_t>(threads) * M);
-  std::vector<int32_t> best_i(static_cast<size_t>(threads) * M);
+  // Per thread and row, the best (value, column) once its 16 lanes are merged (nothing yet: -inf
+  // at no column, also for a thread OpenMP did not start).
+  std::vector<float> best_v(static_cast<size_t>(threads) * M, -std::numeric_limits<float>::infinity());
+  std::vector<int32_t> best_i(static_cast<size_t>(threads) * M, INT32_MAX);
   // Per thread and row, 16 lanes of (best value, its column), columns taken in any order.
   std::vector<AlignedFloats> lane_v;
   std::vector<std::vector<int32_t>> lane_i(threads, std::vector<int32_t>(M * 16, INT32_MAX));

@@ -36,27 +36,24 @@ def amx_pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def _check_ndims(op: str, x, packed) -> None:
+    for name, t, ndim in (("x", x, 2), ("packed", packed, 5)):
+        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+            raise ValueError(f"{op}: {name} must be a {ndim}-D tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+
+
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ weight.T (+ bias [N])`` from ``packed = amx_pack_linear_weight(weight)``;
     bfloat16 x, out bfloat16 (default) or float32 (the bfloat16-rounded values, widened: what
     ``.float()`` of the bfloat16 result gives), contiguous last dimensions, not overlapping;
     float32 or bfloat16 bias. Returns ``out``."""
-    for name, t, ndim in (("x", x, 2), ("packed", packed, 5)):
-        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
-            raise ValueError(f"amx_linear: {name} must be a {ndim}-D tensor, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    _check_ndims("amx_linear", x, packed)
     if out is None:
         out = torch.empty((x.shape[0], packed.shape[0] * 32), dtype=x.dtype)
     _C.amx_linear(_view(out), _view(x), _view(packed), None if bias is None else _view(bias))
     return out
-
-
-def _check_ndims(op: str, x, packed) -> None:
-    for name, t, ndim in (("x", x, 2), ("packed", packed, 5)):
-        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
-            raise ValueError(f"{op}: {name} must be a {ndim}-D tensor, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
 
 
 def amx_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
