@@ -226,22 +226,29 @@ std::vector<float> bias_as_float(const char* op, const TensorView* bias, int64_t
 }
 
 #if PAGEDLLM_HAVE_AMX
-/// A 64-byte aligned float32 buffer of `n` floats.
+/// A 64-byte aligned float32 buffer of `n` floats (movable: data points into the heap block).
 struct AlignedFloats {
   std::vector<float> buf;
   float* data;
   explicit AlignedFloats(int64_t n) : buf(n + 16) {
     data = buf.data() + ((64 - reinterpret_cast<std::uintptr_t>(buf.data()) % 64) % 64) / sizeof(float);
   }
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+  AlignedFloats(AlignedFloats&&) noexcept = default;
 };
+
+/// Threads for `units` units of work (what amx_gemm runs with; callers size per-thread state by it).
+int gemm_threads(int64_t units) { return static_cast<int>(std::min<int64_t>(get_num_threads(), units)); }
 
 /// The shared driver. Threads claim `units` dynamically (runs of ~1/kClaimsPerThread of a thread's
 /// share); for each row block [m0, m1) of kRowBlock rows and each claimed unit u it calls
 /// body(tid, u, m0, m1, multiply, acc), where multiply(pb, a) computes rows [m0, m1) of
 /// pair-block pb into a ([kRowBlock][32] float32) and acc[0 .. kNumAcc) are the thread's buffers.
-/// finish(tid) runs once per thread at the end, inside the parallel region.
+/// finish(tid) runs once per thread at the end, inside the parallel region. threads:
+/// gemm_threads(units), taken once by the caller (tid < threads).
 template <int kNumAcc, class Body, class Finish>
-void amx_gemm(const GemmOperands& g, int64_t units, Body&& body, Finish&& finish) {
+void amx_gemm(const GemmOperands& g, int64_t units, int threads, Body&& body, Finish&& finish) {
   const int64_t M = g.M, K = g.K, ksteps = K / kTile, pair_elems = ksteps * 2 * 512;
   const char* w_end = reinterpret_cast<const char*>(g.w + g.pairs * pair_elems);
   // The last chunk of fewer than 32 rows comes from a zero-padded copy (tile loads read 16 rows).
@@ -252,7 +259,6 @@ void amx_gemm(const GemmOperands& g, int64_t units, Body&& body, Finish&& finish
     for (int64_t r = 0; r < tail_rows; ++r)
       std::memcpy(tail.data() + r * K, g.x + (full_rows + r) * g.ldx, K * sizeof(cpu::bf16));
   }
-  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), units));
   // Units per claim: about kClaimsPerThread claims per thread, so that a thread slowed by another
   // tenant hands its remaining runs to the others.
   const int64_t run = std::max<int64_t>(1, units / (int64_t{threads} * kClaimsPerThread));
@@ -339,7 +345,7 @@ void amx_linear(const TensorView& out, const TensorView& x, const TensorView& pa
   const int64_t ldo = out.stride(0);
   const float* b = bias_f.empty() ? nullptr : bias_f.data();
   amx_gemm<1>(
-      g, g.pairs,
+      g, g.pairs, gemm_threads(g.pairs),
       [&](int, int64_t pb, int64_t m0, int64_t m1, auto& multiply, float (*const* acc)[kTile]) {
         multiply(pb, acc[0]);
         const float* bp = b ? b + pb * kTile : nullptr;
@@ -377,7 +383,7 @@ void amx_linear_silu_mul(const TensorView& out, const TensorView& x, const Tenso
   const int64_t ldo = out.stride(0), units = g.pairs / 2;
   const float* b = bias_f.empty() ? nullptr : bias_f.data();
   amx_gemm<2>(
-      g, units,
+      g, units, gemm_threads(units),
       [&](int, int64_t u, int64_t m0, int64_t m1, auto& multiply, float (*const* acc)[kTile]) {
         multiply(u, acc[0]);          // gate columns 32u ..
         multiply(u + units, acc[1]);  // up columns I + 32u ..
@@ -405,13 +411,14 @@ void amx_linear_argmax(const TensorView& out, const TensorView& x, const TensorV
 #if PAGEDLLM_HAVE_AMX
   const int64_t M = g.M, units = (n + kTile - 1) / kTile;  // pair-blocks that hold vocabulary columns
   const float* b = bias_f.empty() ? nullptr : bias_f.data();
-  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), units));
+  const int threads = gemm_threads(units);
   // Per thread and row, the best (value, column) once its 16 lanes are merged (nothing yet: -inf
   // at no column, also for a thread OpenMP did not start).
   std::vector<float> best_v(static_cast<size_t>(threads) * M, -std::numeric_limits<float>::infinity());
   std::vector<int32_t> best_i(static_cast<size_t>(threads) * M, INT32_MAX);
   // Per thread and row, 16 lanes of (best value, its column), columns taken in any order.
   std::vector<AlignedFloats> lane_v;
+  lane_v.reserve(threads);
   std::vector<std::vector<int32_t>> lane_i(threads, std::vector<int32_t>(M * 16, INT32_MAX));
   for (int t = 0; t < threads; ++t) {
     lane_v.emplace_back(M * 16);
@@ -419,7 +426,7 @@ void amx_linear_argmax(const TensorView& out, const TensorView& x, const TensorV
   }
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   amx_gemm<1>(
-      g, units,
+      g, units, threads,
       [&](int tid, int64_t pb, int64_t m0, int64_t m1, auto& multiply, float (*const* acc)[kTile]) {
         float* lv = lane_v[tid].data;
         int32_t* li = lane_i[tid].data();

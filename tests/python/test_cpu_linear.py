@@ -163,9 +163,9 @@ def test_amx_linear_argmax_is_linear_then_argmax_rows(m, n, vocab, with_bias, ge
 
 
 def test_amx_linear_argmax_ties_infinities_and_nan(gen):
-    """Ties go to the smallest column (duplicated weight rows give equal logits, the duplicate in a
-    later column and in the other thread's pair-blocks); a row with nothing above -inf gives its
-    first -inf column; a row of NaN only gives 0 — as argmax_rows."""
+    """Ties go to the smallest column (duplicated weight rows give equal logits in three pair-blocks
+    far apart, usually claimed by different threads); a row with nothing above -inf gives its first
+    -inf column; a row of NaN only gives 0; columns beyond vocab never count — as argmax_rows."""
     m, k, n = 40, 64, 4096
     x = torch.randn(m, k, generator=gen).bfloat16()
     weight = (torch.randn(n, k, generator=gen) / 8).bfloat16()
@@ -179,6 +179,12 @@ def test_amx_linear_argmax_ties_infinities_and_nan(gen):
     bias[17:] = float("-inf")
     assert torch.equal(ops.amx_linear_argmax(x, packed, 0, bias), torch.full((m,), 17))
     assert torch.equal(ops.amx_linear_argmax(x, packed, 0, torch.full((n,), float("nan"))), torch.zeros(m, dtype=torch.int64))
+    # columns beyond vocab never count, even where they are the only finite values
+    bias[2000:] = 1e4
+    for vocab in (2000, 500):
+        logits = ops.amx_linear(x, packed, bias, out=torch.empty(m, n))
+        assert torch.equal(ops.amx_linear_argmax(x, packed, vocab, bias), torch.full((m,), 17))
+        assert torch.equal(ops.argmax_rows(logits, vocab), torch.full((m,), 17))
 
 
 def test_fused_amx_linear_argument_errors(gen):

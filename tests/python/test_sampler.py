@@ -475,7 +475,7 @@ def test_argmax_suffices_only_for_plain_greedy_rows_without_logprobs():
     """The engine lets the model take the argmax itself (no logits written) only when the sampler
     would return the argmax of the raw logits: every row greedy, no logit_bias, no penalty, no
     active min_tokens, no logprobs; from_argmax wraps the ids as the sampler would."""
-    plain = SamplingParams(temperature=0)
+    plain = SamplingParams(temperature=0, seed=7)  # a seed does not matter to a greedy row
     others = [SamplingParams(temperature=0.8), SamplingParams(temperature=0, logprobs=0),
               SamplingParams(temperature=0, logit_bias={3: 1.0}), SamplingParams(temperature=0, presence_penalty=0.5),
               SamplingParams(temperature=0, min_tokens=2)]
