@@ -14,6 +14,10 @@ of them. Each round has its own random prompts (seed = round), so no round reuse
 cache. Each engine's figures are the median over its rounds, with every round's tokens/s under
 "rounds_output_tok_s"; the ratios are the medians of the per-round ratios (listed under
 "ratio_vs_*_rounds"). An engine that fails in a round is reported with its error and dropped.
+Before them, --warmup-rounds W (default 1) uncounted rounds in the same rotation, on prompts of
+their own (seeds 1000 + i), take each engine's first-run costs and the machine's state right after
+the engines' start-up (vLLM's takes minutes of CPU) out of the measured rounds; their tokens/s are
+listed under "warmup_output_tok_s".
 
     pagedllm bench throughput [--num-prompts 64 --input-len 128 --output-len 128
                                --dtype bfloat16 --threads 2 --skip-hf --vllm-python PY]
@@ -224,14 +228,15 @@ class VllmRunner:
         return {}
 
 
-def run_rounds(runners: dict, rounds: int, pause_s: float) -> tuple[dict, dict]:
-    """Each runner's run(i) for rounds i = 0 .. rounds - 1, in turns (the order rotated by one each
-    round). Returns (per engine: every round's output tokens/s and their medians, per failed engine:
-    its error); a runner that raises is dropped from the later rounds."""
+def run_rounds(runners: dict, rounds: int, pause_s: float, warmup: int = 0) -> tuple[dict, dict]:
+    """Each runner's run(i) for rounds i = 0 .. warmup + rounds - 1, in turns (the order rotated by
+    one each round); the first `warmup` rounds are not counted. Returns (per engine: every counted
+    round's output tokens/s and their medians, per failed engine: its error); a runner that raises
+    is dropped from the later rounds."""
     per_round: dict = {name: [] for name in runners}
     errors: dict = {}
     names = list(runners)
-    for i in range(rounds if names else 0):
+    for i in range(warmup + rounds if names else 0):
         for name in names[i % len(names):] + names[:i % len(names)]:
             if name in errors:
                 continue
@@ -247,11 +252,12 @@ def run_rounds(runners: dict, rounds: int, pause_s: float) -> tuple[dict, dict]:
     for name, rs in per_round.items():
         if name in errors:
             continue
-        tok_s = [r["output_tok_s"] for r in rs]
-        seconds = statistics.median(r["seconds"] for r in rs)
-        n = rs[0]["output_tokens"]
+        counted = rs[warmup:]
+        tok_s = [r["output_tok_s"] for r in counted]
+        seconds = statistics.median(r["seconds"] for r in counted)
+        n = counted[0]["output_tokens"]
         out[name] = {"output_tokens": n, "seconds": seconds, "output_tok_s": statistics.median(tok_s),
-                     "rounds_output_tok_s": tok_s}
+                     "rounds_output_tok_s": tok_s, "warmup_output_tok_s": [r["output_tok_s"] for r in rs[:warmup]]}
     return out, errors
 
 
@@ -281,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048, help="pagedllm's max_model_len (default 2048)")
     p.add_argument("--rounds", type=int, default=3,
                    help="generate runs per engine, the engines taking turns; medians reported (default 3)")
+    p.add_argument("--warmup-rounds", type=int, default=1,
+                   help="uncounted rounds before the measured ones, same rotation (default 1)")
     p.add_argument("--pause", type=float, default=2.0, help="seconds of rest before each run (default 2)")
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face transformers")
     p.add_argument("--skip-pagedllm", action="store_true", help="do not run pagedllm")
@@ -298,6 +306,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.warmup_rounds < 0:
+        parser.error(f"--warmup-rounds must be >= 0, got {args.warmup_rounds}")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -312,7 +322,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     folder = resolve_model(args.model)
     vocab = ModelConfig.from_pretrained(folder).vocab_size
-    prompts = [random_prompts(args.num_prompts, args.input_len, vocab, seed=i) for i in range(args.rounds)]
+    # warm-up rounds first (seeds 1000 + i), then the measured rounds (seeds 0 .. R - 1)
+    prompts = ([random_prompts(args.num_prompts, args.input_len, vocab, seed=1000 + i) for i in range(args.warmup_rounds)]
+               + [random_prompts(args.num_prompts, args.input_len, vocab, seed=i) for i in range(args.rounds)])
     checkout = Path(__file__).resolve().parents[3]
     in_checkout = (checkout / "bench").is_dir() and (checkout / "python" / "pagedllm").is_dir()
     root = checkout if in_checkout else Path.cwd()
@@ -340,11 +352,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         errors["vllm_cpu"] = {"skipped": "no --vllm-python / $PAGEDLLM_VLLM_PYTHON given"}
     try:
-        measured, failed = run_rounds(runners, args.rounds, args.pause)
+        measured, failed = run_rounds(runners, args.rounds, args.pause, args.warmup_rounds)
     finally:
         closing = {name: runner.close() for name, runner in runners.items()}
     errors.update(failed)
     result["rounds"] = args.rounds
+    result["warmup_rounds"] = args.warmup_rounds
     for name, runner in runners.items():
         if name not in measured:
             continue
