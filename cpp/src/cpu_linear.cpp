@@ -209,6 +209,20 @@ GemmOperands check_operands(const char* op, const TensorView& x, const TensorVie
   return {x.ptr<const cpu::bf16>(), x.stride(0), x.size(0), K, packed.ptr<const cpu::bf16>(), packed.size(0)};
 }
 
+/// Checks op's out: a [M, cols] cpu matrix (layout names it) with a contiguous last dimension,
+/// not overlapping x (out is written column block by column block while x is still being read).
+void check_out_matrix(const char* op, const TensorView& out, const TensorView& x, const GemmOperands& g,
+                      int64_t cols, const char* layout, const char* cols_what) {
+  PAGEDLLM_CHECK(out.device == DeviceType::kCPU, op, ": tensors must be on the cpu, got ", out.describe());
+  detail::check_ndim(op, "out", out, 2, layout);
+  detail::check_dim(op, "out", out, 0, g.M, "num_tokens, must match x");
+  detail::check_dim(op, "out", out, 1, cols, cols_what);
+  PAGEDLLM_CHECK(cols <= 1 || out.stride(1) == 1, op, ": out must have a contiguous last dimension, got ",
+                 out.describe());
+  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x, got out ", out.describe(), " and x ",
+                 x.describe());
+}
+
 /// bias as float32 [n] (empty when none), after checking it is a contiguous float32/bfloat16 [n] cpu view.
 std::vector<float> bias_as_float(const char* op, const TensorView* bias, int64_t n) {
   std::vector<float> f;
@@ -324,18 +338,10 @@ inline void store_silu_block(float (*gate)[kTile], float (*up)[kTile], int64_t r
 void amx_linear(const TensorView& out, const TensorView& x, const TensorView& packed, const TensorView* bias) {
   const char* op = "amx_linear";
   const GemmOperands g = check_operands(op, x, packed);
-  PAGEDLLM_CHECK(out.device == DeviceType::kCPU, op, ": tensors must be on the cpu, got ", out.describe());
-  detail::check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
   PAGEDLLM_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
                  ": out must be bfloat16 or float32, got ", dtype_name(out.dtype));
   const int64_t N = g.pairs * kTile;
-  detail::check_dim(op, "out", out, 0, g.M, "num_tokens, must match x");
-  detail::check_dim(op, "out", out, 1, N, "out_features, must match packed");
-  PAGEDLLM_CHECK(N <= 1 || out.stride(1) == 1, op, ": out must have a contiguous last dimension, got ",
-                 out.describe());
-  // out is written column block by column block while x is still being read
-  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x, got out ", out.describe(), " and x ",
-                 x.describe());
+  check_out_matrix(op, out, x, g, N, "[num_tokens, out_features]", "out_features, must match packed");
   const std::vector<float> bias_f = bias_as_float(op, bias, N);
   if (g.M == 0) return;
 #if PAGEDLLM_HAVE_AMX
@@ -367,15 +373,9 @@ void amx_linear_silu_mul(const TensorView& out, const TensorView& x, const Tenso
   PAGEDLLM_CHECK(g.pairs % 2 == 0, op, ": packed must hold the gate and up projections of an intermediate size that "
                  "is a multiple of 32, i.e. an even number of pair-blocks, got ", packed.describe());
   const int64_t I = g.pairs / 2 * kTile;
-  PAGEDLLM_CHECK(out.device == DeviceType::kCPU, op, ": tensors must be on the cpu, got ", out.describe());
-  detail::check_ndim(op, "out", out, 2, "[num_tokens, intermediate_size]");
   detail::check_dtype(op, "out", out, DType::kBFloat16);
-  detail::check_dim(op, "out", out, 0, g.M, "num_tokens, must match x");
-  detail::check_dim(op, "out", out, 1, I, "intermediate_size, half of packed's out_features");
-  PAGEDLLM_CHECK(I <= 1 || out.stride(1) == 1, op, ": out must have a contiguous last dimension, got ",
-                 out.describe());
-  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x, got out ", out.describe(), " and x ",
-                 x.describe());
+  check_out_matrix(op, out, x, g, I, "[num_tokens, intermediate_size]",
+                   "intermediate_size, half of packed's out_features");
   const std::vector<float> bias_f = bias_as_float(op, bias, 2 * I);
   if (g.M == 0) return;
 #if PAGEDLLM_HAVE_AMX
