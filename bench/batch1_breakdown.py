@@ -17,7 +17,13 @@ Reported (all in microseconds):
   waits for the host per token; a cProfile of 50 steps goes beside the JSON (-host-profile.txt).
 JSON to <out>/<date>-<machine>-<name>.json.
 
-    python3 bench/batch1_breakdown.py [--shape llama3-8b] [--out DIR] [--name batch1_breakdown]
+With async scheduling (the CUDA default; --async-scheduling false turns it off) the sampler phase
+is sample_async (launching the step's argmax and its copy to the host) and the wait for the
+previous step's ids falls in neither phase; the host gap is then what the host's work of a step
+does not hide behind the GPU.
+
+    python3 bench/batch1_breakdown.py [--shape llama3-8b] [--async-scheduling auto|true|false]
+        [--out DIR] [--name batch1_breakdown]
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--async-scheduling", default="auto", choices=["auto", "true", "false"])
     p.add_argument("--machine", default="h200")
     p.add_argument("--name", default="batch1_breakdown")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -93,8 +100,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(cfg))
         llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=args.input_len + args.output_len,
-                  max_num_seqs=8)
+                  max_num_seqs=8, async_scheduling={"auto": None, "true": True, "false": False}[args.async_scheduling])
     engine = llm.llm_engine
+    result["async_scheduling"] = bool(engine.async_scheduling)
     runner = engine.runner
     one = [{"prompt_token_ids": prompt}]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -140,7 +148,7 @@ def main(argv=None) -> int:
 
     engine.core = CoreProxy(core)
     runner.execute_model = Timed(runner, "execute_model", "execute_model")
-    engine.sampler = Timed(sampler, "__call__", "sampler")
+    engine.sampler = Timed(sampler, "sample_async" if engine.async_scheduling else "__call__", "sampler")
     steps = []
     for _ in range(100):
         t0 = time.perf_counter()

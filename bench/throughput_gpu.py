@@ -128,7 +128,8 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
     t0 = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager,
+              async_scheduling={"auto": None, "true": True, "false": False}[args.async_scheduling])
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.runner
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -204,6 +205,7 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
         "gemv_max_tokens": int(getattr(runner.model, "gemv_max_tokens", 0)),
         "pdl": bool(getattr(__import__("pagedllm")._C, "pdl_enabled", lambda: False)()),
         "async_output_processing": bool(engine.async_output_processing),
+        "async_scheduling": bool(engine.async_scheduling),
     }
     llm.shutdown()
     del llm, outs
@@ -249,6 +251,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=1024, help="vLLM v1's default on H100-class GPUs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", default="auto", choices=["auto", "true", "false"],
+                   help="schedule step N + 1 before step N's tokens are known (auto: on, CUDA)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--machine", default="h200")
     p.add_argument("--name", default="throughput_gpu")
@@ -268,7 +272,8 @@ def main(argv=None) -> int:
               "commit": commit or "unknown", "device_measured": dev,
               "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                            "hf_batch": args.hf_batch, "dtype": "bfloat16", "greedy": True, "ignore_eos": True,
-                           "max_num_seqs": args.max_num_seqs, "enforce_eager": args.enforce_eager},
+                           "max_num_seqs": args.max_num_seqs, "enforce_eager": args.enforce_eager,
+                           "async_scheduling": args.async_scheduling},
               "shapes": {}}
     path = out_dir / f"{day}-{args.machine}-{args.name}.json"
     for shape in args.shapes:

@@ -59,7 +59,9 @@ PAGEDLLM_BINDING(engine_core, m) {
       .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readwrite("enable_chunked_prefill", &EngineConfig::enable_chunked_prefill)
       .def_readwrite("scheduling_policy", &EngineConfig::scheduling_policy)
-      .def_readwrite("num_buffer_sets", &EngineConfig::num_buffer_sets);
+      .def_readwrite("num_buffer_sets", &EngineConfig::num_buffer_sets)
+      .def_readwrite("async_scheduling", &EngineConfig::async_scheduling,
+                     "schedule placeholder decodes of in-flight sequences (pagedllm/scheduler.h)");
 
   auto stats = py::class_<EngineStats>(m, "EngineStats", "Engine metrics (pagedllm/engine_core.h).");
 #define PAGEDLLM_STAT(name) stats.def_readonly(#name, &EngineStats::name)

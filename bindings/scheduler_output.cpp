@@ -35,6 +35,7 @@ PAGEDLLM_BINDING(scheduler_output, m) {
       .def_readonly("max_seq_len", &SchedulerOutput::max_seq_len)
       .def_readonly("max_blocks_per_seq", &SchedulerOutput::max_blocks_per_seq)
       .def_readonly("step_id", &SchedulerOutput::step_id)
+      .def_readonly("num_placeholders", &SchedulerOutput::num_placeholders)
       .def_property_readonly("num_copies", &SchedulerOutput::num_copies)
       .def_property_readonly("input_ids", [](py::object self) {
         auto& o = so(self); return view1d(o.input_ids, o.num_tokens, self); }, "int32 [T]")
@@ -42,6 +43,9 @@ PAGEDLLM_BINDING(scheduler_output, m) {
         auto& o = so(self); return view1d(o.positions, o.num_tokens, self); }, "int64 [T]")
       .def_property_readonly("slot_mapping", [](py::object self) {
         auto& o = so(self); return view1d(o.slot_mapping, o.num_tokens, self); }, "int64 [T]")
+      .def_property_readonly("prev_sample_rows", [](py::object self) {
+        auto& o = so(self); return view1d(o.prev_sample_rows, o.num_tokens, self); },
+        "int32 [T]: -1, or the sampled row of step step_id - 1 whose token replaces input_ids here")
       .def_property_readonly("seq_lens", [](py::object self) {
         auto& o = so(self); return view1d(o.seq_lens, o.num_seqs, self); }, "int32 [S]")
       .def_property_readonly("query_start_loc", [](py::object self) {

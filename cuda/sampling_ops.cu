@@ -1,5 +1,5 @@
 // cuda/sampling_ops.cu — argmax_rows on CUDA (pagedllm/sampling_ops.h), the greedy sampler's
-// one kernel.
+// one kernel, and fill_placeholder_ids (one thread per token), async scheduling's input fix-up.
 //
 // One CTA of 1024 threads per row (a row is 32K-256K logits, already in L2 after the LM head):
 // each thread scans 16-byte vectors (or single elements when the row is not 16-byte aligned)
@@ -109,7 +109,26 @@ void launch(const TensorView& out, const TensorView& logits, int64_t n, cudaStre
   PAGEDLLM_CUDA_CHECK_LAUNCH();
 }
 
+__global__ void fill_placeholder_ids_kernel(int32_t* __restrict__ ids, const int32_t* __restrict__ rows,
+                                            const int64_t* __restrict__ sampled, int64_t n, int64_t num_sampled) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= n) return;
+  const int32_t r = rows[t];
+  if (r >= 0 && r < num_sampled) ids[t] = static_cast<int32_t>(sampled[r]);
+}
+
 }  // namespace
+
+void fill_placeholder_ids(const TensorView& input_ids, const TensorView& prev_rows, const TensorView& sampled,
+                          std::uintptr_t stream) {
+  detail::DeviceGuard guard(input_ids.device_index);
+  const int64_t n = input_ids.size(0);
+  constexpr int kBlock = 128;
+  const dim3 grid(static_cast<unsigned>((n + kBlock - 1) / kBlock));
+  fill_placeholder_ids_kernel<<<grid, kBlock, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      input_ids.ptr<int32_t>(), prev_rows.ptr<const int32_t>(), sampled.ptr<const int64_t>(), n, sampled.size(0));
+  PAGEDLLM_CUDA_CHECK_LAUNCH();
+}
 
 void argmax_rows(const TensorView& out, const TensorView& logits, int64_t vocab, std::uintptr_t stream) {
   detail::DeviceGuard guard(logits.device_index);

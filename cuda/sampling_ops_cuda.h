@@ -15,4 +15,9 @@ namespace pagedllm::cuda {
 /// out[r] = argmax(logits[r, :vocab]); launches on `stream`, never synchronizes.
 void argmax_rows(const TensorView& out, const TensorView& logits, int64_t vocab, std::uintptr_t stream);
 
+/// input_ids[t] = sampled[prev_rows[t]] where 0 <= prev_rows[t] < R (validated shapes and dtypes:
+/// int32 [T], int32 [T], int64 [R], T > 0); launches on `stream`, never synchronizes.
+void fill_placeholder_ids(const TensorView& input_ids, const TensorView& prev_rows, const TensorView& sampled,
+                          std::uintptr_t stream);
+
 }  // namespace pagedllm::cuda

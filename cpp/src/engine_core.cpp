@@ -16,6 +16,7 @@ SchedulerConfig scheduler_config(const EngineConfig& c) {
   s.max_model_len = c.max_model_len;
   s.enable_chunked_prefill = c.enable_chunked_prefill;
   s.policy = parse_scheduling_policy(c.scheduling_policy);
+  s.async_scheduling = c.async_scheduling;
   return s;
 }
 
@@ -97,8 +98,7 @@ SchedulerOutput& EngineCore::schedule() {
         config_.max_num_batched_tokens, config_.max_num_seqs, max_blocks_per_seq_));
     out = buffers_.back().get();
   }
-  scheduler_->schedule(*out);
-  out->step_id = next_step_id_++;
+  scheduler_->schedule(*out);  // sets out->step_id
   return *out;
 }
 

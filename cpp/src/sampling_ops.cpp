@@ -122,4 +122,43 @@ void argmax_rows(const TensorView& out, const TensorView& logits, int64_t vocab,
     run.template operator()<cpu::bf16>();
 }
 
+void fill_placeholder_ids(const TensorView& input_ids, const TensorView& prev_rows, const TensorView& sampled,
+                          std::uintptr_t stream) {
+  const char* op = "fill_placeholder_ids";
+  detail::check_ndim(op, "input_ids", input_ids, 1, "[num_tokens]");
+  detail::check_ndim(op, "prev_rows", prev_rows, 1, "[num_tokens]");
+  detail::check_ndim(op, "sampled", sampled, 1, "[num_sampled]");
+  detail::check_dtype(op, "input_ids", input_ids, DType::kInt32);
+  detail::check_dtype(op, "prev_rows", prev_rows, DType::kInt32);
+  detail::check_dtype(op, "sampled", sampled, DType::kInt64);
+  detail::check_contiguous(op, "input_ids", input_ids);
+  detail::check_contiguous(op, "prev_rows", prev_rows);
+  detail::check_contiguous(op, "sampled", sampled);
+  detail::check_dim(op, "prev_rows", prev_rows, 0, input_ids.size(0), "num_tokens, must match input_ids");
+  for (const TensorView* t : {&prev_rows, &sampled})
+    PAGEDLLM_CHECK(t->device == input_ids.device && t->device_index == input_ids.device_index, op,
+                   ": every tensor must be on input_ids' device (", detail::device_str(input_ids), "), got ",
+                   detail::device_str(*t));
+  const int64_t n = input_ids.size(0);
+  if (n == 0) return;
+  if (input_ids.device == DeviceType::kCUDA) {
+#ifdef PAGEDLLM_WITH_CUDA
+    cuda::fill_placeholder_ids(input_ids, prev_rows, sampled, stream);
+    return;
+#else
+    (void)stream;
+    throw InvalidArgument(std::string(op) + ": got CUDA tensors but pagedllm was built without CUDA");
+#endif
+  }
+  int32_t* ids = input_ids.ptr<int32_t>();
+  const int32_t* rows = prev_rows.ptr<const int32_t>();
+  const int64_t* src = sampled.ptr<const int64_t>();
+  const int64_t num_sampled = sampled.size(0);
+  for (int64_t t = 0; t < n; ++t)
+    PAGEDLLM_CHECK(rows[t] < num_sampled, op, ": prev_rows[", t, "] = ", rows[t], " but sampled has ",
+                   num_sampled, " rows");
+  for (int64_t t = 0; t < n; ++t)
+    if (rows[t] >= 0) ids[t] = static_cast<int32_t>(src[rows[t]]);
+}
+
 }  // namespace pagedllm

@@ -44,7 +44,9 @@ Sequence* Scheduler::new_sequence(Request* req, int32_t index) {
   s->num_computed_tokens = 0;
   s->max_computed_tokens = 0;
   s->status = SequenceStatus::kWaiting;
-  s->in_flight = false;
+  s->in_flight = 0;
+  s->pending_row = -1;
+  s->pending_step = -1;
   s->announced = false;
   s->finish_reason = FinishReason::kNone;
   s->stop_reason = std::monostate{};
@@ -106,7 +108,10 @@ void Scheduler::preempt(Sequence* seq) {
   if (kv_.contains(seq->seq_id)) kv_.free(seq->seq_id);
   seq->num_computed_tokens = 0;
   seq->status = SequenceStatus::kWaiting;
-  seq->in_flight = false;
+  seq->in_flight = 0;
+  seq->pending_row = -1;
+  seq->pending_step = -1;
+  ++seq->generation;  // rows of another in-flight output (async scheduling) no longer match
   waiting_.push_front(seq);
   ++counters_.num_preemptions;
 }
@@ -116,7 +121,8 @@ void Scheduler::finish(Sequence* seq, FinishReason reason, StopReason stop_reaso
   else if (seq->status == SequenceStatus::kWaiting) waiting_.remove(seq);
   if (kv_.contains(seq->seq_id)) kv_.free(seq->seq_id);
   seq->status = SequenceStatus::kFinished;
-  seq->in_flight = false;
+  seq->in_flight = 0;
+  seq->pending_row = -1;
   seq->finish_reason = reason;
   seq->stop_reason = std::move(stop_reason);
   Request* req = seq->request;
@@ -171,7 +177,7 @@ void Scheduler::append_copies(SchedulerOutput& out) {
   counters_.num_copy_orders += static_cast<int64_t>(copies_.size());
 }
 
-void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out) {
+void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int32_t prev_row) {
   Request* req = seq->request;
   const int32_t start = seq->num_computed_tokens;
   const int32_t end = start + num_new;
@@ -182,7 +188,7 @@ void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out) {
   if (end < seq->num_tokens()) ++counters_.num_chunked_prefills;
   seq->num_computed_tokens = end;
   seq->max_computed_tokens = std::max(seq->max_computed_tokens, end);
-  seq->in_flight = true;
+  ++seq->in_flight;
   if (completes_prompt) {
     // The n - 1 children take n - 1 of the n slots the parent held: num_running_slots_ is unchanged.
     req->forked = true;
@@ -195,7 +201,7 @@ void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out) {
       child->num_computed_tokens = end;
       child->max_computed_tokens = end;
       child->status = SequenceStatus::kRunning;
-      child->in_flight = true;
+      child->in_flight = 1;
       child->announced = true;
       running_.push_back(child);
       out.new_seqs.push_back({child->seq_id, req->request_id, k});
@@ -204,11 +210,21 @@ void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out) {
     }
   }
   out.scheduled.push_back({{seq, seq->generation}, start, num_new, completes_prompt, fork_begin,
-                           static_cast<int32_t>(out.forks.size())});
+                           static_cast<int32_t>(out.forks.size()), prev_row});
+}
+
+bool Scheduler::placeholder_allowed(const Sequence* seq, int64_t step_id) const {
+  // Sampled in the previous step without a fork (the row is known), computed up to its last
+  // known token, and not ended by length once that token is appended.
+  return config_.async_scheduling && seq->in_flight == 1 && seq->pending_row >= 0 &&
+         seq->pending_step == step_id - 1 && seq->num_computed_tokens == seq->num_tokens() &&
+         seq->num_tokens() + 1 < config_.max_model_len &&
+         (seq->max_tokens < 0 || seq->num_output_tokens() + 1 < seq->max_tokens);
 }
 
 void Scheduler::schedule(SchedulerOutput& out) {
   out.reset();
+  out.step_id = next_step_id_++;
   const SchedulingPolicy policy = config_.policy;
   const bool chunked = config_.enable_chunked_prefill;
   int32_t budget = config_.max_num_batched_tokens;
@@ -222,7 +238,17 @@ void Scheduler::schedule(SchedulerOutput& out) {
     for (size_t i = 0; i < num_snapshot; ++i) {
       if (budget <= 0) break;
       Sequence* seq = running_snapshot_[i];
-      if (seq->status != SequenceStatus::kRunning || seq->in_flight) continue;
+      if (seq->status != SequenceStatus::kRunning) continue;
+      if (seq->in_flight > 0) {
+        // Async scheduling: a placeholder decode, only where its slot is free to take.
+        if (!decode_pass || !placeholder_allowed(seq, out.step_id)) continue;
+        copies_.clear();
+        if (!kv_.allocate_slots(seq->seq_id, 1, nullptr, &copies_)) continue;
+        append_copies(out);
+        record(seq, 1, out, seq->pending_row);
+        budget -= 1;
+        continue;
+      }
       int32_t num_new = seq->num_tokens() - seq->num_computed_tokens;
       if (num_new <= 0 || (num_new == 1) != decode_pass || (!chunked && num_new > budget)) continue;
       num_new = std::min(num_new, budget);
@@ -320,16 +346,24 @@ void Scheduler::fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& o
   int32_t* ids = out.input_ids.data() + t0;
   int64_t* pos = out.positions.data() + t0;
   int64_t* slots = out.slot_mapping.data() + t0;
+  int32_t* prev = out.prev_sample_rows.data() + t0;
+  const bool placeholder = s.prev_row >= 0;
   for (int32_t p = start; p < end; ++p) {
     const int32_t k = p - start;
-    ids[k] = tokens[p];
+    ids[k] = placeholder ? 0 : tokens[p];
+    prev[k] = placeholder ? s.prev_row : -1;
     pos[k] = p;
     slots[k] = static_cast<int64_t>(blocks[p / bs]) * bs + (p % bs);
   }
   out.num_tokens = t0 + s.num_new;
+  if (placeholder) ++out.num_placeholders;
 
-  if (end == seq->num_tokens() && seq->max_tokens != 0) {
+  if (end == seq->num_tokens() + (placeholder ? 1 : 0) && seq->max_tokens != 0) {
     const int64_t logits_row = t0 + s.num_new - 1;
+    // Where the next step finds this row's token before the host does (no fork: a child's KV
+    // exists only after update_from_output).
+    seq->pending_row = s.fork_begin == s.fork_end ? out.num_sampled : -1;
+    seq->pending_step = out.step_id;
     out.logits_indices[out.num_sampled] = logits_row;
     out.sample_seq_ids[out.num_sampled++] = seq->seq_id;
     out.samples.push_back(s.ref);
@@ -366,6 +400,11 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
   for (size_t r = 0; r < sampled.size(); ++r)
     PAGEDLLM_CHECK(sampled[r] >= 0, "sampled_token_ids[", r, "] = ", sampled[r],
                    " is not a token id (must be >= 0)");
+  for (const auto& s : out.scheduled)  // a placeholder's token comes from the previous step
+    PAGEDLLM_CHECK(s.prev_row < 0 || !s.ref.valid() || s.ref.seq->num_tokens() > s.start,
+                   "update_from_output: step ", out.step_id, " computed a placeholder token of seq_id ",
+                   s.ref.seq->seq_id, " whose step ", out.step_id - 1,
+                   " was not updated yet (update steps in order)");
   result.clear();
   finished_scratch_.clear();
   const bool caching = kv_.prefix_caching_enabled();
@@ -376,7 +415,7 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     if (!s.ref.valid()) continue;
     Sequence* seq = s.ref.seq;
     Request* req = seq->request;
-    seq->in_flight = false;
+    --seq->in_flight;
     const int32_t end = s.start + s.num_new;
     if (caching && end / bs > s.start / bs)
       kv_.cache_full_blocks(seq->seq_id, seq->token_ids, end, req->extra_key);
@@ -396,7 +435,7 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
   candidates_.clear();
   for (const auto& [parent, child] : out.forks) {
     if (!child.valid() || child.seq->status == SequenceStatus::kFinished) continue;
-    child.seq->in_flight = false;
+    --child.seq->in_flight;
     if (parent.valid() && parent.seq->status != SequenceStatus::kFinished)
       kv_.fork(parent.seq->seq_id, child.seq->seq_id);
     else
@@ -407,7 +446,7 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     const auto& ref = out.samples[r];
     if (!ref.valid() || ref.seq->status == SequenceStatus::kFinished) continue;
     Sequence* seq = ref.seq;
-    seq->in_flight = false;
+    if (seq->pending_step == out.step_id) seq->pending_row = -1;  // the token is known now
     const int32_t token = sampled[r];
     seq->token_ids.push_back(token);
     result.seq_ids.push_back(seq->seq_id);

@@ -18,6 +18,7 @@ SchedulerOutput::SchedulerOutput(int32_t max_tokens, int32_t max_seqs, int32_t m
       seq_ids(max_seqs),
       logits_indices(max_seqs),
       sample_seq_ids(max_seqs),
+      prev_sample_rows(max_tokens, -1),
       row_len_(max_seqs, 0) {
   PAGEDLLM_CHECK(max_tokens >= 1 && max_seqs >= 1 && max_blocks >= 1,
                  "SchedulerOutput: max_tokens, max_seqs, max_blocks_per_seq must be >= 1, got ",
@@ -30,7 +31,7 @@ SchedulerOutput::SchedulerOutput(int32_t max_tokens, int32_t max_seqs, int32_t m
 
 void SchedulerOutput::reset() {
   num_tokens = num_seqs = num_sampled = 0;
-  num_decode_seqs = num_prefill_seqs = num_prefill_tokens = 0;
+  num_decode_seqs = num_prefill_seqs = num_prefill_tokens = num_placeholders = 0;
   max_query_len = max_seq_len = 0;
   query_start_loc[0] = 0;
   copy_orders.clear();

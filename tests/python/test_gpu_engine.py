@@ -8,6 +8,8 @@ by pagedllm on the same GPU; HF is the reference:
 - greedy tokens identical to HF's in fp32;
 - CUDA graphs against eager (same tokens and logprobs; replays > 0 only with graphs);
 - prefix caching and preemption give the same tokens as a plain run;
+- async scheduling (the CUDA default: placeholders filled on the device, one graph per step) gives
+  the tokens of synchronous scheduling, with graphs and eager, early stops and seeded sampling;
 - load_format="dummy" on a config-only folder, KV pool sized by profiling or kv_cache_memory_bytes.
 """
 
@@ -146,10 +148,10 @@ def test_cuda_graphs_match_eager(hf_model):
 
 
 def test_segmented_graphs_match_eager(tmp_path):
-    """A 9-layer model: decode graphs are captured as three segments (layers [0,1), [1,4), [4,9));
-    sizes <= PER_SIZE_HANDOVER_MAX keep their hand-over states, larger ones copy them through
-    shared buffers. Both kinds, with padding rows, give the eager run's greedy tokens and
-    logprobs (fp32)."""
+    """A 9-layer model without async scheduling: decode graphs are captured as three segments
+    (layers [0,1), [1,4), [4,9)); sizes <= PER_SIZE_HANDOVER_MAX keep their hand-over states,
+    larger ones copy them through shared buffers. Both kinds, with padding rows, give the eager
+    run's greedy tokens and logprobs (fp32)."""
     from pagedllm.model_executor.dummy import synthetic_tokenizer
     from pagedllm.worker.cuda_graph import PER_SIZE_HANDOVER_MAX, segment_bounds
 
@@ -157,13 +159,14 @@ def test_segmented_graphs_match_eager(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     synthetic_tokenizer(VOCAB).save_pretrained(tmp_path)
     assert segment_bounds(9) == [0, 1, 4, 9] and segment_bounds(7) == [0, 7]
+    assert segment_bounds(9, segmented=False) == [0, 9]
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist()
                for n in torch.randint(3, 40, (PER_SIZE_HANDOVER_MAX + 6,), generator=g)]
     runs = {}
     for eager in (True, False):
         llm = _llm(tmp_path, "float32", enforce_eager=eager, load_format="dummy",
-                   max_num_seqs=PER_SIZE_HANDOVER_MAX + 16, kv_cache_memory_bytes=256 << 20)
+                   max_num_seqs=PER_SIZE_HANDOVER_MAX + 16, kv_cache_memory_bytes=256 << 20, async_scheduling=False)
         if not eager:
             graphs = llm.llm_engine.runner.graphs
             assert len(graphs._graphs[1]) == 3 and len(graphs._graphs[graphs.max_size]) == 3
@@ -179,6 +182,43 @@ def test_segmented_graphs_match_eager(tmp_path):
     assert [t for t, _ in runs[True]] == [t for t, _ in runs[False]]
     diff = max(abs(a - b) for (_, x), (_, y) in zip(runs[True], runs[False]) for a, b in zip(x, y))
     assert diff < 1e-4
+
+
+def test_async_scheduling_matches_sync(hf_model):
+    """fp32, graphs and eager: async scheduling (placeholder ids filled on the device from the
+    previous step's sampled ids) gives the tokens and logprobs of synchronous scheduling — greedy
+    rows that stop early on stop ids (wasted placeholder rows), seeded sampling with n = 2, batch
+    sizes between the captured ones."""
+    from pagedllm import SamplingParams
+
+    folder, _ = hf_model
+    prompts = _prompts(8, seed=9)
+    stops = list(range(7, VOCAB, 9))  # ~1 token in 9 ends a greedy row early
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=stops, logprobs=1) if i % 2 == 0
+              else SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True, n=2)
+              for i in range(8)]
+    runs = {}
+    for eager in (False, True):
+        for async_sched in (False, True):
+            llm = _llm(folder, "float32", enforce_eager=eager, async_scheduling=async_sched)
+            engine = llm.llm_engine
+            assert engine.async_scheduling is async_sched
+            if not eager:
+                assert engine.runner.graphs.placeholders is async_sched
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            runs[(eager, async_sched)] = (
+                [[list(c.token_ids) for c in o.outputs] for o in outs],
+                [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                 for o in outs[::2]])
+            assert engine.core.stats().kv_usage == 0.0 and engine.core.num_outputs_held == 0
+            if not eager:
+                assert _metric(llm, "pagedllm:cuda_graph_replays") > 0
+            llm.shutdown()
+    ref_tokens, ref_lp = runs[(False, False)]
+    assert any(len(t[0]) < 40 for t in ref_tokens[::2])  # some greedy rows stopped early
+    for key, (tokens, lps) in runs.items():
+        assert tokens == ref_tokens, key
+        assert max(abs(a - b) for x, y in zip(lps, ref_lp) for a, b in zip(x, y)) < 1e-4, key
 
 
 def test_graph_batch_padding_and_sampling_on_gpu(hf_model):

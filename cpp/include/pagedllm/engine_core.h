@@ -40,6 +40,9 @@ struct EngineConfig {
   bool enable_chunked_prefill = true;
   std::string scheduling_policy = "fcfs";   ///< "fcfs" | "priority"
   int32_t num_buffer_sets = 2;              ///< SchedulerOutput sets preallocated (>= 2)
+  /// Placeholder decodes of in-flight sequences, so that step N + 1 is scheduled before step N's
+  /// tokens are known (scheduler.h, "Async scheduling"); update_from_output in step order.
+  bool async_scheduling = false;
 };
 
 /// Everything the server exports (vLLM v1 metric names in comments). Sequence counts follow
@@ -125,7 +128,6 @@ class EngineCore {
   std::unique_ptr<Scheduler> scheduler_;
   std::vector<std::unique_ptr<SchedulerOutput>> buffers_;
   std::vector<std::shared_ptr<UpdateResult>> results_;
-  int64_t next_step_id_ = 0;
 };
 
 }  // namespace pagedllm

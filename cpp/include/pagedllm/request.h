@@ -84,8 +84,14 @@ struct Sequence {
   SequenceStatus status = SequenceStatus::kWaiting;
   /// Highest num_computed_tokens ever reached (tokens below it are recomputed after preemption).
   int32_t max_computed_tokens = 0;
-  /// Scheduled in a SchedulerOutput that has not been passed to update_from_output yet.
-  bool in_flight = false;
+  /// SchedulerOutputs holding this sequence that have not been passed to update_from_output
+  /// yet (0, 1, or 2 with async scheduling: the step that samples its next token and the step
+  /// that already computes that token as a placeholder).
+  int32_t in_flight = 0;
+  /// The sampled row of this sequence in the in-flight output pending_step (-1: none), i.e. where
+  /// the model runner finds its next token on the device before the host knows it.
+  int32_t pending_row = -1;
+  int64_t pending_step = -1;
   /// Already listed in some SchedulerOutput::new_seqs.
   bool announced = false;
   FinishReason finish_reason = FinishReason::kNone;

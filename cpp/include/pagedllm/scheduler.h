@@ -28,6 +28,20 @@
 // them as preemption victims. Full blocks are registered in the prefix cache in
 // update_from_output, once their KV is known to be computed.
 //
+// Async scheduling (SchedulerConfig::async_scheduling; vLLM v1's async scheduling, where the
+// scheduler counts "output placeholders"): a sequence sampled in the previous step (step_id - 1),
+// still in flight, is scheduled again for one decode token whose id is not known yet — a
+// placeholder: input_ids holds 0 and prev_sample_rows names the previous step's sampled row that
+// the model runner copies in on the device. So step N + 1 can be launched before step N's tokens
+// reach the host. Only when (a) that previous step sampled the sequence without forking it,
+// (b) the placeholder token cannot end it by length (max_tokens, max_model_len) and (c) its slot
+// allocates without preempting anyone. If step N's token ends the sequence (EOS, a stop id or
+// string), step N + 1's row is computed in vain and ignored: update_from_output(N) frees its
+// blocks at once — safe because every later step runs after step N + 1 on the device — and the
+// row of N + 1 no longer matches the released sequence. update_from_output must be called in
+// step order. Preemption bumps a sequence's generation, so rows of any other in-flight output of
+// a preempted (e.g. cancelled) sequence are ignored too.
+//
 // Not thread-safe: one thread drives a Scheduler (and its EngineCore).
 #pragma once
 
@@ -51,6 +65,7 @@ struct SchedulerConfig {
   int32_t max_model_len = 2048;
   bool enable_chunked_prefill = true;
   SchedulingPolicy policy = SchedulingPolicy::kFcfs;
+  bool async_scheduling = false;  ///< placeholder decodes of in-flight sequences (see above)
 };
 
 /// Monotonic counters (tokens unless said otherwise).
@@ -87,7 +102,8 @@ class Scheduler {
   /// when this was the request's last unfinished sequence. Throws on an unknown seq id.
   bool finish_sequence(SeqId seq_id, StopReason stop_reason);
 
-  /// Fill `out` (reset first) with the next step. out.state becomes kScheduled.
+  /// Fill `out` (reset first) with the next step; out.step_id = 0, 1, 2... per call.
+  /// out.state becomes kScheduled.
   void schedule(SchedulerOutput& out);
   /// Apply the sampled tokens (int32 [out.num_sampled], in sample row order) of a scheduled
   /// step: append, stop rules, free finished sequences, cache full blocks, fork children.
@@ -123,7 +139,9 @@ class Scheduler {
   /// Mark finished, free KV, count; does not touch running_ (caller compacts or removes).
   void finish(Sequence* seq, FinishReason reason, StopReason stop_reason);
   /// Record a successfully allocated chunk of seq into the step's scheduled list.
-  void record(Sequence* seq, int32_t num_new, SchedulerOutput& out);
+  void record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int32_t prev_row = -1);
+  /// Async scheduling: whether in-flight seq may get a placeholder decode in step `step_id`.
+  bool placeholder_allowed(const Sequence* seq, int64_t step_id) const;
   void fill_buffers(SchedulerOutput& out);
   void fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& out);
   void append_copies(SchedulerOutput& out);
@@ -136,6 +154,7 @@ class Scheduler {
   std::vector<std::unique_ptr<Sequence>> slab_;  ///< every Sequence ever made, reused
   std::vector<int32_t> free_slots_;
   SeqId next_seq_id_ = 0;
+  int64_t next_step_id_ = 0;
   std::vector<Sequence*> running_;
   WaitingQueue waiting_;
   int32_t num_running_slots_ = 0;

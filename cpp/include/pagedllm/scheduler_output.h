@@ -20,11 +20,16 @@
 //   sample_seq_ids   int64 [R]   the sequence each sampled token belongs to
 //   copy_orders      int64 [C, 2] copy-on-write (src_block, dst_block), to run before the step's
 //                                forward pass (before any reshape_and_cache of this step)
+//   prev_sample_rows int32 [T]   -1, or (a placeholder token, async scheduling only) the sampled
+//                                row of step step_id - 1 whose token goes here: input_ids holds 0
+//                                and the model runner takes the token from that step's sampled
+//                                ids on the device (num_placeholders such tokens)
 // Sequences are ordered decodes first: rows [0, num_decode_seqs) have query length 1; rows
 // [num_decode_seqs, S) (num_prefill_seqs of them) have longer queries (prompt chunks, replays).
 //
 // Requirement on the model runner: within each layer, every token's reshape_and_cache write
-// precedes that layer's attention, and copy_orders run before both.
+// precedes that layer's attention, and copy_orders run before both. With placeholders, the
+// previous step's forward pass and sampling run before this step's (one stream, in order).
 #pragma once
 
 #include <cstdint>
@@ -95,6 +100,7 @@ class SchedulerOutput {
   int32_t max_query_len = 0;
   int32_t max_seq_len = 0;
   int32_t max_blocks_per_seq = 0;
+  int32_t num_placeholders = 0;  ///< tokens whose id is step step_id - 1's sample (prev_sample_rows)
   int64_t step_id = -1;  ///< 0, 1, 2... per schedule() call of the engine
   State state = State::kFree;
 
@@ -108,6 +114,7 @@ class SchedulerOutput {
   std::vector<int64_t> logits_indices;
   std::vector<int64_t> sample_seq_ids;
   std::vector<int64_t> copy_orders;  ///< 2 * num_copies()
+  std::vector<int32_t> prev_sample_rows;
   std::vector<NewSequence> new_seqs;
   std::vector<PromptLogprobRows> prompt_logprob_rows;
 
@@ -129,6 +136,8 @@ class SchedulerOutput {
     bool completes_prompt;  ///< first time this request's prompt is fully computed
     int32_t fork_begin;     ///< children created by this entry: forks[fork_begin, fork_end)
     int32_t fork_end;
+    int32_t prev_row;       ///< >= 0: a placeholder decode of the token sampled in row prev_row
+                            ///< of step step_id - 1 (async scheduling)
   };
   std::vector<Scheduled> scheduled;
   std::vector<SeqRef> samples;                   ///< [R]: whom sampled row r belongs to

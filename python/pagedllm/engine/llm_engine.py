@@ -16,6 +16,23 @@ still sees every token of step N before it samples step N + 1. It applies only w
 unfinished request has stop strings (they are matched during detokenization and can end a
 sequence before the next step is scheduled); such steps are processed at once.
 
+Async scheduling (async_scheduling=True; "auto": on CUDA; vLLM's --async-scheduling): step N + 1
+is scheduled and launched BEFORE step N's sampled tokens reach the host. The native scheduler
+gives each sequence that step N samples a placeholder decode in step N + 1 (pagedllm/scheduler.h,
+"Async scheduling"); the model runner fills the placeholder ids from step N's sampled ids on the
+device. Then the host waits for step N's ids, applies them (update_from_output, detokenization,
+stop strings) and launches step N + 1's sampling — all while the device runs step N + 1:
+
+    sched = core.schedule()                         # N + 1, with placeholders for N's samples
+    run = runner.execute_model(sched, prev_sampled=pending.device_ids)   # launched, not waited
+    ids = pending.result()                          # N's ids (copied behind N's sampling)
+    core.update_from_output(pending_sched, ids); outputs of N; stop strings; core.release(...)
+    pending = sampler.sample_async(run.logits, sched.sample_seq_ids)      # N + 1's, on the device
+
+A sequence that step N ends (EOS, a stop id or string) has a wasted row in step N + 1, which the
+engine does not sample and the scheduler ignores. Sampling sees every earlier token (penalties,
+min_tokens): step N + 1 is sampled after step N's update. step() returns step N's outputs.
+
 The LLM class (offline API) and AsyncLLM (server) both drive this object from one thread.
 """
 
@@ -37,6 +54,7 @@ from pagedllm.model_executor.loader import resolve_model
 from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample import Sampler, compute_prompt_logprobs
+from pagedllm.sample.sampler import PendingSample
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -70,6 +88,8 @@ class EngineArgs:
     load_format: str = "auto"
     #: True: deferred output processing (see the module docstring); "auto": True on CUDA
     async_output_processing: Any = False
+    #: True: schedule step N + 1 before step N's tokens are known (module docstring); "auto": on CUDA
+    async_scheduling: Any = "auto"
 
 
 class LLMEngine:
@@ -83,11 +103,11 @@ class LLMEngine:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
         if args.block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size={args.block_size} is not supported: use one of {list(ops.SUPPORTED_BLOCK_SIZES)}")
-        if args.async_output_processing not in (True, False, "auto"):
-            raise ValueError("async_output_processing must be True, False or 'auto', got "
-                             f"{args.async_output_processing!r}")
+        aop = _tri_state("async_output_processing", args.async_output_processing)
+        sched_async = _tri_state("async_scheduling", args.async_scheduling)
         self.args = args
         self.device = _resolve_device(args.device)
+        self.async_scheduling = self.device.type == "cuda" if sched_async == "auto" else sched_async
         self.model_path = resolve_model(args.model)
         self.model_name = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
         self.model_config = ModelConfig.from_pretrained(self.model_path)
@@ -109,6 +129,7 @@ class LLMEngine:
                 gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
                 load_format=args.load_format, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=args.seed,
+                async_scheduling=self.async_scheduling,
             )
             self.tokenizer = tokenizer.result()
         self.eos_token_ids = _eos_token_ids(self.model_path, cfg, self.tokenizer)
@@ -122,6 +143,7 @@ class LLMEngine:
         ec.enable_prefix_caching = args.enable_prefix_caching
         ec.enable_chunked_prefill = args.enable_chunked_prefill
         ec.scheduling_policy = args.scheduling_policy
+        ec.async_scheduling = self.async_scheduling
         self.core = _C.EngineCore(ec)
         self.sampler = Sampler(cfg.vocab_size, seed=args.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.sampler, self.eos_token_ids)
@@ -130,10 +152,10 @@ class LLMEngine:
             "iteration_num_seqs": HistogramData(_ITERATION_SEQ_BOUNDS),
         }
         self._ids = itertools.count()
-        aop = args.async_output_processing
         self.async_output_processing = self.device.type == "cuda" if aop == "auto" else bool(aop)
         self._pending = None  # (UpdateResult, sample_seq_ids, SamplerOutput) of a deferred step
         self._ready: list[RequestOutput] = []  # outputs of a deferred step, returned by the next step()
+        self._inflight: Optional[_InFlight] = None  # async scheduling: the launched, not yet updated step
 
     # ---- requests -------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -184,6 +206,7 @@ class LLMEngine:
         """Abort a request (finish_reason "abort"); returns its final output, None if unknown.
         A request that had already finished in a deferred step returns that final output."""
         self._flush_pending()
+        self._flush_inflight()
         self.core.abort_request(request_id)
         out = self.output_processor.abort_request(request_id)
         if out is None:
@@ -193,7 +216,8 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or self._pending is not None or bool(self._ready)
+        return (self.core.has_unfinished_requests() or self._pending is not None or self._inflight is not None
+                or bool(self._ready))
 
     def has_request(self, request_id: str) -> bool:
         return self.output_processor.has_request(request_id)
@@ -203,6 +227,8 @@ class LLMEngine:
         """Run one engine step; returns the RequestOutputs it produced (per each request's
         output_kind; finished requests included). An exception leaves no KV block leaked: the
         step's sequences are rescheduled (release of a step that was never updated)."""
+        if self.async_scheduling:
+            return self._step_async()
         sched = self.core.schedule()
         stops: list[tuple[int, str]] = []
         try:
@@ -223,16 +249,7 @@ class LLMEngine:
                 sampled = self.sampler.from_argmax(run.sampled_ids)
             else:
                 sampled = self.sampler(run.logits, sched.sample_seq_ids)
-            for request_id, (first_position, rows) in run.prompt_logits.items():
-                state = proc.requests.get(request_id)
-                if state is None or state.params.prompt_logprobs is None:
-                    continue
-                prompt = state.prompt_token_ids
-                targets = prompt[first_position + 1: first_position + 1 + rows.shape[0]]
-                if targets:
-                    lp = compute_prompt_logprobs(rows[: len(targets)], targets, state.params.prompt_logprobs,
-                                                 self.model_config.vocab_size)
-                    proc.add_prompt_logprobs(request_id, first_position, lp)
+            self._add_prompt_logprobs(run.prompt_logits)
             result = self.core.update_from_output(
                 sched, np.ascontiguousarray(sampled.sampled_token_ids, dtype=np.int32))
             if self.async_output_processing and not proc.has_stop_strings:
@@ -247,6 +264,90 @@ class LLMEngine:
             self.core.finish_sequence(seq_id, stop_str)
         outputs, self._ready = self._ready, []  # a deferred step stays pending until the next step
         return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """step() under async scheduling (module docstring): launch step N + 1, then finish step N."""
+        sched = self.core.schedule()
+        prev, self._inflight = self._inflight, None
+        owned = [sched] + ([prev.sched] if prev is not None else [])  # released on any error
+        try:
+            run = None
+            if sched.num_tokens > 0:
+                self.output_processor.on_schedule(sched)
+                self.histograms["iteration_tokens_total"].observe(int(sched.num_tokens))
+                self.histograms["iteration_num_seqs"].observe(int(sched.num_seqs))
+                prev_sampled = None
+                if sched.num_placeholders:  # the scheduler's placeholders name rows of step_id - 1
+                    assert prev is not None and prev.sched.step_id == sched.step_id - 1
+                    prev_sampled = prev.sample.device_ids
+                greedy = (self.runner.argmax_applies(len(sched.sample_seq_ids))
+                          and self.sampler.argmax_suffices(sched.sample_seq_ids))
+                run = self.runner.execute_model(sched, greedy_vocab=self.sampler.vocab_size if greedy else 0,
+                                                prev_sampled=prev_sampled)
+            if prev is not None:  # step N's tokens, while the device runs step N + 1
+                stops = self._finish_step(prev)
+                owned.pop()
+                for seq_id, stop_str in stops:
+                    self.core.finish_sequence(seq_id, stop_str)
+            if run is not None:
+                self._inflight = _InFlight(sched, *self._sample_async(sched, run))
+                owned.pop(0)
+        finally:
+            for out in owned:  # never updated: its sequences are rescheduled, nothing leaks
+                self.core.release(out)
+        outputs, self._ready = self._ready, []
+        return outputs
+
+    def _sample_async(self, sched, run):
+        """(PendingSample, seq ids of its logprob rows, prompt logits) of a launched step. Rows of
+        sequences that finished after it was scheduled (no longer in the sampler) are skipped."""
+        seq_ids = np.array(sched.sample_seq_ids, dtype=np.int64)
+        if run.sampled_ids is not None:  # the model took the argmax itself
+            return PendingSample(run.sampled_ids), seq_ids, run.prompt_logits
+        live = self.sampler.known(seq_ids)
+        if live.all():
+            return self.sampler.sample_async(run.logits, seq_ids), seq_ids, run.prompt_logits
+        rows = np.nonzero(live)[0]
+        logits = run.logits[torch.from_numpy(rows).to(run.logits.device)]
+        pending = self.sampler.sample_async(logits, seq_ids[rows], rows=rows, num_rows=len(seq_ids))
+        return pending, seq_ids[rows], run.prompt_logits
+
+    def _finish_step(self, step: "_InFlight") -> list[tuple[int, str]]:
+        """Wait for a launched step's ids, update the native core, process its outputs into
+        self._ready and release it; returns its stop-string finishes."""
+        sampled = step.sample.result()
+        self._add_prompt_logprobs(step.prompt_logits)
+        result = self.core.update_from_output(step.sched, np.ascontiguousarray(sampled.sampled_token_ids))
+        outputs, stops = self.output_processor.on_update(result, step.logprob_seq_ids, sampled)
+        self._ready.extend(outputs)
+        self.core.release(step.sched)
+        return stops
+
+    def _add_prompt_logprobs(self, prompt_logits) -> None:
+        proc = self.output_processor
+        for request_id, (first_position, rows) in prompt_logits.items():
+            state = proc.requests.get(request_id)
+            if state is None or state.params.prompt_logprobs is None:
+                continue
+            prompt = state.prompt_token_ids
+            targets = prompt[first_position + 1: first_position + 1 + rows.shape[0]]
+            if targets:
+                lp = compute_prompt_logprobs(rows[: len(targets)], targets, state.params.prompt_logprobs,
+                                             self.model_config.vocab_size)
+                proc.add_prompt_logprobs(request_id, first_position, lp)
+
+    def _flush_inflight(self) -> None:
+        """Finish the launched step now (async scheduling), so that no step is in flight."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return
+        try:
+            stops = self._finish_step(step)
+        except BaseException:
+            self.core.release(step.sched)
+            raise
+        for seq_id, stop_str in stops:
+            self.core.finish_sequence(seq_id, stop_str)
 
     def _flush_pending(self) -> list[tuple[int, str]]:
         """Process a deferred step's outputs into self._ready; returns its stop-string finishes
@@ -282,6 +383,25 @@ class LLMEngine:
             self.runner.shutdown()
             self.runner = None
         self.core = None
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A step launched under async scheduling and not updated yet."""
+
+    sched: Any  # the SchedulerOutput (held until released)
+    sample: PendingSample
+    logprob_seq_ids: np.ndarray  # the seq ids of sample's logprob rows (its sampled rows)
+    prompt_logits: dict
+
+
+def _tri_state(name: str, value) -> Any:
+    """True, False or "auto" (also the command line's "true" / "false", any case)."""
+    if isinstance(value, str) and value.lower() in ("true", "false", "auto"):
+        return {"true": True, "false": False, "auto": "auto"}[value.lower()]
+    if value is True or value is False:
+        return value
+    raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:

@@ -44,7 +44,9 @@ class LLM:
       shapes, drawn on the device; a folder with config.json alone gets a synthetic tokenizer).
       enforce_eager: no CUDA graphs for decode steps. disable_async_output_proc: on CUDA a step's
       detokenization runs while the GPU computes the next step unless this is True (vLLM's flag;
-      see pagedllm.engine.llm_engine). device: "auto" (CUDA when present), "cuda", "cpu".
+      see pagedllm.engine.llm_engine). async_scheduling: schedule and launch step N + 1 before step
+      N's tokens reach the host (vLLM's flag; None = on for CUDA, off on the CPU where it gains
+      nothing). device: "auto" (CUDA when present), "cuda", "cpu".
     Errors: ValueError naming the bad argument.
     """
 
@@ -69,6 +71,7 @@ class LLM:
         num_gpu_blocks_override: Optional[int] = None,
         load_format: str = "auto",
         disable_async_output_proc: bool = False,
+        async_scheduling: Optional[bool] = None,
         **kwargs: Any,
     ):
         unknown = sorted(set(kwargs) - _IGNORED_ARGS)
@@ -86,6 +89,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, device=device,
             num_gpu_blocks_override=num_gpu_blocks_override, load_format=load_format,
             async_output_processing=False if disable_async_output_proc else "auto",
+            async_scheduling="auto" if async_scheduling is None else async_scheduling,
         ))
         self.startup_seconds = time.perf_counter() - start
         logger.info("LLM ready in %.1f s", self.startup_seconds)

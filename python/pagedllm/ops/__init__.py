@@ -40,6 +40,7 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "argmax_rows",
+    "fill_placeholder_ids",
     "amx_linear_supported",
     "amx_pack_linear_weight",
     "amx_linear",
@@ -204,7 +205,7 @@ from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
     rotary_embedding_and_cache,
     silu_and_mul,
 )
-from pagedllm.ops.sampling_ops import argmax_rows  # noqa: E402
+from pagedllm.ops.sampling_ops import argmax_rows, fill_placeholder_ids  # noqa: E402
 from pagedllm.ops.cpu_linear import (  # noqa: E402
     amx_linear,
     amx_linear_argmax,

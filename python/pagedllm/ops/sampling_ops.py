@@ -18,3 +18,14 @@ def argmax_rows(logits: torch.Tensor, vocab: int = 0) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     _C.argmax_rows(_view(out), _view(logits), int(vocab), _stream(logits))
     return out
+
+
+def fill_placeholder_ids(input_ids: torch.Tensor, prev_rows: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """Async scheduling's input fix-up, in place: ``input_ids[t] = sampled[prev_rows[t]]`` wherever
+    ``prev_rows[t] >= 0``. input_ids int32 ``[T]``, prev_rows int32 ``[T]`` (SchedulerOutput.
+    prev_sample_rows), sampled int64 ``[R]`` (the previous step's sampled ids, still on the
+    device), contiguous, one device. On CUDA one small kernel on the current stream (no host
+    read); on the CPU a row >= R raises ValueError, on CUDA such an entry is left as it is.
+    Returns input_ids. Raises ValueError for other dtypes, shapes or devices."""
+    _C.fill_placeholder_ids(_view(input_ids), _view(prev_rows), _view(sampled), _stream(input_ids))
+    return input_ids

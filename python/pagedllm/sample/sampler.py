@@ -60,6 +60,45 @@ class SamplerOutput:
     logprobs: Optional[LogprobsTensors]
 
 
+class PendingSample:
+    """One sampler call's result on its way to the host (async scheduling).
+
+    device_ids: int64 [R] on the logits' device, available at once (in stream order) — what the
+    next step's placeholder tokens read (pagedllm.ops.fill_placeholder_ids). result(): the
+    SamplerOutput, waiting for the device-to-host copies (issued non-blocking into pinned memory,
+    behind an event) on CUDA. Rows a sampler call skipped (``rows`` given: the sampled rows are
+    those of ``rows`` among ``num_rows``) get token id 0, and the logprobs cover the sampled rows only.
+    """
+
+    def __init__(self, device_ids: torch.Tensor, logprobs=None, num_logprobs=None,
+                 rows: Optional[np.ndarray] = None, num_rows: Optional[int] = None) -> None:
+        device_ids = device_ids.to(torch.int64)
+        if rows is not None:
+            full = torch.zeros(num_rows, dtype=torch.int64, device=device_ids.device)
+            full[torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(device_ids.device)] = device_ids
+            device_ids = full
+        self.device_ids = device_ids
+        self._num_logprobs = num_logprobs
+        parts = [device_ids] + ([] if logprobs is None else list(logprobs))
+        self._event = None
+        if device_ids.is_cuda:  # non-blocking copies land in pinned memory; the event says when
+            self._host = [t.to("cpu", non_blocking=True) for t in parts]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = parts
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        host = [t.numpy() for t in self._host]
+        logprobs = None
+        if len(host) > 1:
+            logprobs = LogprobsTensors(token_ids=host[1], logprobs=host[2], ranks=host[3],
+                                       num_logprobs=self._num_logprobs)
+        return SamplerOutput(host[0].astype(np.int32), logprobs)
+
+
 class Sampler:
     """Batched sampler with per-sequence state (vLLM v1 semantics, see SamplingParams).
 
@@ -132,6 +171,14 @@ class Sampler:
     @property
     def num_sequences(self) -> int:
         return len(self._keys)
+
+    def known(self, seq_ids) -> np.ndarray:
+        """bool [R]: which of seq_ids the sampler holds (not removed yet)."""
+        seq_ids = np.asarray(seq_ids, dtype=np.int64)
+        if len(self._keys) == 0:
+            return np.zeros(len(seq_ids), dtype=bool)
+        pos = np.minimum(np.searchsorted(self._keys, seq_ids), len(self._keys) - 1)
+        return self._keys[pos] == seq_ids
 
     def has_sequence(self, seq_id: int) -> bool:
         pos = int(np.searchsorted(self._keys, seq_id))
@@ -345,9 +392,19 @@ class Sampler:
           a sequence may appear once per call.
         Returns SamplerOutput (token ids int32 [R] on the host, logprobs if any row asked).
         """
+        return self.sample_async(logits, seq_ids).result()
+
+    @torch.inference_mode()
+    def sample_async(self, logits: torch.Tensor, seq_ids, rows: Optional[np.ndarray] = None,
+                     num_rows: Optional[int] = None) -> PendingSample:
+        """As ``__call__``, but returns at once with the ids still on the device (PendingSample);
+        its result() is what ``__call__`` returns. ``rows`` / ``num_rows``: these R rows are rows
+        ``rows`` of a step of num_rows sampled rows (the others get id 0: rows of sequences that
+        finished after the step was scheduled, under async scheduling)."""
         self._check(logits, seq_ids)
         if logits.shape[0] == 0:
-            return SamplerOutput(np.zeros(0, dtype=np.int32), None)
+            return PendingSample(torch.zeros(0, dtype=torch.int64, device=logits.device), rows=rows,
+                                 num_rows=num_rows)
         slots = self._slots_for(seq_ids)
         device = logits.device
         num_logprobs = self.num_logprobs[slots]
@@ -359,7 +416,7 @@ class Sampler:
                 sampled = native_ops.argmax_rows(logits, self.vocab_size)
             else:
                 sampled = logits[:, : self.vocab_size].argmax(dim=-1)
-            return SamplerOutput(sampled.cpu().numpy().astype(np.int32), None)
+            return PendingSample(sampled, rows=rows, num_rows=num_rows)
         logits, greedy_sampled, greedy_rows, raw_logprobs = self._process(logits, slots, want_logprobs)
         if greedy_rows.all():
             sampled = greedy_sampled
@@ -371,17 +428,11 @@ class Sampler:
             else:
                 sampled = random_sampled
 
-        logprobs = None
-        if raw_logprobs is not None:
-            k_max = int(num_logprobs.max())
-            ids, vals, ranks = ops.gather_logprobs(raw_logprobs, sampled, max(k_max, 0))
-            logprobs = LogprobsTensors(
-                token_ids=ids.cpu().numpy(),
-                logprobs=vals.cpu().numpy(),
-                ranks=ranks.cpu().numpy(),
-                num_logprobs=num_logprobs.copy(),
-            )
-        return SamplerOutput(sampled.to(torch.int32).cpu().numpy(), logprobs)
+        if raw_logprobs is None:
+            return PendingSample(sampled, rows=rows, num_rows=num_rows)
+        k_max = int(num_logprobs.max())
+        ids, vals, ranks = ops.gather_logprobs(raw_logprobs, sampled, max(k_max, 0))
+        return PendingSample(sampled, (ids, vals, ranks), num_logprobs.copy(), rows=rows, num_rows=num_rows)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, device) -> None:
         """Penalties on the tokens each row has seen (prompt for the repetition penalty, output),

@@ -10,7 +10,7 @@ seq_len 1 over block 0: a harmless read), copies them with ONE host-to-device co
 inputs are the first bytes of one byte buffer: positions and slot_mapping int64, then input_ids,
 seq_lens and block_tables int32) and replays; the logits of the real rows are returned.
 
-Segments: launching a graph costs the host about 1 us per kernel node, and the GPU starts only
+Segments (without async scheduling): launching a graph costs the host about 1 us per kernel node, and the GPU starts only
 once the launch is submitted — for a 32-layer model (~330 nodes) ~0.3 ms per decode step in which
 the GPU idles (bench/batch1_breakdown.py on the H200). So each size's forward is captured as a
 few graphs in sequence (layers [0, 1), [1, 4), [4, L) for L >= 8, see `segment_bounds`): the
@@ -19,6 +19,11 @@ capture order on one stream. Their hand-over states (hidden and residual, [size,
 each) stay allocated per size up to PER_SIZE_HANDOVER_MAX; larger sizes copy them through one
 shared pair of buffers and keep nothing of their own (`boundary_state_bytes`, counted in the KV
 budget: ~86 MB for Llama-3-8B with max_num_seqs 1024).
+
+Async scheduling (placeholders=True): each size's inputs also carry prev_rows (int32, -1 pads),
+and the first segment starts with ops.fill_placeholder_ids over a static int64 buffer that run()
+fills with the previous step's sampled ids by one device-to-device copy: a placeholder token's id
+never visits the host.
 
 The paged-attention launcher chooses its flash-decoding split from the block-table width, which
 is fixed (ceil(max_model_len / block_size)), so a captured launch stays valid for any step.
@@ -32,7 +37,7 @@ import logging
 import numpy as np
 import torch
 
-from pagedllm import _C
+from pagedllm import _C, ops
 from pagedllm.model_executor.attention import AttentionMetadata
 
 logger = logging.getLogger("pagedllm")
@@ -51,15 +56,18 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 PER_SIZE_HANDOVER_MAX = 256
 
 
-def segment_bounds(num_layers: int) -> list[int]:
+def segment_bounds(num_layers: int, segmented: bool = True) -> list[int]:
     """Layer boundaries of a decode graph's segments: [0, 1, 4, L] for L >= 8 layers (one small
-    graph to start the GPU, a second to cover the third's launch), else [0, L] (one graph)."""
-    return [0, 1, 4, num_layers] if num_layers >= 8 else [0, num_layers]
+    graph to start the GPU, a second to cover the third's launch), else [0, L] (one graph).
+    segmented=False (async scheduling: a step is launched while the GPU still runs the previous
+    one, so nothing waits for the launch): [0, L]."""
+    return [0, 1, 4, num_layers] if num_layers >= 8 and segmented else [0, num_layers]
 
 
-def boundary_state_bytes(sizes: list[int], num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
+def boundary_state_bytes(sizes: list[int], num_layers: int, hidden_size: int, dtype: torch.dtype,
+                         segmented: bool = True) -> int:
     """Bytes the segments' hand-over states keep allocated (hidden and residual per boundary)."""
-    boundaries = len(segment_bounds(num_layers)) - 2
+    boundaries = len(segment_bounds(num_layers, segmented)) - 2
     if boundaries == 0 or not sizes:
         return 0
     row = 2 * hidden_size * torch.empty((), dtype=dtype).element_size()
@@ -69,8 +77,8 @@ def boundary_state_bytes(sizes: list[int], num_layers: int, hidden_size: int, dt
 
 # the per-size input buffer: (name, dtype, columns) in byte order (int64 fields first: aligned)
 _FIELDS = (("positions", torch.int64, 1), ("slot_mapping", torch.int64, 1), ("input_ids", torch.int32, 1),
-           ("seq_lens", torch.int32, 1), ("block_tables", torch.int32, None))
-_PAD = {"positions": 0, "slot_mapping": -1, "input_ids": 0, "seq_lens": 1, "block_tables": 0}
+           ("seq_lens", torch.int32, 1), ("prev_rows", torch.int32, 1), ("block_tables", torch.int32, None))
+_PAD = {"positions": 0, "slot_mapping": -1, "input_ids": 0, "seq_lens": 1, "prev_rows": -1, "block_tables": 0}
 
 
 def _field_views(buf: torch.Tensor, size: int, width: int) -> dict[str, torch.Tensor]:
@@ -86,7 +94,7 @@ def _field_views(buf: torch.Tensor, size: int, width: int) -> dict[str, torch.Te
 
 
 def _buffer_bytes(size: int, width: int) -> int:
-    return size * (8 + 8 + 4 + 4 + 4 * width)
+    return size * (8 + 8 + 4 + 4 + 4 + 4 * width)
 
 
 class DecodeGraphRunner:
@@ -95,16 +103,19 @@ class DecodeGraphRunner:
     model: LlamaForCausalLM (embed / forward_layers / logits, see its forward).
     kv_caches: the per-layer (key_cache, value_cache) the graphs read and write (kept alive here).
     max_num_seqs: the largest batch; max_blocks_per_seq: the block-table width the scheduler uses.
+    placeholders: capture the fill of placeholder token ids (async scheduling; see above).
     """
 
-    def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 placeholders: bool = False):
         self.model = model
+        self.placeholders = placeholders
         self.kv_caches = kv_caches
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
         self.max_blocks_per_seq = int(max_blocks_per_seq)
-        self.bounds = segment_bounds(len(model.layers))
+        self.bounds = segment_bounds(len(model.layers), segmented=not placeholders)
         self.num_replays = 0
         m = self.max_blocks_per_seq
         # One device byte buffer and one pinned host buffer of the largest size; size s's graphs
@@ -116,6 +127,7 @@ class DecodeGraphRunner:
         self._host = {s: {k: v.numpy() for k, v in _field_views(self._host_buf, s, m).items()} for s in self.sizes}
         self._copied = torch.cuda.Event()  # the last input copy (the host buffer is rewritten after it)
         self._rows = torch.arange(self.max_size + 1, dtype=torch.int64, device=device)
+        self._prev_sampled = torch.zeros(self.max_size, dtype=torch.int64, device=device)
         self._query_start_loc = self._rows.to(torch.int32)
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._boundary_states: dict[int, list[tuple]] = {}  # keeps the segments' hand-over tensors alive
@@ -141,6 +153,8 @@ class DecodeGraphRunner:
         d, bounds = self._dev[size], self.bounds
         shared = self._handover is not None and size > PER_SIZE_HANDOVER_MAX
         if k == 0:
+            if self.placeholders:
+                ops.fill_placeholder_ids(d["input_ids"], d["prev_rows"], self._prev_sampled)
             state = self.model.embed(d["input_ids"], d["positions"])
         elif shared:  # (residual None = GEMV fusion, whose steps have <= 8 tokens: not reached today)
             state = (self._handover[0][:size], None if state[1] is None else self._handover[1][:size], state[2])
@@ -197,9 +211,13 @@ class DecodeGraphRunner:
             graph.replay()
 
     @torch.inference_mode()
-    def run(self, sched) -> torch.Tensor:
+    def run(self, sched, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Replay for a decode-only SchedulerOutput (num_tokens == num_seqs <= max_num_seqs); returns
-        float32 logits [R, vocab] for sched.logits_indices (a row may repeat)."""
+        float32 logits [R, vocab] for sched.logits_indices (a row may repeat). prev_sampled: the
+        previous step's sampled ids (int64 [R'] on the device) when the step has placeholders
+        (graphs captured with placeholders=True; ValueError otherwise)."""
+        if prev_sampled is not None and not self.placeholders:
+            raise ValueError("these decode graphs were captured without placeholder support (async scheduling off)")
         n = int(sched.num_seqs)
         size = self.graph_size(n)
         bt = np.asarray(sched.block_tables)
@@ -211,6 +229,7 @@ class DecodeGraphRunner:
         h["positions"][:n] = sched.positions[:n]
         h["slot_mapping"][:n] = sched.slot_mapping[:n]
         h["seq_lens"][:n] = sched.seq_lens[:n]
+        h["prev_rows"][:n] = sched.prev_sample_rows[:n] if prev_sampled is not None else -1
         h["block_tables"][:n] = bt[:n]
         if n < size:  # padding rows: write nothing, attend to one token of block 0
             for key, value in _PAD.items():
@@ -219,6 +238,8 @@ class DecodeGraphRunner:
         nbytes = _buffer_bytes(size, self.max_blocks_per_seq)
         _C.cuda_copy_async(self._dev_buf.data_ptr(), self._host_buf.data_ptr(), nbytes, stream.cuda_stream)
         self._copied.record(stream)
+        if prev_sampled is not None:
+            self._prev_sampled[: prev_sampled.shape[0]].copy_(prev_sampled)
         self.replay(size)
         self.num_replays += 1
         logits = self._logits

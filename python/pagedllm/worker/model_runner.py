@@ -3,7 +3,9 @@
 execute_model(SchedulerOutput) -> ModelRunnerOutput:
   1. copy-on-write orders first (pagedllm.ops.copy_blocks over every layer's caches);
   2. the step's flat buffers are wrapped zero-copy (torch.from_numpy) and moved to the device;
-  3. the model runs over all T tokens; logits are computed only for the sampled rows
+  3. placeholder tokens (async scheduling: SchedulerOutput.prev_sample_rows >= 0) get their ids
+     from the previous step's sampled ids, still on the device (ops.fill_placeholder_ids);
+  4. the model runs over all T tokens; logits are computed only for the sampled rows
      (logits_indices, R of them) and for prompt-logprob rows when a request asked for them.
 
 KV pool size: kv_cache_memory_bytes (default 4 GiB on CPU), else on CUDA (as vLLM's
@@ -66,6 +68,7 @@ class ModelRunner:
         model_path: str | Path,
         model_config: ModelConfig,
         *,
+        async_scheduling: bool = False,
         dtype: torch.dtype,
         device: torch.device,
         block_size: int,
@@ -82,6 +85,7 @@ class ModelRunner:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not supported: use one of {list(LOAD_FORMATS)}")
         self.config = model_config
+        self.async_scheduling = async_scheduling
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
@@ -136,7 +140,7 @@ class ModelRunner:
         if use_graphs:
             start = time.perf_counter()
             self.graphs = DecodeGraphRunner(self.model, self.kv_caches, max_num_seqs,
-                                            self._max_blocks_per_seq(), device)
+                                            self._max_blocks_per_seq(), device, placeholders=async_scheduling)
             self.phase_seconds["capture_cuda_graphs"] = time.perf_counter() - start
             logger.info("captured %d CUDA graphs for decode batches %s in %.1f s", len(self.graphs.sizes),
                         self.graphs.sizes, self.phase_seconds["capture_cuda_graphs"])
@@ -173,7 +177,8 @@ class ModelRunner:
         graph_margin = 0
         if use_graphs:  # + the hand-over states of segmented graphs (pagedllm.worker.cuda_graph)
             graph_margin = (256 << 20) + 3 * self.max_num_seqs * self.config.vocab_size * 4 + boundary_state_bytes(
-                capture_sizes(self.max_num_seqs), self.config.num_hidden_layers, self.config.hidden_size, self.dtype)
+                capture_sizes(self.max_num_seqs), self.config.num_hidden_layers, self.config.hidden_size, self.dtype,
+                segmented=not self.async_scheduling)
         budget = total * gpu_memory_utilization - used_by_others - weights - activation_peak - sampler - graph_margin
         self.phase_seconds["profile_run"] = time.perf_counter() - start
         logger.info("memory profile (%.2f s): total %.2f GiB x %.2f, other processes %.2f GiB, weights %.2f GiB, "
@@ -230,11 +235,16 @@ class ModelRunner:
         return self.model.argmax_applies(num_sampled)
 
     @torch.inference_mode()
-    def execute_model(self, sched, greedy_vocab: int = 0) -> ModelRunnerOutput:
+    def execute_model(self, sched, greedy_vocab: int = 0, prev_sampled: Optional[torch.Tensor] = None
+                      ) -> ModelRunnerOutput:
         """Run one SchedulerOutput (see engine contract); returns the logits to sample from.
         greedy_vocab > 0 (the sampler's argmax_suffices): where the model can, it returns the
         argmax over the first greedy_vocab logits of each sampled row instead (sampled_ids), the
-        logits never written."""
+        logits never written. prev_sampled: int64 [R'] on the device, the previous step's sampled
+        ids (required when sched.num_placeholders > 0; ValueError without)."""
+        num_placeholders = int(sched.num_placeholders)
+        if num_placeholders and prev_sampled is None:
+            raise ValueError(f"step {sched.step_id} has {num_placeholders} placeholder tokens but no prev_sampled ids")
         copy_orders = sched.copy_orders
         if len(copy_orders):
             keys = [k for k, _ in self.kv_caches]
@@ -244,7 +254,7 @@ class ModelRunner:
         prompt_rows = list(getattr(sched, "prompt_logprob_rows", None) or [])
         if (self.graphs is not None and sched.num_tokens > 0 and int(sched.max_query_len) == 1
                 and not prompt_rows and self.graphs.can_run(int(sched.num_seqs))):
-            return ModelRunnerOutput(self.graphs.run(sched), {})
+            return ModelRunnerOutput(self.graphs.run(sched, prev_sampled if num_placeholders else None), {})
         rows = [self._tensor(sched.logits_indices)]
         for _, first_row, num_rows, _ in prompt_rows:
             rows.append(torch.arange(first_row, first_row + num_rows, dtype=torch.int64, device=self.device))
@@ -259,18 +269,25 @@ class ModelRunner:
             query_start_loc=self._tensor(sched.query_start_loc),
             decode_only=int(sched.max_query_len) == 1,
         )
+        input_ids = self._input_ids(sched, prev_sampled if num_placeholders else None)
         if greedy_vocab > 0 and not prompt_rows and self.argmax_applies(num_sampled):
-            ids = self.model(self._tensor(sched.input_ids), self._tensor(sched.positions), self.kv_caches, meta,
+            ids = self.model(input_ids, self._tensor(sched.positions), self.kv_caches, meta,
                              logits_indices, greedy_vocab=greedy_vocab)
             return ModelRunnerOutput(None, {}, ids)
-        logits = self.model(self._tensor(sched.input_ids), self._tensor(sched.positions), self.kv_caches,
-                            meta, logits_indices)
+        logits = self.model(input_ids, self._tensor(sched.positions), self.kv_caches, meta, logits_indices)
         prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
         offset = num_sampled
         for request_id, _, num_rows, first_position in prompt_rows:
             prompt_logits[request_id] = (int(first_position), logits[offset:offset + num_rows])
             offset += num_rows
         return ModelRunnerOutput(logits[:num_sampled], prompt_logits)
+
+    def _input_ids(self, sched, prev_sampled: Optional[torch.Tensor]) -> torch.Tensor:
+        """The step's token ids on the device, placeholders filled from prev_sampled."""
+        if prev_sampled is None:
+            return self._tensor(sched.input_ids)
+        ids = self._tensor(sched.input_ids.copy() if self.device.type == "cpu" else sched.input_ids)
+        return ops.fill_placeholder_ids(ids, self._tensor(sched.prev_sample_rows), prev_sampled.to(self.device))
 
     def shutdown(self) -> None:
         """Drop the weights and the KV caches (memory is returned when no one else holds them)."""

@@ -23,6 +23,9 @@ _HELP = {
     "scheduling_policy": "fcfs | priority",
     "seed": "seed of requests without their own seed",
     "device": "auto | cpu | cuda",
+    "async_output_processing": "auto | true | false: a step's detokenization during the next step's forward pass",
+    "async_scheduling": "auto | true | false: schedule and launch step N + 1 before step N's tokens are known "
+                        "(auto: on CUDA)",
 }
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
