@@ -351,11 +351,16 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 
   if (p.num_splits == 1) return launch();
 
-  keep_pool_memory(stream);
   const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_heads * p.num_splits;
   const size_t bytes = rows * (head_size + 2) * sizeof(float);
-  void* workspace = nullptr;
-  PAGEDLLM_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
+  // The caller's workspace when it is large enough (no memory nodes in a captured graph: measured
+  // 0.7 us per decode layer at batch 1 on the H200), else a stream-ordered allocation.
+  const bool own = options.workspace == nullptr || options.workspace_bytes < static_cast<int64_t>(bytes);
+  void* workspace = own ? nullptr : options.workspace;
+  if (own) {
+    keep_pool_memory(stream);
+    PAGEDLLM_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
+  }
   p.partial_out = static_cast<float*>(workspace);
   p.partial_max = p.partial_out + rows * head_size;
   p.partial_sum = p.partial_max + rows;
@@ -363,10 +368,10 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     launch();
     if (p.split_counters == nullptr) launch_splitk_reduce(dtype, head_size, p, stream);
   } catch (...) {
-    cudaFreeAsync(workspace, stream);
+    if (own) cudaFreeAsync(workspace, stream);
     throw;
   }
-  PAGEDLLM_CUDA_CHECK(cudaFreeAsync(workspace, stream));
+  if (own) PAGEDLLM_CUDA_CHECK(cudaFreeAsync(workspace, stream));
 }
 
 void paged_prefill_attention(const TensorView& out, const TensorView& query,

@@ -106,6 +106,56 @@ def test_decode_split_k_auto_on_long_context_single_sequence(device, gen):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("seq_lens,split_k", [([300], None), ([300], 8), ([17, 300, 1200, 5], None), ([2000], 16)])
+def test_decode_workspace_gives_the_same_bits(seq_lens, split_k, gen):
+    """The caller's split-K workspace (large enough, NaN-filled beforehand) or one too small (the
+    call allocates its own) gives the bits of the call without one, eagerly and in a CUDA graph
+    (the engine's decode graphs hold no memory nodes then); the result matches the reference."""
+    if not torch.cuda.is_available():
+        pytest.fail("marked cuda but no CUDA device")
+    dtype, Hq, Hkv, D = torch.bfloat16, 32, 8, 128
+    keys, values = random_kv(seq_lens, Hkv, D, dtype, gen)
+    cache = build_paged_cache(keys, values, 16, dtype, "cuda", gen, num_kv_heads=Hkv, head_size=D)
+    B = len(seq_lens)
+    query = torch.randn(B, Hq, D, generator=gen).to(dtype)
+    ref = torch.stack([reference_attention(query[b:b + 1], keys[b], values[b], torch.tensor([n - 1]),
+                                           D ** -0.5, None, None)[0] for b, n in enumerate(seq_lens)])
+    q = query.cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+
+    def call(out, workspace):
+        ops.paged_attention(out, q, cache.key_cache, cache.value_cache, cache.block_tables, lens, D ** -0.5,
+                            split_k=split_k, workspace=workspace)
+
+    plain = poisoned((B, Hq, D), dtype, "cuda")
+    call(plain, None)
+    torch.cuda.synchronize()
+    assert_close_to_reference(plain, ref, dtype)
+    big = torch.full((16 << 20,), 0xFF, dtype=torch.uint8, device="cuda")  # NaN bytes as floats
+    small = torch.empty(64, dtype=torch.uint8, device="cuda")
+    for workspace in (big, small):
+        out = poisoned((B, Hq, D), dtype, "cuda")
+        call(out, workspace)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), plain.view(torch.int16))
+    graph_out = poisoned((B, Hq, D), dtype, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(graph_out, big)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            call(graph_out, big)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out.view(torch.int16), plain.view(torch.int16))
+    with pytest.raises(ValueError, match="workspace must be a contiguous tensor on cuda"):
+        call(plain, torch.empty(1 << 20, dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_seq_len_zero_writes_zero_row(device, gen):
     keys, values = random_kv([0, 5], 2, 64, torch.float32, gen)

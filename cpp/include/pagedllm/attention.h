@@ -51,6 +51,13 @@ struct AttentionOptions {
   /// too small to fill the device), 0 = single pass, k > 0 = force a k-way split (partitions of
   /// whole blocks; partitions beyond the context are empty). Ignored by the prefill launcher.
   int32_t split_k = -1;
+  /// Decode only, CUDA: caller-owned device scratch for the split-K partials (the call needs
+  /// num_seqs * num_heads * splits * (head_size + 2) floats). When given and large enough it is
+  /// used instead of a stream-ordered allocation (cudaMallocAsync / cudaFreeAsync), so a CUDA graph
+  /// of the call holds no memory nodes around the kernel; else the allocation as without it. The
+  /// caller keeps it alive until the call's work is done and never shares it between streams.
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
 };
 
 /// Head sizes every implementation supports: {64, 80, 96, 128, 256}.

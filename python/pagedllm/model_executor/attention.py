@@ -43,6 +43,8 @@ class Attention:
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window or None
+        #: CUDA: the decode split-K scratch (ops.paged_attention's workspace), shared by the layers
+        self.workspace: torch.Tensor | None = None
 
     def forward(
         self,
@@ -65,7 +67,7 @@ class Attention:
         if meta.decode_only:
             ops.paged_attention(
                 out, q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
-                sliding_window=self.sliding_window,
+                sliding_window=self.sliding_window, workspace=self.workspace,
             )
         else:
             ops.paged_prefill_attention(

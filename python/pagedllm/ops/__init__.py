@@ -142,18 +142,28 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, sliding_window: int | None = None, soft_cap: float | None = None,
-                    split_k: int | None = None) -> None:
+                    split_k: int | None = None, workspace: torch.Tensor | None = None) -> None:
     """Decode attention, one query per sequence, written into ``out`` ``[B, Hq, D]``.
 
     ``query`` ``[B, Hq, D]`` (cache dtype), ``block_tables`` int32 ``[B, M]``, ``seq_lens`` int32
     ``[B]`` (context length including the query's token). ``sliding_window``: attend to the last
     N tokens; ``soft_cap``: Gemma-2 logit soft-cap; ``split_k``: None/-1 auto, 0 single pass,
-    k > 0 force a k-way flash-decoding split.
+    k > 0 force a k-way flash-decoding split. ``workspace``: CUDA only, a contiguous tensor on the
+    cache's device used as the split-K scratch when large enough (B * Hq * splits * (D + 2)
+    floats; else the call allocates its own, as without it): no memory nodes in a captured graph.
+    Keep it alive and use it from one stream. Ignored on the CPU. ValueError for a workspace on
+    another device or not contiguous.
     """
+    ws_ptr = ws_bytes = 0
+    if workspace is not None and key_cache.is_cuda:
+        if workspace.device != key_cache.device or not workspace.is_contiguous():
+            raise ValueError(f"workspace must be a contiguous tensor on {key_cache.device}, got "
+                             f"{'a strided tensor' if workspace.device == key_cache.device else workspace.device}")
+        ws_ptr, ws_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
     _C.paged_attention(_view(out), _view(query), _view(key_cache), _view(value_cache),
                        _view(block_tables), _view(seq_lens), float(scale),
                        int(sliding_window or 0), float(soft_cap or 0.0),
-                       -1 if split_k is None else int(split_k), _stream(key_cache))
+                       -1 if split_k is None else int(split_k), _stream(key_cache), ws_ptr, ws_bytes)
 
 
 def last_cuda_decode_plan() -> dict:

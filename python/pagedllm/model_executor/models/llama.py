@@ -186,6 +186,12 @@ GEMV_CROSSOVER_TOKENS = 8
 GEMV_FUSE_DEFAULT = 0
 
 
+#: The decode attention's split-K scratch shared by a model's layers on CUDA (ops.paged_attention's
+#: workspace): 16 MiB covers small batches (batch 1 of Llama-3-8B needs 133 KB); a call that needs
+#: more allocates its own, as without it.
+ATTN_WORKSPACE_BYTES = 16 << 20
+
+
 def _project(layer: nn.Linear, x: torch.Tensor, gemv: bool) -> torch.Tensor:
     return ops.gemv(x, layer.weight, layer.bias) if gemv else layer(x)
 
@@ -314,6 +320,10 @@ class LlamaForCausalLM(nn.Module):
                                                      device=device)
         self.embed_tokens.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        if device.type == "cuda":  # one decode split-K scratch for every layer (they run in turn)
+            workspace = torch.empty(ATTN_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            for layer in self.layers:
+                layer.attn.workspace = workspace
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
