@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 10's device batch (issue 7, async scheduling), one call (~7 min): build; the CUDA tests
-# of the files async scheduling touches (engine, sampler, sampling ops, the new op); then the same
+# of the files session 10 touches (engine, sampler, sampling ops, the new op, attention); then the same
 # benchmarks with async scheduling on (the CUDA default) and off, for an A/B in one call:
 # bench/throughput_gpu.py on both shapes (HF only in the "on" run) and bench/batch1_breakdown.py.
 # Everything lands in $OUT/work and comes back as one tarball ($OUT/s10.tgz, the device tool
@@ -19,7 +19,8 @@ h200_build "$W" | tee "$OUT/summary.log" || exit 1
 t0=$(date +%s)
 rm -rf tlog
 h200_tests tlog 240 "test_async_scheduling|tests/python/test_async_scheduling.py" \
-  "test_sampler|tests/python/test_sampler.py" "test_sampling_ops|tests/python/test_sampling_ops.py"
+  "test_sampler|tests/python/test_sampler.py" "test_sampling_ops|tests/python/test_sampling_ops.py" \
+  "test_attention_kernels|tests/python/test_attention_kernels.py"
 h200_tests tlog 200 "test_gpu_engine|tests/python/test_gpu_engine.py"
 h200_collect_tests tlog "$W/$NAME-tests.log" "$OUT/summary.log" "$t0"
 # the CPU-side async scheduling tests on this host too (not cuda-marked)
