@@ -222,9 +222,35 @@ def test_async_scheduling_argument(folder):
         LLMEngine(EngineArgs(model=str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20,
                              max_model_len=128, async_scheduling="on"))
     eng = LLMEngine(EngineArgs(model=str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20,
-                               max_model_len=128))
+                               max_model_len=128, device="cpu"))
     assert eng.async_scheduling is False  # "auto": on for CUDA only
     eng.shutdown()
+    eng = LLMEngine(EngineArgs(model=str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20,
+                               max_model_len=128, device="cpu", async_scheduling="true"))  # the CLI's spelling
+    assert eng.async_scheduling is True
+    eng.shutdown()
+
+
+def test_llm_generate_leaves_nothing_in_flight(folder):
+    """LLM.generate stops once its requests finished; the step launched after their last tokens
+    (placeholders only) must not stay held: no output held, nothing in flight, a second call
+    gives the same tokens."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128, async_scheduling=True)
+    engine = llm.llm_engine
+    assert engine.async_scheduling is True
+    prompt = [{"prompt_token_ids": [5, 9, 33, 1]}]
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    stop = free.token_ids[5]  # the request now ends on a stop id, with a placeholder step after it
+    cut = free.token_ids.index(stop) + 1
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop])
+    for _ in range(2):
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == list(free.token_ids[:cut]) and out.finish_reason == "stop"
+        assert engine.core.num_outputs_held == 0 and engine._inflight is None
+        assert not engine.has_unfinished_requests()
+    llm.shutdown()
 
 
 def test_fill_placeholder_ids_matches_reference():

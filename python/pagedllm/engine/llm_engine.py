@@ -289,14 +289,23 @@ class LLMEngine:
                 owned.pop()
                 for seq_id, stop_str in stops:
                     self.core.finish_sequence(seq_id, stop_str)
-            if run is not None:
+            if run is not None and self._has_live_rows(sched):
                 self._inflight = _InFlight(sched, *self._sample_async(sched, run))
                 owned.pop(0)
+            # else every sequence of the launched step ended meanwhile (its rows were placeholders
+            # after their last token): nothing to sample or apply; it is released below, so that
+            # nothing stays in flight once every request has finished
         finally:
             for out in owned:  # never updated: its sequences are rescheduled, nothing leaks
                 self.core.release(out)
         outputs, self._ready = self._ready, []
         return outputs
+
+    def _has_live_rows(self, sched) -> bool:
+        """Whether some sequence of a launched step is still running (the sampler forgets a sequence
+        when it finishes or is aborted)."""
+        known = self.sampler.known
+        return bool(known(sched.seq_ids).any() or known(sched.sample_seq_ids).any())
 
     def _sample_async(self, sched, run):
         """(PendingSample, seq ids of its logprob rows, prompt logits) of a launched step. Rows of
