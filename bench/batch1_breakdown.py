@@ -103,6 +103,7 @@ def main(argv=None) -> int:
                   max_num_seqs=8, async_scheduling={"auto": None, "true": True, "false": False}[args.async_scheduling])
     engine = llm.llm_engine
     result["async_scheduling"] = bool(engine.async_scheduling)
+    result["gemv_rope_epilogue"] = engine.runner.model.layers[0].rope_counters is not None
     runner = engine.runner
     one = [{"prompt_token_ids": prompt}]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

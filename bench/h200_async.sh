@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Session 10's device batch (issue 7, async scheduling), one call (~7 min): build; the CUDA tests
-# of the files session 10 touches (engine, sampler, sampling ops, the new op, attention); then the same
-# benchmarks with async scheduling on (the CUDA default) and off, for an A/B in one call:
-# bench/throughput_gpu.py on both shapes (HF only in the "on" run) and bench/batch1_breakdown.py.
-# Everything lands in $OUT/work and comes back as one tarball ($OUT/s10.tgz, the device tool
+# Session 10's device batch (issue 7), one call (~7 min): build; the CUDA tests of the files session
+# 10 touches (engine, sampler, sampling ops, attention, GEMV, layer ops); then the benchmarks twice
+# for an A/B in one call: bench/throughput_gpu.py on both shapes (HF in the first run only) and
+# bench/batch1_breakdown.py, first as the code stands, then with B_ENV set (default: async
+# scheduling off; e.g. B_ENV=PAGEDLLM_GEMV_ROPE=0 B_NAME=-norope for the qkv GEMV's rope epilogue).
+# Everything lands in $OUT/work and comes back as one tarball ($OUT/$NAME.tgz: the device tool
 # returns at most 8 files) beside $OUT/summary.log.
-#   OUT=/some/dir NAME=s10 PAGEDLLM_COMMIT=<sha> bash bench/h200_async.sh
+#   OUT=/some/dir NAME=s10 PAGEDLLM_COMMIT=<sha> [B_ENV=VAR=VALUE B_NAME=-suffix] bash bench/h200_async.sh
 set -uo pipefail
 OUT=${OUT:?set OUT}
 NAME=${NAME:-s10}
@@ -18,36 +19,45 @@ trap finish EXIT
 h200_build "$W" | tee "$OUT/summary.log" || exit 1
 t0=$(date +%s)
 rm -rf tlog
-h200_tests tlog 240 "test_async_scheduling|tests/python/test_async_scheduling.py" \
+h200_tests tlog 300 "test_async_scheduling|tests/python/test_async_scheduling.py" \
   "test_sampler|tests/python/test_sampler.py" "test_sampling_ops|tests/python/test_sampling_ops.py" \
-  "test_attention_kernels|tests/python/test_attention_kernels.py"
+  "test_attention_kernels|tests/python/test_attention_kernels.py" "test_gemv|tests/python/test_gemv.py" \
+  "test_layer_ops_cuda|tests/python/test_layer_ops_cuda.py"
 h200_tests tlog 200 "test_gpu_engine|tests/python/test_gpu_engine.py"
 h200_collect_tests tlog "$W/$NAME-tests.log" "$OUT/summary.log" "$t0"
 # the CPU-side async scheduling tests on this host too (not cuda-marked)
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/python/test_async_scheduling.py -m "not cuda" \
   > "$W/$NAME-cpu-tests.log" 2>&1
 echo "cpu async tests: rc=$? $(tail -1 "$W/$NAME-cpu-tests.log")" | tee -a "$OUT/summary.log"
-run_tp() {  # run_tp SUFFIX ARGS...: throughput_gpu, its headline rows to the summary
-  local suffix=$1 t0
-  shift
+B_ENV=${B_ENV:-}
+B_NAME=${B_NAME:--sync}
+run_tp() {  # run_tp SUFFIX ENV ARGS...: throughput_gpu, its headline rows to the summary
+  local suffix=$1 envs=$2 t0
+  shift 2
   t0=$(date +%s)
-  timeout 200 python3 bench/throughput_gpu.py --name "throughput_gpu-$NAME$suffix" --out "$W" "$@" \
+  env $envs timeout 200 python3 bench/throughput_gpu.py --name "throughput_gpu-$NAME$suffix" --out "$W" "$@" \
     > "$W/$NAME$suffix-throughput.log" 2>&1
   echo "throughput_gpu$suffix: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
   grep -E '"output_tok_s"|ratio_vs_hf|batch1_s_per_token|batch1_vs_floor|fraction_of_roofline|"async_scheduling"' \
     "$W/$NAME$suffix-throughput.log" | head -24 | tee -a "$OUT/summary.log"
 }
-run_b1() {  # run_b1 SUFFIX on|off
+run_b1() {  # run_b1 SUFFIX true|false ENV
   local suffix=$1 t0
   t0=$(date +%s)
-  timeout 120 python3 bench/batch1_breakdown.py --async-scheduling "$2" --out "$W" \
+  env $3 timeout 120 python3 bench/batch1_breakdown.py --async-scheduling "$2" --out "$W" \
     --name "batch1_breakdown-$NAME$suffix" > "$W/$NAME$suffix-b1.log" 2>&1
   echo "batch1_breakdown$suffix: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
   grep -E '"token_us"|"graph_us"|"host_gap_us"|"graph_segments"|"step_us"|"async_scheduling"' \
     "$W/$NAME$suffix-b1.log" | tee -a "$OUT/summary.log"
 }
-run_tp "" --shapes llama3-8b qwen2-0.5b
-run_tp "-sync" --shapes llama3-8b qwen2-0.5b --skip-hf --async-scheduling false
-run_b1 "" true
-run_b1 "-sync" false
+run_tp "" "" --shapes llama3-8b qwen2-0.5b
+if [ -n "$B_ENV" ]; then
+  run_tp "$B_NAME" "$B_ENV" --shapes llama3-8b qwen2-0.5b --skip-hf
+  run_b1 "" true ""
+  run_b1 "$B_NAME" true "$B_ENV"
+else
+  run_tp "$B_NAME" "" --shapes llama3-8b qwen2-0.5b --skip-hf --async-scheduling false
+  run_b1 "" true ""
+  run_b1 "$B_NAME" false ""
+fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$OUT/summary.log"

@@ -206,6 +206,7 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
         "pdl": bool(getattr(__import__("pagedllm")._C, "pdl_enabled", lambda: False)()),
         "async_output_processing": bool(engine.async_output_processing),
         "async_scheduling": bool(engine.async_scheduling),
+        "gemv_rope_epilogue": bool(runner.model.layers and runner.model.layers[0].rope_counters is not None),
     }
     llm.shutdown()
     del llm, outs

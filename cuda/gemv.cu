@@ -60,6 +60,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 using layer_ops::from_float;
+using layer_ops::rotate_pair;
 using layer_ops::round_to;
 using layer_ops::to_float;
 
@@ -81,6 +82,17 @@ struct GemvParams {
   int prefetch;          // 1: L2-prefetch the CTA's weight slice before waiting for the previous grid
   int ldxs;              // staged x row stride in elements (kNorm / kSilu)
   float eps;             // kNorm
+  // rope epilogue (GemvRope; rope_counters == nullptr: none): rotary + KV-cache write of out = qkv
+  int* rope_counters;    // [Hq + 2 Hkv] arrivals per head, zero between launches
+  const int64_t* rope_positions;
+  const void* rope_cos;  // [max_position, rot_half]
+  const void* rope_sin;
+  void* rope_query_out;  // [M, Hq, D]
+  void* rope_key_cache;  // [num_blocks, Hkv, block_size, D]
+  void* rope_value_cache;
+  const int64_t* rope_slots;
+  int64_t rope_num_slots;
+  int rope_heads, rope_kv_heads, rope_head_size, rope_rot_half, rope_block_size;
 };
 
 template <typename T>
@@ -265,6 +277,62 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, T* xs, int k_begin,
   __syncthreads();
 }
 
+/// 2 bytes of out written by another CTA of this grid: from L2 (ld.global.cg), never a stale L1 line.
+template <typename T>
+__device__ __forceinline__ T load_cg(const T* p) {
+  const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
+  return *reinterpret_cast<const T*>(&bits);
+}
+
+/// The rope epilogue (GemvRope) of one row tile [row0, row0 + rows): the CTA whose arrival completes
+/// the tile's head rotates that head of every token, from out (L2), as rotary_kernel<T, true> does
+/// (same rotate_pair roundings, features past 2 * rot_half copied): query heads into query_out, key
+/// heads into the key cache, value heads copied into the value cache (slots < 0 or past the pool
+/// write nothing), and resets the head's counter for the next launch. Rows per tile divide D.
+template <typename T>
+__device__ void rope_epilogue(const GemvParams& p, int row0, int rows) {
+  const int D = p.rope_head_size, half = p.rope_rot_half;
+  const int head = row0 / D;
+  __shared__ int last;
+  __threadfence();  // this CTA's out rows are visible device-wide before its arrival counts
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(p.rope_counters + head, 1) == D / rows - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other tiles' rows, published before their arrivals, are visible now
+  if (threadIdx.x == 0) p.rope_counters[head] = 0;
+  const int Hq = p.rope_heads, Hkv = p.rope_kv_heads;
+  const T* y = static_cast<const T*>(p.y);
+  for (int m = 0; m < p.M; ++m) {
+    const T* x = y + static_cast<int64_t>(m) * p.N + static_cast<int64_t>(head) * D;
+    T* dst;
+    if (head < Hq) {
+      dst = static_cast<T*>(p.rope_query_out) + (static_cast<int64_t>(m) * Hq + head) * D;
+    } else {
+      const int64_t slot = p.rope_slots[m];
+      if (slot < 0 || slot >= p.rope_num_slots) continue;
+      const int kv = head < Hq + Hkv ? head - Hq : head - Hq - Hkv;
+      const int64_t block = slot / p.rope_block_size, row = slot % p.rope_block_size;
+      void* cache = head < Hq + Hkv ? p.rope_key_cache : p.rope_value_cache;
+      dst = static_cast<T*>(cache) + ((block * Hkv + kv) * p.rope_block_size + row) * D;
+    }
+    if (head >= Hq + Hkv) {  // a value head: copied
+      for (int j = threadIdx.x; j < D; j += blockDim.x) dst[j] = load_cg(x + j);
+      continue;
+    }
+    const int64_t pos = p.rope_positions[m];
+    const T* cos_row = static_cast<const T*>(p.rope_cos) + pos * half;
+    const T* sin_row = static_cast<const T*>(p.rope_sin) + pos * half;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+      T y1, y2;
+      rotate_pair<T>(load_cg(x + j), load_cg(x + j + half), to_float(cos_row[j]), to_float(sin_row[j]), y1, y2);
+      dst[j] = y1;
+      dst[j + half] = y2;
+    }
+    for (int j = 2 * half + threadIdx.x; j < D; j += blockDim.x) dst[j] = load_cg(x + j);
+  }
+}
+
 template <typename T, int TILES, int U, bool kVec, Prologue kPro>
 __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   // [warps][TILES * 128] floats: per-warp partial sums (row, token); then, for a staged
@@ -425,6 +493,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
       y[at] = from_float<T>(v);
     }
   }
+  if (p.rope_counters != nullptr) rope_epilogue<T>(p, row0, 16 * TILES);
 }
 
 int device_attr(cudaDeviceAttr attr) {
@@ -569,6 +638,22 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
   p.splits = splits;
   p.k_per_split = k_per_split(p.K, splits);
   p.prefetch = config.prefetch >= 0 ? config.prefetch : 0;
+  if (const GemvRope* r = fusion.rope; r != nullptr) {  // validated by the launcher (gemv.cpp)
+    p.rope_counters = r->counters->ptr<int>();
+    p.rope_positions = r->positions->ptr<const int64_t>();
+    p.rope_cos = r->cos_cache->data;
+    p.rope_sin = r->sin_cache->data;
+    p.rope_query_out = r->query_out->data;
+    p.rope_key_cache = r->key_cache->data;
+    p.rope_value_cache = r->value_cache->data;
+    p.rope_slots = r->slot_mapping->ptr<const int64_t>();
+    p.rope_num_slots = r->key_cache->size(0) * r->key_cache->size(2);
+    p.rope_heads = r->num_heads;
+    p.rope_kv_heads = r->num_kv_heads;
+    p.rope_head_size = static_cast<int>(r->key_cache->size(3));
+    p.rope_rot_half = static_cast<int>(r->cos_cache->size(1));
+    p.rope_block_size = static_cast<int>(r->key_cache->size(2));
+  }
   const bool pdl = detail::pdl_enabled_for_current_device();
   if (input.dtype == DType::kBFloat16) dispatch_prologue<__nv_bfloat16>(p, pro, variant, warps, vec, s, pdl);
   else dispatch_prologue<__half>(p, pro, variant, warps, vec, s, pdl);

@@ -40,6 +40,16 @@ __device__ __forceinline__ T from_float(float v) { return Convert<T>::from_float
 template <typename T>
 __device__ __forceinline__ float round_to(float v) { return to_float<T>(from_float<T>(v)); }
 
+/// One GPT-NeoX rotary pair: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), each product rounded to T
+/// before the add, as PyTorch's q * cos + rotate_half(q) * sin in dtype T (no fused multiply-add).
+/// Shared by the rotary kernel (rotary_embedding.cu) and the GEMV's rope epilogue (gemv.cu).
+template <typename T>
+__device__ __forceinline__ void rotate_pair(T x1, T x2, float c, float s, T& y1, T& y2) {
+  const float a = to_float(x1), b = to_float(x2);
+  y1 = from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(a, c)), -round_to<T>(__fmul_rn(b, s))));
+  y2 = from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(b, c)), round_to<T>(__fmul_rn(a, s))));
+}
+
 /// VEC elements of T loaded / stored as one access (16 bytes when VEC * sizeof(T) == 16).
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Vec {

@@ -35,13 +35,6 @@ struct RotaryParams {
   int num_heads, num_kv_heads, head_size, rot_half, block_size;
 };
 
-template <typename T>
-__device__ __forceinline__ void rotate_pair(T x1, T x2, float c, float s, T& y1, T& y2) {
-  const float a = to_float(x1), b = to_float(x2);
-  y1 = from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(a, c)), -round_to<T>(__fmul_rn(b, s))));
-  y2 = from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(b, c)), round_to<T>(__fmul_rn(a, s))));
-}
-
 /// Rotate num_heads heads of `src` (token row) into `dst`; dst may equal src. When copy_rest,
 /// features [2 * rot_half, D) are copied from src to dst too.
 template <typename T>

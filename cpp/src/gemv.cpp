@@ -29,6 +29,47 @@ void check_config(const char* op, const GemvConfig& c) {
   PAGEDLLM_CHECK(c.prefetch >= -1 && c.prefetch <= 1, op, ": config.prefetch must be -1, 0 or 1, got ", c.prefetch);
 }
 
+/// The rope epilogue's arguments: those of rotary_embedding_and_cache with query, key and value
+/// the parts of out, and the arrival counters.
+void check_rope(const char* op, const TensorView& out, const GemvRope& r, bool residual) {
+  PAGEDLLM_CHECK(!residual, op, ": the rope epilogue cannot be combined with a residual");
+  for (const TensorView* t : {r.positions, r.cos_cache, r.sin_cache, r.query_out, r.key_cache, r.value_cache,
+                              r.slot_mapping, r.counters})
+    PAGEDLLM_CHECK(t != nullptr, op, ": the rope epilogue needs positions, cos_cache, sin_cache, query_out, "
+                   "key_cache, value_cache, slot_mapping and counters");
+  PAGEDLLM_CHECK(r.num_heads > 0 && r.num_kv_heads > 0, op, ": rope num_heads and num_kv_heads must be positive, "
+                 "got ", r.num_heads, " and ", r.num_kv_heads);
+  detail::check_kv_caches(op, *r.key_cache, *r.value_cache);
+  const int64_t D = r.key_cache->size(3), M = out.size(0), heads = r.num_heads + 2 * int64_t{r.num_kv_heads};
+  PAGEDLLM_CHECK(D % 32 == 0, op, ": the rope epilogue needs head_size % 32 == 0, got ", D,
+                 " (use rotary_embedding_and_cache)");
+  PAGEDLLM_CHECK(out.size(1) == heads * D, op, ": out has ", out.size(1), " columns but (num_heads ", r.num_heads,
+                 " + 2 * num_kv_heads ", r.num_kv_heads, ") * head_size ", D, " = ", heads * D);
+  auto part = [&](int64_t first_head, int64_t num) {  // [M, num, D] view of out's columns
+    TensorView v = out;
+    v.data = static_cast<char*>(out.data) + first_head * D * static_cast<int64_t>(dtype_size(out.dtype));
+    v.ndim = 3;
+    v.shape[0] = M;
+    v.shape[1] = num;
+    v.shape[2] = D;
+    v.strides[0] = out.size(1);
+    v.strides[1] = D;
+    v.strides[2] = 1;
+    return v;
+  };
+  const TensorView q = part(0, r.num_heads), k = part(r.num_heads, r.num_kv_heads),
+                   v = part(r.num_heads + r.num_kv_heads, r.num_kv_heads);
+  detail::check_rotary_and_cache_args(op, *r.positions, q, k, v, *r.cos_cache, *r.sin_cache, *r.query_out,
+                                      *r.key_cache, *r.value_cache, *r.slot_mapping);
+  PAGEDLLM_CHECK(!overlaps(*r.query_out, out), op, ": query_out overlaps out");
+  check_ndim(op, "counters", *r.counters, 1, "[>= num_heads + 2 * num_kv_heads]");
+  check_dtype(op, "counters", *r.counters, DType::kInt32);
+  check_same_device(op, "counters", *r.counters, "out", out);
+  check_contiguous(op, "counters", *r.counters);
+  PAGEDLLM_CHECK(r.counters->size(0) >= heads, op, ": counters has ", r.counters->size(0),
+                 " entries, fewer than num_heads + 2 * num_kv_heads = ", heads);
+}
+
 void run(const char* op, const TensorView& out, const TensorView& input, const TensorView& weight,
          const TensorView* bias, const GemvFusion& fusion, std::uintptr_t stream, const GemvConfig* config) {
   const bool silu = fusion.silu_and_mul;
@@ -92,6 +133,7 @@ void run(const char* op, const TensorView& out, const TensorView& input, const T
     PAGEDLLM_CHECK(r->data == out.data || !overlaps(out, *r), op,
                    ": residual overlaps out without being out (in place: pass the same tensor)");
   }
+  if (const GemvRope* r = fusion.rope; r != nullptr) check_rope(op, out, *r, fusion.residual != nullptr);
   const GemvConfig cfg = config != nullptr ? *config : GemvConfig{};
   check_config(op, cfg);
   if (M == 0) return;

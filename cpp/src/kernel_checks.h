@@ -137,4 +137,12 @@ inline bool overlaps(const TensorView& a, const TensorView& b) {
   return a0 != nullptr && b0 != nullptr && a0 < b1 && b0 < a1;
 }
 
+/// The argument checks of layer_ops.h's rotary_embedding_and_cache (cpp/src/layer_ops.cpp), also
+/// used by the GEMV's rotary epilogue (gemv.h, GemvRope); throws InvalidArgument naming `op`.
+void check_rotary_and_cache_args(const char* op, const TensorView& positions, const TensorView& query,
+                                 const TensorView& key, const TensorView& value, const TensorView& cos_cache,
+                                 const TensorView& sin_cache, const TensorView& query_out,
+                                 const TensorView& key_cache, const TensorView& value_cache,
+                                 const TensorView& slot_mapping);
+
 }  // namespace pagedllm::detail

@@ -214,15 +214,13 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   cpu::rotary_embedding(positions, query, key, cos_sin_cache, get_num_threads());
 }
 
-void rotary_embedding_and_cache(const TensorView& positions, const TensorView& query, const TensorView& key,
-                                const TensorView& value, const TensorView& cos_cache,
-                                const TensorView& sin_cache, const TensorView& query_out,
-                                const TensorView& key_cache, const TensorView& value_cache,
-                                const TensorView& slot_mapping, std::uintptr_t stream) {
-  const char* op = "rotary_embedding_and_cache";
-  PAGEDLLM_CHECK(query.device == DeviceType::kCUDA, op, ": query is on ", detail::device_str(query),
-                 "; this op has a CUDA kernel only so far (on the cpu use rotary_embedding, then "
-                 "reshape_and_cache)");
+namespace detail {
+
+void check_rotary_and_cache_args(const char* op, const TensorView& positions, const TensorView& query,
+                                 const TensorView& key, const TensorView& value, const TensorView& cos_cache,
+                                 const TensorView& sin_cache, const TensorView& query_out,
+                                 const TensorView& key_cache, const TensorView& value_cache,
+                                 const TensorView& slot_mapping) {
   check_float(op, "query", query);
   check_heads(op, "query", query, "[num_tokens, num_heads, head_size]");
   check_heads(op, "key", key, "[num_tokens, num_kv_heads, head_size]");
@@ -279,6 +277,22 @@ void rotary_embedding_and_cache(const TensorView& positions, const TensorView& q
   q_span.shape[1] = 1;
   q_span.shape[2] = (query.size(0) - 1) * query.stride(0) + query.size(1) * query.size(2);
   PAGEDLLM_CHECK(!overlaps(query_out, q_span), op, ": query_out overlaps query");
+}
+
+}  // namespace detail
+
+void rotary_embedding_and_cache(const TensorView& positions, const TensorView& query, const TensorView& key,
+                                const TensorView& value, const TensorView& cos_cache,
+                                const TensorView& sin_cache, const TensorView& query_out,
+                                const TensorView& key_cache, const TensorView& value_cache,
+                                const TensorView& slot_mapping, std::uintptr_t stream) {
+  const char* op = "rotary_embedding_and_cache";
+  PAGEDLLM_CHECK(query.device == DeviceType::kCUDA, op, ": query is on ", detail::device_str(query),
+                 "; this op has a CUDA kernel only so far (on the cpu use rotary_embedding, then "
+                 "reshape_and_cache)");
+  detail::check_rotary_and_cache_args(op, positions, query, key, value, cos_cache, sin_cache, query_out, key_cache,
+                                      value_cache, slot_mapping);
+  if (query.size(0) == 0) return;
 #ifdef PAGEDLLM_LAYER_OPS_CUDA
   cuda::rotary_embedding(positions, query, key, &value, cos_cache, sin_cache, &query_out, &key_cache,
                          &value_cache, &slot_mapping, stream);

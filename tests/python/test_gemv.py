@@ -512,3 +512,167 @@ def test_fused_gemv_argument_errors():
         ops.gemv(torch.zeros(8, 1 << 20, dtype=bf, device=dev), torch.zeros(1, 1 << 20, dtype=bf, device=dev),
                  norm_weight=torch.ones(1 << 20, dtype=bf, device=dev))
     assert ops.gemv_fusion_fits(8, 14336, bf) and not ops.gemv_fusion_fits(8, 1 << 20, bf)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rope epilogue (GemvRope): rotary embedding + paged KV-cache write of a qkv projection
+
+ROPE_SHAPES = [(32, 8, 128, 64, False), (14, 2, 64, 32, True), (4, 2, 128, 16, False)]  # Hq, Hkv, D, half, bias
+
+
+def _rope_case(gen, dtype, m, hq, hkv, d, half, bias, num_blocks=16, block_size=16, max_pos=64):
+    """Random inputs of a qkv GEMV with its rope epilogue; caches and query_out filled with NaN."""
+    k = 512
+    n = (hq + 2 * hkv) * d
+    x = rand((m, k), dtype, gen)
+    w = rand((n, k), dtype, gen, 0.05)
+    b = rand((n,), dtype, gen) if bias else None
+    cos = rand((max_pos, half), dtype, gen)
+    sin = rand((max_pos, half), dtype, gen)
+    positions = torch.randint(0, max_pos, (m,), generator=gen).cuda()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:m]
+    if m > 1:
+        slots[-1] = -1  # a padding row: writes no key / value
+    slots = slots.cuda()
+    nan = lambda *shape: torch.full(shape, float("nan"), dtype=dtype, device="cuda")  # noqa: E731
+    caches = (nan(num_blocks, hkv, block_size, d), nan(num_blocks, hkv, block_size, d))
+    return x, w, b, cos, sin, positions, slots, caches, nan(m, hq, d)
+
+
+def _bits(t):
+    return t.view(torch.int16)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: f"hq{s[0]}-hkv{s[1]}-d{s[2]}-half{s[3]}")
+@pytest.mark.parametrize("variant", [0, 2])
+def test_gemv_rope_epilogue_equals_gemv_then_rotary(gen, dtype, m, shape, variant):
+    """The qkv GEMV with the rope epilogue against gemv (same config) then rotary_embedding_and_cache:
+    out, query_out and both caches (NaN-filled, untouched slots included) bit for bit; a padding
+    slot (-1) writes nothing; the arrival counters are zero again."""
+    hq, hkv, d, half, bias = shape
+    x, w, b, cos, sin, positions, slots, (kc, vc), qo = _rope_case(gen, dtype, m, hq, hkv, d, half, bias)
+    cfg = {"variant": variant}
+    ref_y = ops.gemv(x, w, b, config=cfg)
+    q, kk, v = ref_y.view(m, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    ref_kc, ref_vc, ref_qo = kc.clone(), vc.clone(), qo.clone()
+    ops.rotary_embedding_and_cache(positions, q, kk, v, cos, sin, ref_qo, ref_kc, ref_vc, slots)
+    counters = torch.zeros(hq + 2 * hkv + 3, dtype=torch.int32, device="cuda")
+    y = ops.gemv(x, w, b, config=cfg, rope=ops.GemvRope(hq, hkv, positions, cos, sin, qo, kc, vc, slots, counters))
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(y), _bits(ref_y))
+    assert torch.equal(_bits(qo), _bits(ref_qo))
+    assert torch.equal(_bits(kc), _bits(ref_kc)) and torch.equal(_bits(vc), _bits(ref_vc))
+    assert int(counters.abs().sum()) == 0
+    check(y, x, w, b, dtype, "rope qkv")  # and the product itself against float64
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("pdl", [True, False])
+def test_gemv_rope_epilogue_in_a_cuda_graph(gen, pdl):
+    """Captured once (with a kernel before it, as in a decoder layer), replayed over new inputs
+    written in place: each replay equals the unfused ops on those inputs."""
+    dtype, m, (hq, hkv, d, half, bias) = torch.bfloat16, 2, ROPE_SHAPES[0]
+    x, w, b, cos, sin, positions, slots, (kc, vc), qo = _rope_case(gen, dtype, m, hq, hkv, d, half, bias)
+    h = x.clone()
+    counters = torch.zeros(hq + 2 * hkv, dtype=torch.int32, device="cuda")
+    rope = ops.GemvRope(hq, hkv, positions, cos, sin, qo, kc, vc, slots, counters)
+    norm_w = rand((x.shape[1],), dtype, gen)
+    was = ops.pdl_enabled()
+    ops.set_pdl_enabled(pdl)
+    try:
+        def body():
+            xn = ops.rms_norm(h, norm_w, 1e-5)
+            return ops.gemv(xn, w, b, rope=rope)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            body()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                y = body()
+        torch.cuda.current_stream().wait_stream(stream)
+    finally:
+        ops.set_pdl_enabled(was)
+    for _ in range(2):
+        h.copy_(rand(tuple(h.shape), dtype, gen))
+        positions.copy_(torch.randint(0, cos.shape[0], (m,), generator=gen).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_y = ops.gemv(ops.rms_norm(h, norm_w, 1e-5), w, b)
+        q, kk, v = ref_y.view(m, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+        ref_kc, ref_vc, ref_qo = kc.clone(), vc.clone(), torch.empty_like(qo)
+        ops.rotary_embedding_and_cache(positions, q, kk, v, cos, sin, ref_qo, ref_kc, ref_vc, slots)
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(y), _bits(ref_y)) and torch.equal(_bits(qo), _bits(ref_qo))
+        assert torch.equal(_bits(kc), _bits(ref_kc)) and torch.equal(_bits(vc), _bits(ref_vc))
+        assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_gemv_rope_epilogue_argument_errors(gen):
+    dtype = torch.bfloat16
+    x, w, b, cos, sin, positions, slots, (kc, vc), qo = _rope_case(gen, dtype, 2, 4, 2, 128, 64, False)
+    counters = torch.zeros(8, dtype=torch.int32, device="cuda")
+
+    def call(**kw):
+        args = dict(num_heads=4, num_kv_heads=2, positions=positions, cos_cache=cos, sin_cache=sin, query_out=qo,
+                    key_cache=kc, value_cache=vc, slot_mapping=slots, counters=counters)
+        args.update(kw)
+        ops.gemv(x, w, b, rope=ops.GemvRope(**args))
+
+    call()  # valid
+    with pytest.raises(ValueError, match="counters has 7 entries, fewer than num_heads \\+ 2 \\* num_kv_heads = 8"):
+        call(counters=counters[:7])
+    with pytest.raises(ValueError, match="counters must be int32"):
+        call(counters=counters.long())
+    with pytest.raises(ValueError, match=r"out has 1024 columns but \(num_heads 5"):
+        call(num_heads=5)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        call(slot_mapping=slots[:1])
+    with pytest.raises(ValueError, match="cannot be combined with a residual"):
+        y = torch.empty((2, w.shape[0]), dtype=dtype, device="cuda")
+        ops.gemv(x, w, b, residual=y, rope=ops.GemvRope(4, 2, positions, cos, sin, qo, kc, vc, slots, counters))
+    x80, w80, _, cos80, sin80, pos80, slots80, (kc80, vc80), qo80 = _rope_case(gen, dtype, 2, 2, 1, 80, 40, False)
+    with pytest.raises(ValueError, match="head_size % 32 == 0, got 80"):
+        ops.gemv(x80, w80, rope=ops.GemvRope(2, 1, pos80, cos80, sin80, qo80, kc80, vc80, slots80, counters))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_model_rope_epilogue_gives_the_same_logits(tmp_path, gen):
+    """The Llama model's GEMV-sized steps with the qkv GEMV's rope epilogue and with the separate
+    rotary kernel (layer.rope_counters = None), same weights and caches: logits bit for bit."""
+    import json
+
+    from pagedllm.model_executor.config import ModelConfig
+    from pagedllm.model_executor.dummy import init_dummy_weights
+    from pagedllm.model_executor.models import LlamaForCausalLM
+
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512, intermediate_size=1024,
+                  num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1000,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    model = LlamaForCausalLM(cfg, torch.bfloat16, torch.device("cuda"), max_positions=256)
+    init_dummy_weights(model, seed=int(torch.randint(0, 1000, (1,), generator=gen)), std=0.08)
+    counters = model.layers[0].rope_counters
+    assert counters is not None and all(layer.rope_counters is counters for layer in model.layers)
+    lens = [30, 12, 19]
+    ids = [torch.randint(0, cfg.vocab_size, (n + 3,), generator=gen) for n in lens]
+    results = {}
+    for fused in (True, False):
+        for layer in model.layers:
+            layer.rope_counters = counters if fused else None
+        harness = PagedHarness(model, len(lens), max(lens) + 3, block_size=16)
+        steps = [[(s, 0, n) for s, n in enumerate(lens)]]
+        steps += [[(s, n + i, n + i + 1) for s, n in enumerate(lens)][: 3 - i] for i in range(3)]
+        results[fused] = torch.cat([harness.step([(s, ids[s][a:b].tolist()) for s, a, b in chunks]).cpu()
+                                    for chunks in steps])
+    assert torch.equal(results[True], results[False])

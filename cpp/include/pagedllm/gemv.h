@@ -14,6 +14,13 @@
 //               residual add of fused_add_rms_norm fused in).
 //   The prologues stage x in shared memory once per CTA (every CTA recomputes the row's sum of
 //   squares; no cross-CTA dependency); when M x K does not fit, K is split over more cluster CTAs.
+//   rope      (GemvRope) out is a fused qkv projection [M, (Hq + 2 Hkv) * D]; after it, the
+//             rotary embedding and the paged KV-cache write of layer_ops.h's
+//             rotary_embedding_and_cache run in the same kernel: the CTA that finishes the last
+//             row tile of a head (a per-head arrival counter) rotates that head for every token
+//             into query_out or the key cache, or copies it to the value cache (out keeps the
+//             unrotated qkv). Same roundings as rotary_embedding_and_cache: bit for bit. Saves that
+//             kernel and its boundary (~3.8 us per decode layer at batch 1 on the H200).
 //
 // M (tokens) is 1..kGemvMaxTokens. At these sizes a linear layer only streams its weight once, so
 // the kernel is built for memory bandwidth: 16-byte weight loads, several in flight per thread,
@@ -43,6 +50,10 @@
 //           fusion.eps >= 0, finite
 //   fusion.residual     nullptr or [M, N], contiguous, same dtype and device; either exactly out
 //           (same data and shape) or not overlapping it
+//   fusion.rope         nullptr, or every field as rotary_embedding_and_cache takes it with query,
+//           key and value the three parts of out, plus counters int32 [>= Hq + 2 Hkv] on the device,
+//           all zero (every call leaves them zero; one call at a time per counters tensor);
+//           head_size a multiple of 32; not with a residual
 //   stream  a cudaStream_t as an integer (0 = legacy default stream); never synchronizes, so
 //           CUDA graphs can capture it.
 // K and N may be any positive size; rows whose byte size is a multiple of 16 (K % 8 == 0) with
@@ -67,12 +78,27 @@ struct GemvConfig {
   int prefetch = -1; ///< 1/0: do / don't prefetch the weight slice into L2 first; -1: automatic
 };
 
+/// The rotary + KV-cache epilogue of a fused qkv projection (see the header comment).
+struct GemvRope {
+  int num_heads = 0;                           ///< Hq; out has (Hq + 2 * Hkv) * head_size columns
+  int num_kv_heads = 0;                        ///< Hkv (= key_cache.size(1)); head_size = key_cache.size(3)
+  const TensorView* positions = nullptr;       ///< int64 [M]
+  const TensorView* cos_cache = nullptr;       ///< [max_position, rotary_dim / 2], out's dtype
+  const TensorView* sin_cache = nullptr;
+  const TensorView* query_out = nullptr;       ///< [M, Hq, head_size], contiguous: the rotated query
+  const TensorView* key_cache = nullptr;       ///< [num_blocks, Hkv, block_size, head_size]
+  const TensorView* value_cache = nullptr;
+  const TensorView* slot_mapping = nullptr;    ///< int64 [M]; a slot < 0 writes no key / value
+  const TensorView* counters = nullptr;        ///< int32 [>= Hq + 2 * Hkv], zero before and after
+};
+
 /// What the GEMV does around the product (see the header comment); the defaults do nothing.
 struct GemvFusion {
   const TensorView* norm_weight = nullptr;  ///< [K]: x = RMSNorm(input) * norm_weight
   float eps = 1e-6f;                        ///< RMSNorm epsilon (with norm_weight)
   bool silu_and_mul = false;                ///< input [M, 2K]: x = SiLU(input[:, :K]) * input[:, K:]
   const TensorView* residual = nullptr;     ///< [M, N]: out = T(T(x @ W^T + bias) + residual)
+  const GemvRope* rope = nullptr;           ///< rotary + KV-cache write of a qkv projection
 };
 
 /// Whether this build has the GEMV kernels (a CUDA build).

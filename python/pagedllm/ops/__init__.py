@@ -48,6 +48,7 @@ __all__ = [
     "amx_linear_argmax",
     "GEMV_MAX_TOKENS",
     "gemv",
+    "GemvRope",
     "gemv_supported",
     "gemv_fusion_fits",
     "pdl_enabled",
@@ -225,6 +226,7 @@ from pagedllm.ops.cpu_linear import (  # noqa: E402
 )
 from pagedllm.ops.gemv import (  # noqa: E402
     GEMV_MAX_TOKENS,
+    GemvRope,
     gemv,
     gemv_fusion_fits,
     gemv_supported,

@@ -8,6 +8,9 @@ optional fusions that save a kernel launch each in a decoder layer:
   the qkv / gate_up projection, the final norm before the LM head);
 * ``residual=r``: ``y = y + r`` rounded as gemv then fused_add_rms_norm's add; ``out=r`` updates a
   residual stream in place (after the o / down projection).
+* ``rope=GemvRope(...)``: ``y`` is a fused qkv projection; the rotary embedding and the KV-cache
+  write of :func:`pagedllm.ops.rotary_embedding_and_cache` run in the same kernel (bit for bit),
+  the last CTA of each head doing that head.
 
 CUDA only (bfloat16, float16; float32 is refused — use ``torch.nn.functional.linear``), launched
 on ``torch.cuda.current_stream()`` so CUDA graphs capture it. fp32 accumulation and one rounding,
@@ -16,6 +19,8 @@ dtype's rounding, not bit for bit. Bad arguments raise ``ValueError`` naming the
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -28,6 +33,26 @@ GEMV_MAX_TOKENS: int = int(_C.gemv_max_tokens)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
+@dataclasses.dataclass
+class GemvRope:
+    """The rotary + KV-cache epilogue of a qkv GEMV (``GemvRope`` in gemv.h): the arguments of
+    :func:`pagedllm.ops.rotary_embedding_and_cache` whose query, key and value are the three parts
+    of the GEMV's output ``[M, (num_heads + 2 num_kv_heads) * head_size]``, plus ``counters``: int32
+    ``[>= num_heads + 2 num_kv_heads]`` on the device, all zero (each call leaves them zero; use
+    one counters tensor from one stream). head_size must be a multiple of 32."""
+
+    num_heads: int
+    num_kv_heads: int
+    positions: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    query_out: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    counters: torch.Tensor
+
+
 def gemv_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether :func:`gemv` runs on ``device`` in ``dtype`` (CUDA build, CUDA device, bf16/fp16)."""
     return (torch.device(device).type == "cuda" and dtype in _DTYPES and bool(_C.gemv_built_with_cuda()))
@@ -36,7 +61,8 @@ def gemv_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, *, silu_and_mul: bool = False,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-         residual: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, rope: GemvRope | None = None,
+         config: dict | None = None) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) (+ residual [M, N])``.
 
     With ``silu_and_mul=True`` x is ``[M, 2K]`` and the product uses ``SiLU(x[:, :K]) * x[:, K:]``
@@ -45,7 +71,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     squares is taken in another order, so an element can differ by one ulp where its rounding was
     a near tie). With ``residual`` the rounded product plus ``residual`` is rounded again (as
     gemv followed by :func:`pagedllm.ops.fused_add_rms_norm`'s add); ``out`` may be ``residual``
-    itself (in place). ``x`` rows may be strided (last dim contiguous); ``weight``, ``bias``,
+    itself (in place). With ``rope`` (:class:`GemvRope`) the rotary embedding and the paged KV-cache
+    write of a qkv projection follow in the same kernel (``out`` keeps the unrotated qkv).
+    ``x`` rows may be strided (last dim contiguous); ``weight``, ``bias``,
     ``norm_weight``, ``residual`` and ``out`` contiguous. Returns ``out`` (allocated when None).
     ``config``: tuning overrides for benchmarks (keys variant, warps, splits, prefetch; see
     ``GemvConfig`` in gemv.h). Raises ValueError on CPU tensors, float32, more than
@@ -61,7 +89,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _C.gemv(_view(out), _view(x), _view(weight), None if bias is None else _view(bias), bool(silu_and_mul),
             _stream(x), int(cfg.get("variant", 0)), int(cfg.get("warps", 0)), int(cfg.get("splits", 0)),
             int(cfg.get("prefetch", -1)), None if norm_weight is None else _view(norm_weight), float(eps),
-            None if residual is None else _view(residual))
+            None if residual is None else _view(residual),
+            None if rope is None else [_view(t) for t in (rope.positions, rope.cos_cache, rope.sin_cache,
+                                                           rope.query_out, rope.key_cache, rope.value_cache,
+                                                           rope.slot_mapping, rope.counters)],
+            0 if rope is None else int(rope.num_heads), 0 if rope is None else int(rope.num_kv_heads))
     return out
 
 

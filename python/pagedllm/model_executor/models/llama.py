@@ -186,6 +186,16 @@ GEMV_CROSSOVER_TOKENS = 8
 GEMV_FUSE_DEFAULT = 0
 
 
+def gemv_rope_applies(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether GEMV-sized steps fold the rotary embedding and the KV-cache write into the qkv
+    GEMV (ops.GemvRope): CUDA bf16/fp16 with the fused layer ops, head_dim a multiple of 32, no
+    q/k norm between the projection and the rotation; PAGEDLLM_GEMV_ROPE=0 turns it off."""
+    if os.environ.get("PAGEDLLM_GEMV_ROPE", "1") == "0":
+        return False
+    return (gemv_max_tokens(device, dtype) > 0 and ops.layer_ops_supported(device, dtype)
+            and cfg.head_dim % 32 == 0 and not cfg.qk_norm)
+
+
 #: The decode attention's split-K scratch shared by a model's layers on CUDA (ops.paged_attention's
 #: workspace): 16 MiB covers small batches (batch 1 of Llama-3-8B needs 133 KB); a call that needs
 #: more allocates its own, as without it.
@@ -219,6 +229,9 @@ class DecoderLayer(nn.Module):
         self.fused = ops.layer_ops_supported(device, dtype)
         self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
         self.gemv_max_tokens = gemv_max_tokens(device, dtype)
+        #: int32 arrival counters of the qkv GEMV's rope epilogue (shared by the layers; set by
+        #: LlamaForCausalLM where it applies), None: a separate rotary kernel
+        self.rope_counters: torch.Tensor | None = None
 
     def forward(
         self,
@@ -240,8 +253,11 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(hidden)
         else:
             h, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        qkv = _project(self.qkv_proj, h, gemv)
-        attn = self._attention(qkv, positions, cos_sin, rotary, kv_cache, meta)
+        if gemv and self.rope_counters is not None and cos_sin is None:
+            attn = self._qkv_rope_attention(h, positions, rotary, kv_cache, meta)
+        else:
+            qkv = _project(self.qkv_proj, h, gemv)
+            attn = self._attention(qkv, positions, cos_sin, rotary, kv_cache, meta)
         hidden = _project(self.o_proj, attn, gemv)
         h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         gate_up = _project(self.gate_up_proj, h, gemv)
@@ -275,6 +291,18 @@ class DecoderLayer(nn.Module):
                                    gate_up)
         ops.gemv(act, self.down_proj.weight, self.down_proj.bias, out=stream, residual=stream,
                  silu_and_mul=silu_in_down)
+
+    def _qkv_rope_attention(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                            kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """A GEMV-sized CUDA step: the qkv GEMV with the rotary + KV-cache write in its epilogue
+        (ops.GemvRope; no rotary kernel), then paged attention. h [T, hidden] -> [T, q_size]."""
+        T = h.shape[0]
+        query = torch.empty((T, self.num_heads, self.head_dim), dtype=h.dtype, device=h.device)
+        key_cache, value_cache = kv_cache
+        ops.gemv(h, self.qkv_proj.weight, self.qkv_proj.bias, rope=ops.GemvRope(
+            self.num_heads, self.num_kv_heads, positions, rotary.cos, rotary.sin, query, key_cache, value_cache,
+            meta.slot_mapping, self.rope_counters))
+        return self.attn.attend(query, kv_cache, meta).view(T, self.q_size)
 
     def _attention(self, qkv: torch.Tensor, positions: torch.Tensor,
                    cos_sin: tuple[torch.Tensor, torch.Tensor] | None, rotary: RotaryEmbedding,
@@ -324,6 +352,11 @@ class LlamaForCausalLM(nn.Module):
             workspace = torch.empty(ATTN_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             for layer in self.layers:
                 layer.attn.workspace = workspace
+        if gemv_rope_applies(cfg, device, dtype):  # the layers run in turn: one set of counters
+            counters = torch.zeros(cfg.num_attention_heads + 2 * cfg.num_key_value_heads, dtype=torch.int32,
+                                   device=device)
+            for layer in self.layers:
+                layer.rope_counters = counters
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
