@@ -289,16 +289,17 @@ __device__ __forceinline__ T load_cg(const T* p) {
 /// (same rotate_pair roundings, features past 2 * rot_half copied): query heads into query_out, key
 /// heads into the key cache, value heads copied into the value cache (slots < 0 or past the pool
 /// write nothing), and resets the head's counter for the next launch. Rows per tile divide D.
+/// `flag`: a word of the kernel's dynamic shared memory no thread reads any more (no static
+/// shared memory here: the staged prologues opt into the device's whole per-CTA maximum).
 template <typename T>
-__device__ void rope_epilogue(const GemvParams& p, int row0, int rows) {
+__device__ void rope_epilogue(const GemvParams& p, int row0, int rows, int* flag) {
   const int D = p.rope_head_size, half = p.rope_rot_half;
   const int head = row0 / D;
-  __shared__ int last;
   __threadfence();  // this CTA's out rows are visible device-wide before its arrival counts
+  __syncthreads();  // (and every thread is done with the shared partial sums under `flag`)
+  if (threadIdx.x == 0) *flag = atomicAdd(p.rope_counters + head, 1) == D / rows - 1;
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(p.rope_counters + head, 1) == D / rows - 1;
-  __syncthreads();
-  if (!last) return;
+  if (!*flag) return;
   __threadfence();  // the other tiles' rows, published before their arrivals, are visible now
   if (threadIdx.x == 0) p.rope_counters[head] = 0;
   const int Hq = p.rope_heads, Hkv = p.rope_kv_heads;
@@ -493,7 +494,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
       y[at] = from_float<T>(v);
     }
   }
-  if (p.rope_counters != nullptr) rope_epilogue<T>(p, row0, 16 * TILES);
+  if (p.rope_counters != nullptr) rope_epilogue<T>(p, row0, 16 * TILES, reinterpret_cast<int*>(red));
 }
 
 int device_attr(cudaDeviceAttr attr) {
