@@ -582,11 +582,12 @@ def test_gemv_rope_epilogue_in_a_cuda_graph(gen, pdl):
     counters = torch.zeros(hq + 2 * hkv, dtype=torch.int32, device="cuda")
     rope = ops.GemvRope(hq, hkv, positions, cos, sin, qo, kc, vc, slots, counters)
     norm_w = rand((x.shape[1],), dtype, gen)
+    xn = torch.empty_like(h)
     was = ops.pdl_enabled()
     ops.set_pdl_enabled(pdl)
     try:
         def body():
-            xn = ops.rms_norm(h, norm_w, 1e-5)
+            ops.rms_norm(xn, h, norm_w, 1e-5)
             return ops.gemv(xn, w, b, rope=rope)
 
         stream = torch.cuda.Stream()
@@ -604,7 +605,7 @@ def test_gemv_rope_epilogue_in_a_cuda_graph(gen, pdl):
         positions.copy_(torch.randint(0, cos.shape[0], (m,), generator=gen).cuda())
         graph.replay()
         torch.cuda.synchronize()
-        ref_y = ops.gemv(ops.rms_norm(h, norm_w, 1e-5), w, b)
+        ref_y = ops.gemv(ops.rms_norm(torch.empty_like(h), h, norm_w, 1e-5), w, b)
         q, kk, v = ref_y.view(m, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
         ref_kc, ref_vc, ref_qo = kc.clone(), vc.clone(), torch.empty_like(qo)
         ops.rotary_embedding_and_cache(positions, q, kk, v, cos, sin, ref_qo, ref_kc, ref_vc, slots)
