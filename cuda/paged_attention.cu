@@ -355,7 +355,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const size_t bytes = rows * (head_size + 2) * sizeof(float);
   // The caller's workspace when it is large enough (no memory nodes in a captured graph: measured
   // 0.7 us per decode layer at batch 1 on the H200), else a stream-ordered allocation.
-  const bool own = options.workspace == nullptr || options.workspace_bytes < static_cast<int64_t>(bytes);
+  const bool own = options.workspace == nullptr || options.workspace_bytes < static_cast<int64_t>(bytes) ||
+                   reinterpret_cast<std::uintptr_t>(options.workspace) % 16 != 0;  // partials read as float4
   void* workspace = own ? nullptr : options.workspace;
   if (own) {
     keep_pool_memory(stream);

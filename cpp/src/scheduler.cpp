@@ -240,13 +240,24 @@ void Scheduler::schedule(SchedulerOutput& out) {
       Sequence* seq = running_snapshot_[i];
       if (seq->status != SequenceStatus::kRunning) continue;
       if (seq->in_flight > 0) {
-        // Async scheduling: a placeholder decode, only where its slot is free to take.
-        if (!decode_pass || !placeholder_allowed(seq, out.step_id)) continue;
+        // Async scheduling, only where the slots are free to take (no preemption for these):
+        if (!config_.async_scheduling || seq->in_flight != 1) continue;
+        int32_t num_new = 1, prev_row = -1;
+        if (seq->num_computed_tokens == seq->num_tokens()) {
+          // sampled in the previous step: a placeholder decode of that token
+          if (!decode_pass || !placeholder_allowed(seq, out.step_id)) continue;
+          prev_row = seq->pending_row;
+        } else {
+          // the next chunk of a prompt (or replay) whose previous chunk is in flight: known tokens
+          num_new = seq->num_tokens() - seq->num_computed_tokens;
+          if (num_new <= 0 || (num_new == 1) != decode_pass || (!chunked && num_new > budget)) continue;
+          num_new = std::min(num_new, budget);
+        }
         copies_.clear();
-        if (!kv_.allocate_slots(seq->seq_id, 1, nullptr, &copies_)) continue;
+        if (!kv_.allocate_slots(seq->seq_id, num_new, nullptr, &copies_)) continue;
         append_copies(out);
-        record(seq, 1, out, seq->pending_row);
-        budget -= 1;
+        record(seq, num_new, out, prev_row);
+        budget -= num_new;
         continue;
       }
       int32_t num_new = seq->num_tokens() - seq->num_computed_tokens;

@@ -3,8 +3,9 @@
 // takes from step N's sampled row (prev_sample_rows). Checked here: the placeholder rows (ids,
 // positions, slots, sampled rows), the token lists against synchronous scheduling, the length
 // rule (no placeholder for a token that ends the sequence), a stop token in step N (the row of
-// N + 1 is ignored and its blocks are freed), forks, cancellation of both in-flight steps, the
-// step-order check, and that off means off. Every test ends with no KV block leaked.
+// N + 1 is ignored and its blocks are freed), prompt chunks while the previous chunk is in flight,
+// forks, cancellation of both in-flight steps, the step-order check, and that off means off.
+// Every test ends with no KV block leaked.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -305,6 +306,43 @@ TEST(AsyncScheduling, OffMeansNoPlaceholders) {
     SchedulerOutput& out = core.schedule();
     EXPECT_EQ(out.num_placeholders, 0);
     core.update_from_output(out, std::vector<int32_t>(out.num_sampled, 2));
+    core.release(out);
+  }
+  expect_idle_no_leak(core);
+}
+
+TEST(AsyncScheduling, ChunkedPrefillContinuesWhileItsChunkIsInFlight) {
+  EngineCore core(make_config(64, true, /*budget=*/16));
+  core.add_request("a", iota_tokens(40), params(3));
+  SchedulerOutput& s0 = core.schedule();  // positions 0..15
+  ASSERT_EQ(s0.num_tokens, 16);
+  EXPECT_EQ(s0.num_sampled, 0);
+  SchedulerOutput& s1 = core.schedule();  // 16..31 while s0 is in flight: known tokens, no placeholder
+  ASSERT_EQ(s1.num_tokens, 16);
+  EXPECT_EQ(s1.num_placeholders, 0);
+  EXPECT_EQ(s1.positions[0], 16);
+  EXPECT_EQ(s1.input_ids[0], 116);
+  SchedulerOutput& s2 = core.schedule();  // in two steps now: nothing
+  EXPECT_EQ(s2.num_tokens, 0);
+  core.release(s2);
+  core.update_from_output(s0, {});
+  core.release(s0);
+  SchedulerOutput& s3 = core.schedule();  // the last chunk 32..39, which samples
+  ASSERT_EQ(s3.num_tokens, 8);
+  EXPECT_EQ(s3.positions[0], 32);
+  EXPECT_EQ(s3.num_sampled, 1);
+  core.update_from_output(s1, {});
+  core.release(s1);
+  SchedulerOutput& s4 = core.schedule();  // the first output token as a placeholder at 40
+  ASSERT_EQ(s4.num_placeholders, 1);
+  EXPECT_EQ(s4.positions[0], 40);
+  core.update_from_output(s3, std::vector<int32_t>{7});
+  core.release(s3);
+  core.update_from_output(s4, std::vector<int32_t>{8});
+  core.release(s4);
+  while (core.has_unfinished_requests()) {
+    SchedulerOutput& out = core.schedule();
+    core.update_from_output(out, std::vector<int32_t>(out.num_sampled, 9));
     core.release(out);
   }
   expect_idle_no_leak(core);

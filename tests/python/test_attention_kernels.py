@@ -107,11 +107,12 @@ def test_decode_split_k_auto_on_long_context_single_sequence(device, gen):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("seq_lens,split_k", [([300], None), ([300], 8), ([17, 300, 1200, 5], None), ([2000], 16)])
+@pytest.mark.parametrize("seq_lens,split_k", [([300], None), ([300], 8), ([17, 300, 1200, 5], 4), ([2000], 16)])
 def test_decode_workspace_gives_the_same_bits(seq_lens, split_k, gen):
-    """The caller's split-K workspace (large enough, NaN-filled beforehand) or one too small (the
-    call allocates its own) gives the bits of the call without one, eagerly and in a CUDA graph
-    (the engine's decode graphs hold no memory nodes then); the result matches the reference."""
+    """A split decode (checked: more than one partition) with the caller's split-K workspace (large
+    enough, NaN-filled beforehand), one too small or one misaligned (the call allocates its own)
+    gives the bits of the call without one, eagerly and in a CUDA graph; the result matches the
+    float64 reference; a misaligned workspace is refused by the Python op."""
     if not torch.cuda.is_available():
         pytest.fail("marked cuda but no CUDA device")
     dtype, Hq, Hkv, D = torch.bfloat16, 32, 8, 128
@@ -131,6 +132,7 @@ def test_decode_workspace_gives_the_same_bits(seq_lens, split_k, gen):
     plain = poisoned((B, Hq, D), dtype, "cuda")
     call(plain, None)
     torch.cuda.synchronize()
+    assert ops.last_cuda_decode_plan()["splits"] > 1
     assert_close_to_reference(plain, ref, dtype)
     big = torch.full((16 << 20,), 0xFF, dtype=torch.uint8, device="cuda")  # NaN bytes as floats
     small = torch.empty(64, dtype=torch.uint8, device="cuda")
@@ -154,6 +156,8 @@ def test_decode_workspace_gives_the_same_bits(seq_lens, split_k, gen):
     assert torch.equal(graph_out.view(torch.int16), plain.view(torch.int16))
     with pytest.raises(ValueError, match="workspace must be a contiguous tensor on cuda"):
         call(plain, torch.empty(1 << 20, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="workspace must start on a 16-byte boundary"):
+        call(plain, big[4:])
 
 
 @pytest.mark.parametrize("device", DEVICES)

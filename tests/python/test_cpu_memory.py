@@ -39,13 +39,13 @@ def test_large_activations_reuse_heap_memory():
         if quiet == 2:
             break
     per_round = []
-    for _ in range(5):
+    for _ in range(7):
         start = minor_faults()
         one_round()
         per_round.append(minor_faults() - start)
     # untuned: ~16,000 faults in every round (one per 4 KiB page); tuned: the heap's pages are
-    # reused. One late heap growth (a CI run once saw 3,283 faults in 3 rounds after the warm-up)
-    # may still fault up to a whole block (16,384 pages) in one round, so the median round is what
-    # must be quiet, and the five together may fault at most ~1.5 blocks.
-    assert sorted(per_round)[2] < 500, f"minor page faults per reused 64 MiB block: {per_round}"
-    assert sum(per_round) < 24000, f"minor page faults per reused 64 MiB block: {per_round}"
+    # reused. Late heap growth still happens under pytest (CI runs saw 3,283 faults in 3 rounds,
+    # and [0, 15836, 16384, 0, 0]: two whole blocks in a row after the warm-up, the block moving
+    # between two places as above), so what must hold is that most rounds fault (almost) nothing.
+    quiet_rounds = sum(r < 500 for r in per_round)
+    assert quiet_rounds >= 4, f"minor page faults per reused 64 MiB block: {per_round}"

@@ -548,26 +548,30 @@ def _bits(t):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: f"hq{s[0]}-hkv{s[1]}-d{s[2]}-half{s[3]}")
-@pytest.mark.parametrize("variant", [0, 2])
-def test_gemv_rope_epilogue_equals_gemv_then_rotary(gen, dtype, m, shape, variant):
-    """The qkv GEMV with the rope epilogue against gemv (same config) then rotary_embedding_and_cache:
-    out, query_out and both caches (NaN-filled, untouched slots included) bit for bit; a padding
-    slot (-1) writes nothing; the arrival counters are zero again."""
+@pytest.mark.parametrize("cfg", [{}, {"variant": 2}, {"splits": 2}], ids=["auto", "rows32", "split2"])
+@pytest.mark.parametrize("norm", [False, True], ids=["x", "rmsnorm"])
+def test_gemv_rope_epilogue_equals_gemv_then_rotary(gen, dtype, m, shape, cfg, norm):
+    """The qkv GEMV with the rope epilogue against gemv (same config, same prologue) then
+    rotary_embedding_and_cache: out, query_out and both caches (NaN-filled, untouched slots included)
+    bit for bit; a padding slot (-1) writes nothing; the arrival counters are zero again. 16- and
+    32-row tiles, a cluster K split (the epilogue in rank 0 only), the RMSNorm prologue."""
     hq, hkv, d, half, bias = shape
     x, w, b, cos, sin, positions, slots, (kc, vc), qo = _rope_case(gen, dtype, m, hq, hkv, d, half, bias)
-    cfg = {"variant": variant}
-    ref_y = ops.gemv(x, w, b, config=cfg)
+    pro = {"norm_weight": rand((x.shape[1],), dtype, gen), "eps": 1e-5} if norm else {}
+    ref_y = ops.gemv(x, w, b, config=cfg, **pro)
     q, kk, v = ref_y.view(m, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
     ref_kc, ref_vc, ref_qo = kc.clone(), vc.clone(), qo.clone()
     ops.rotary_embedding_and_cache(positions, q, kk, v, cos, sin, ref_qo, ref_kc, ref_vc, slots)
     counters = torch.zeros(hq + 2 * hkv + 3, dtype=torch.int32, device="cuda")
-    y = ops.gemv(x, w, b, config=cfg, rope=ops.GemvRope(hq, hkv, positions, cos, sin, qo, kc, vc, slots, counters))
+    y = ops.gemv(x, w, b, config=cfg, rope=ops.GemvRope(hq, hkv, positions, cos, sin, qo, kc, vc, slots, counters),
+                 **pro)
     torch.cuda.synchronize()
     assert torch.equal(_bits(y), _bits(ref_y))
     assert torch.equal(_bits(qo), _bits(ref_qo))
     assert torch.equal(_bits(kc), _bits(ref_kc)) and torch.equal(_bits(vc), _bits(ref_vc))
     assert int(counters.abs().sum()) == 0
-    check(y, x, w, b, dtype, "rope qkv")  # and the product itself against float64
+    if not norm:
+        check(y, x, w, b, dtype, "rope qkv")  # and the product itself against float64
 
 
 @pytest.mark.cuda

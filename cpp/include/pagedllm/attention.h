@@ -52,7 +52,8 @@ struct AttentionOptions {
   /// whole blocks; partitions beyond the context are empty). Ignored by the prefill launcher.
   int32_t split_k = -1;
   /// Decode only, CUDA: caller-owned device scratch for the split-K partials (the call needs
-  /// num_seqs * num_heads * splits * (head_size + 2) floats). When given and large enough it is
+  /// num_seqs * num_heads * splits * (head_size + 2) floats). When given, large enough and 16-byte
+  /// aligned it is
   /// used instead of a stream-ordered allocation (cudaMallocAsync / cudaFreeAsync), so a CUDA graph
   /// of the call holds no memory nodes around the kernel; else the allocation as without it. The
   /// caller keeps it alive until the call's work is done and never shares it between streams.

@@ -35,7 +35,8 @@
 // the model runner copies in on the device. So step N + 1 can be launched before step N's tokens
 // reach the host. Only when (a) that previous step sampled the sequence without forking it,
 // (b) the placeholder token cannot end it by length (max_tokens, max_model_len) and (c) its slot
-// allocates without preempting anyone. If step N's token ends the sequence (EOS, a stop id or
+// allocates without preempting anyone. Likewise a prompt (or replay) whose previous chunk is in
+// flight gets its next chunk (known tokens), so chunked prefill does not wait a step per chunk. If step N's token ends the sequence (EOS, a stop id or
 // string), step N + 1's row is computed in vain and ignored: update_from_output(N) frees its
 // blocks at once — safe because every later step runs after step N + 1 on the device — and the
 // row of N + 1 no longer matches the released sequence. update_from_output must be called in

@@ -55,7 +55,7 @@ from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample import Sampler, compute_prompt_logprobs
 from pagedllm.sample.sampler import PendingSample
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -204,15 +204,24 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """Abort a request (finish_reason "abort"); returns its final output, None if unknown.
-        A request that had already finished in a deferred step returns that final output."""
+        A request that had already finished in a deferred step returns that final output. Outputs
+        of the request that the flushed steps produced and step() has not returned yet are folded
+        into the returned one (DELTA: their tokens, text and logprobs come first), so nothing of
+        the request is returned after its final output."""
         self._flush_pending()
         self._flush_inflight()
+        state = self.output_processor.requests.get(request_id)
+        delta = state is not None and state.params.output_kind == RequestOutputKind.DELTA
+        earlier = [o for o in self._ready if o.request_id == request_id]
+        if earlier:
+            self._ready = [o for o in self._ready if o.request_id != request_id]
         self.core.abort_request(request_id)
         out = self.output_processor.abort_request(request_id)
-        if out is None:
-            for i, ready in enumerate(self._ready):
-                if ready.request_id == request_id and ready.finished:
-                    return self._ready.pop(i)
+        if out is None:  # finished in a flushed step: its final output is the last of `earlier`
+            return earlier[-1] if earlier and earlier[-1].finished else None
+        if delta:
+            for prev in earlier:
+                _prepend_delta(out, prev)
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -278,7 +287,9 @@ class LLMEngine:
                 self.histograms["iteration_num_seqs"].observe(int(sched.num_seqs))
                 prev_sampled = None
                 if sched.num_placeholders:  # the scheduler's placeholders name rows of step_id - 1
-                    assert prev is not None and prev.sched.step_id == sched.step_id - 1
+                    if prev is None or prev.sched.step_id != sched.step_id - 1:
+                        raise RuntimeError(f"step {sched.step_id} has placeholders but the step in flight is "
+                                           f"{None if prev is None else prev.sched.step_id}")
                     prev_sampled = prev.sample.device_ids
                 greedy = (self.runner.argmax_applies(len(sched.sample_seq_ids))
                           and self.sampler.argmax_suffices(sched.sample_seq_ids))
@@ -402,6 +413,20 @@ class _InFlight:
     sample: PendingSample
     logprob_seq_ids: np.ndarray  # the seq ids of sample's logprob rows (its sampled rows)
     prompt_logits: dict
+
+
+def _prepend_delta(out: RequestOutput, prev: RequestOutput) -> None:
+    """out (a DELTA output) now starts with prev's pieces (an earlier DELTA output of the request),
+    sequence by sequence (by index)."""
+    earlier = {c.index: c for c in prev.outputs}
+    for c in out.outputs:
+        p = earlier.get(c.index)
+        if p is None:
+            continue
+        c.token_ids = list(p.token_ids) + list(c.token_ids)
+        c.text = p.text + c.text
+        if p.logprobs is not None and c.logprobs is not None:
+            c.logprobs = list(p.logprobs) + list(c.logprobs)
 
 
 def _tri_state(name: str, value) -> Any:

@@ -153,13 +153,16 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     cache's device used as the split-K scratch when large enough (B * Hq * splits * (D + 2)
     floats; else the call allocates its own, as without it): no memory nodes in a captured graph.
     Keep it alive and use it from one stream. Ignored on the CPU. ValueError for a workspace on
-    another device or not contiguous.
+    another device, not contiguous or not 16-byte aligned.
     """
     ws_ptr = ws_bytes = 0
     if workspace is not None and key_cache.is_cuda:
         if workspace.device != key_cache.device or not workspace.is_contiguous():
             raise ValueError(f"workspace must be a contiguous tensor on {key_cache.device}, got "
                              f"{'a strided tensor' if workspace.device == key_cache.device else workspace.device}")
+        if workspace.data_ptr() % 16:
+            raise ValueError(f"workspace must start on a 16-byte boundary (the partials are read as float4), "
+                             f"got address {workspace.data_ptr():#x}")
         ws_ptr, ws_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
     _C.paged_attention(_view(out), _view(query), _view(key_cache), _view(value_cache),
                        _view(block_tables), _view(seq_lens), float(scale),

@@ -39,7 +39,8 @@ class GemvRope:
     :func:`pagedllm.ops.rotary_embedding_and_cache` whose query, key and value are the three parts
     of the GEMV's output ``[M, (num_heads + 2 num_kv_heads) * head_size]``, plus ``counters``: int32
     ``[>= num_heads + 2 num_kv_heads]`` on the device, all zero (each call leaves them zero; use
-    one counters tensor from one stream). head_size must be a multiple of 32."""
+    one counters tensor from one stream; after a launch that failed midway, ``counters.zero_()``
+    before the next call: nonzero counters are not detected). head_size must be a multiple of 32."""
 
     num_heads: int
     num_kv_heads: int
