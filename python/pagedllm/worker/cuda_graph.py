@@ -8,10 +8,11 @@ memory pool (captured largest first). A decode step of n <= max sequences fills 
 of the next larger size's inputs in pinned host memory, pads the rest (slot -1: nothing written;
 seq_len 1 over block 0: a harmless read), copies them with ONE host-to-device copy (a size's
 inputs are the first bytes of one byte buffer: positions and slot_mapping int64, then input_ids,
-seq_lens and block_tables int32) and replays; the logits of the real rows are returned.
+seq_lens, prev_rows and block_tables int32) and replays; the logits of the real rows are returned.
 
-Segments (without async scheduling): launching a graph costs the host about 1 us per kernel node, and the GPU starts only
-once the launch is submitted — for a 32-layer model (~330 nodes) ~0.3 ms per decode step in which
+Segments (without async scheduling): launching a graph costs the host about 1 us per kernel node,
+and the GPU starts only once the launch is submitted — for a 32-layer model (~330 nodes) ~0.3 ms
+per decode step in which
 the GPU idles (bench/batch1_breakdown.py on the H200). So each size's forward is captured as a
 few graphs in sequence (layers [0, 1), [1, 4), [4, L) for L >= 8, see `segment_bounds`): the
 first, small one starts the GPU while the host submits the others. Segments are replayed in
