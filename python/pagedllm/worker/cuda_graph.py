@@ -13,9 +13,8 @@ seq_lens, prev_rows and block_tables int32) and replays; the logits of the real 
 Segments (without async scheduling): launching a graph costs the host about 1 us per kernel node,
 and the GPU starts only once the launch is submitted — for a 32-layer model (~330 nodes) ~0.3 ms
 per decode step in which the GPU idles (bench/batch1_breakdown.py on the H200). So each size's
-forward is captured as a
-few graphs in sequence (layers [0, 1), [1, 4), [4, L) for L >= 8, see `segment_bounds`): the
-first, small one starts the GPU while the host submits the others. Segments are replayed in
+forward is captured as a few graphs in sequence (layers [0, 1), [1, 4), [4, L) for L >= 8, see
+`segment_bounds`): the first, small one starts the GPU while the host submits the others. Segments are replayed in
 capture order on one stream. Their hand-over states (hidden and residual, [size, hidden_size]
 each) stay allocated per size up to PER_SIZE_HANDOVER_MAX; larger sizes copy them through one
 shared pair of buffers and keep nothing of their own (`boundary_state_bytes`, counted in the KV
