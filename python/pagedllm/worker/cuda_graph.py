@@ -14,11 +14,11 @@ Segments (without async scheduling): launching a graph costs the host about 1 us
 and the GPU starts only once the launch is submitted — for a 32-layer model (~330 nodes) ~0.3 ms
 per decode step in which the GPU idles (bench/batch1_breakdown.py on the H200). So each size's
 forward is captured as a few graphs in sequence (layers [0, 1), [1, 4), [4, L) for L >= 8, see
-`segment_bounds`): the first, small one starts the GPU while the host submits the others. Segments are replayed in
-capture order on one stream. Their hand-over states (hidden and residual, [size, hidden_size]
-each) stay allocated per size up to PER_SIZE_HANDOVER_MAX; larger sizes copy them through one
-shared pair of buffers and keep nothing of their own (`boundary_state_bytes`, counted in the KV
-budget: ~86 MB for Llama-3-8B with max_num_seqs 1024).
+`segment_bounds`): the first, small one starts the GPU while the host submits the others. Segments
+are replayed in capture order on one stream. Their hand-over states (hidden and residual, [size,
+hidden_size] each) stay allocated per size up to PER_SIZE_HANDOVER_MAX; larger sizes copy them
+through one shared pair of buffers and keep nothing of their own (`boundary_state_bytes`, counted
+in the KV budget: ~86 MB for Llama-3-8B with max_num_seqs 1024).
 
 Async scheduling (placeholders=True): each size's inputs also carry prev_rows (int32, -1 pads),
 and the first segment starts with ops.fill_placeholder_ids over a static int64 buffer that run()
