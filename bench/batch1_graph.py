@@ -58,7 +58,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_gpu import SHAPES  # noqa: E402
+from cuda_kernels import git_commit  # noqa: E402
+from throughput_gpu import SHAPES, copy_bandwidth  # noqa: E402
 
 BLOCK_SIZE = 16
 PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -111,35 +112,6 @@ class Env:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def git_commit() -> str:
-    if os.environ.get("PAGEDLLM_COMMIT"):
-        return os.environ["PAGEDLLM_COMMIT"]
-    import subprocess
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 4 GiB device-to-device copy (mean of 10 after 3)."""
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    bw = 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return bw
 
 
 def build(args):

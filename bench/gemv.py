@@ -35,6 +35,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput_gpu import copy_bandwidth  # noqa: E402
 
 SHAPES = {  # name -> (N, K)
     "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -43,24 +46,6 @@ SHAPES = {  # name -> (N, K)
                    "lm_head": (151936, 896)},
 }
 L2_BYTES = 50 << 20
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 4 GiB device-to-device copy (mean of 10)."""
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-    a.record()
-    for _ in range(10):
-        dst.copy_(src)
-    b.record()
-    b.synchronize()
-    bw = 2 * src.numel() * 10 / (a.elapsed_time(b) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return bw
 
 
 def time_graph(fn, launches: int, reps: int = 5) -> float:

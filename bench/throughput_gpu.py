@@ -64,10 +64,18 @@ def measure_device() -> dict:
     end.synchronize()
     tflops = 2 * n**3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
     del a, b
+    return {"gemm_bf16_tflops": tflops, "copy_bytes_per_s": copy_bandwidth()}
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 4 GiB device-to-device copy (mean of 10 after 3
+    warm-ups): the bandwidth of the roofline and of the batch-1 floor (also bench/gemv.py's and
+    bench/batch1_graph.py's)."""
     src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
     start.record()
     for _ in range(10):
         dst.copy_(src)
@@ -76,7 +84,7 @@ def measure_device() -> dict:
     bw = 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
     del src, dst
     torch.cuda.empty_cache()
-    return {"gemm_bf16_tflops": tflops, "copy_bytes_per_s": bw}
+    return bw
 
 
 def model_numbers(cfg: dict) -> dict:
