@@ -9,52 +9,36 @@
 #include <gtest/gtest.h>
 
 #include <map>
-#include <numeric>
 #include <string>
 #include <vector>
 
 #include "pagedllm/engine_core.h"
 #include "pagedllm/errors.h"
+#include "engine_test_util.h"
 #include "test_util.h"
 
 using namespace pagedllm;
+using namespace pagedllm::test_util;
 
 namespace {
 
-EngineConfig make_config(int32_t num_blocks, bool async = true, int32_t budget = 64) {
-  EngineConfig c;
-  c.num_blocks = num_blocks;
-  c.block_size = 16;
-  c.max_num_batched_tokens = budget;
-  c.max_num_seqs = 8;
-  c.max_model_len = 256;
+/// test_util::make_config with async scheduling on (or off).
+EngineConfig async_config(int32_t num_blocks, bool async = true, int32_t budget = 64) {
+  EngineConfig c = make_config(num_blocks, budget);
   c.async_scheduling = async;
   return c;
 }
 
-std::vector<int32_t> iota_tokens(int32_t n, int32_t first = 100) {
-  std::vector<int32_t> v(n);
-  std::iota(v.begin(), v.end(), first);
-  return v;
-}
-
-RequestParams params(int32_t max_tokens, int32_t n = 1) {
-  RequestParams p;
-  p.max_tokens = max_tokens;
-  p.n = n;
-  return p;
-}
-
-void expect_idle_no_leak(const EngineCore& core) {
-  EngineStats s = core.stats();
-  EXPECT_FALSE(core.has_unfinished_requests());
-  EXPECT_EQ(s.num_free_blocks, s.num_blocks);
-  EXPECT_EQ(core.kv_cache().num_seqs(), 0);
-  EXPECT_EQ(core.num_outputs_held(), 0);
-}
-
 /// The token a deterministic "model" samples for a sequence that has seen `len` tokens.
 int32_t model_token(SeqId seq, int32_t len) { return 1000 + static_cast<int32_t>(seq) * 37 + len; }
+
+/// The tokens the "model" samples for a step's sampled rows.
+std::vector<int32_t> sample(const SchedulerOutput& out) {
+  std::vector<int32_t> sampled(out.num_sampled);
+  for (int32_t r = 0; r < out.num_sampled; ++r)
+    sampled[r] = model_token(out.sample_seq_ids[r], static_cast<int32_t>(out.positions[out.logits_indices[r]]) + 1);
+  return sampled;
+}
 
 /// Drives the core as the Python engine does under async scheduling (schedule N + 1, then update
 /// N), checking each placeholder against the previous step's samples; returns the tokens
@@ -63,15 +47,6 @@ std::map<SeqId, std::vector<int32_t>> run_async(EngineCore& core, int* placehold
   std::map<SeqId, std::vector<int32_t>> known;  // the host's view: prompt + applied tokens
   SchedulerOutput* prev = nullptr;
   std::vector<int32_t> prev_sampled;
-  auto sample = [&](const SchedulerOutput& out) {
-    // ids with placeholders resolved, then each sampled row's token from the sequence's length
-    std::vector<int32_t> sampled(out.num_sampled);
-    for (int32_t r = 0; r < out.num_sampled; ++r) {
-      const int64_t row = out.logits_indices[r];
-      sampled[r] = model_token(out.sample_seq_ids[r], static_cast<int32_t>(out.positions[row]) + 1);
-    }
-    return sampled;
-  };
   for (int guard = 0; guard < 1000; ++guard) {
     SchedulerOutput& out = core.schedule();
     if (out.num_placeholders > 0) {
@@ -111,11 +86,8 @@ std::map<SeqId, std::vector<int32_t>> run_sync(EngineCore& core) {
   std::map<SeqId, std::vector<int32_t>> known;
   while (core.has_unfinished_requests()) {
     SchedulerOutput& out = core.schedule();
-    std::vector<int32_t> sampled(out.num_sampled);
-    for (int32_t r = 0; r < out.num_sampled; ++r)
-      sampled[r] = model_token(out.sample_seq_ids[r], static_cast<int32_t>(out.positions[out.logits_indices[r]]) + 1);
     EXPECT_EQ(out.num_placeholders, 0);
-    auto res = core.update_from_output(out, sampled);
+    auto res = core.update_from_output(out, sample(out));
     for (size_t k = 0; k < res->seq_ids.size(); ++k) known[res->seq_ids[k]].push_back(res->token_ids[k]);
     core.release(out);
   }
@@ -133,12 +105,12 @@ void add_workload(EngineCore& core) {
 }  // namespace
 
 TEST(AsyncScheduling, SameTokensAsSynchronousWithPlaceholders) {
-  EngineCore sync_core(make_config(64, false));
+  EngineCore sync_core(async_config(64, false));
   add_workload(sync_core);
   const auto expected = run_sync(sync_core);
   expect_idle_no_leak(sync_core);
 
-  EngineCore core(make_config(64, true));
+  EngineCore core(async_config(64, true));
   add_workload(core);
   int placeholders = 0;
   const auto got = run_async(core, &placeholders);
@@ -149,7 +121,7 @@ TEST(AsyncScheduling, SameTokensAsSynchronousWithPlaceholders) {
 }
 
 TEST(AsyncScheduling, PlaceholderRowLayout) {
-  EngineCore core(make_config(64));
+  EngineCore core(async_config(64));
   core.add_request("a", iota_tokens(16), params(4));
   SchedulerOutput& s0 = core.schedule();  // prefill, samples row 0
   ASSERT_EQ(s0.num_sampled, 1);
@@ -183,16 +155,12 @@ TEST(AsyncScheduling, PlaceholderRowLayout) {
   EXPECT_EQ(s3.positions[0], 17);
   core.update_from_output(s3, std::vector<int32_t>{43});
   core.release(s3);
-  while (core.has_unfinished_requests()) {
-    SchedulerOutput& out = core.schedule();
-    core.update_from_output(out, std::vector<int32_t>(out.num_sampled, 9));
-    core.release(out);
-  }
+  while (core.has_unfinished_requests()) step(core, 9);
   expect_idle_no_leak(core);
 }
 
 TEST(AsyncScheduling, NoPlaceholderForATokenThatEndsTheSequence) {
-  EngineCore core(make_config(64));
+  EngineCore core(async_config(64));
   core.add_request("a", iota_tokens(16), params(2));
   SchedulerOutput& s0 = core.schedule();  // samples output 1
   SchedulerOutput& s1 = core.schedule();  // output 1 as a placeholder, samples output 2 (the last)
@@ -229,7 +197,7 @@ TEST(AsyncScheduling, NoPlaceholderForATokenThatEndsTheSequence) {
 }
 
 TEST(AsyncScheduling, StopTokenInStepNDropsTheRowOfStepNPlus1) {
-  EngineCore core(make_config(64));
+  EngineCore core(async_config(64));
   RequestParams p = params(50);
   p.stop_token_ids = {77};
   core.add_request("a", iota_tokens(31), p);
@@ -247,16 +215,12 @@ TEST(AsyncScheduling, StopTokenInStepNDropsTheRowOfStepNPlus1) {
   core.release(s1);
   ASSERT_EQ(r1->token_ids.size(), 1u);
   EXPECT_EQ(r1->token_ids[0], 6);
-  while (core.has_unfinished_requests()) {
-    SchedulerOutput& out = core.schedule();
-    core.update_from_output(out, std::vector<int32_t>(out.num_sampled, 9));
-    core.release(out);
-  }
+  while (core.has_unfinished_requests()) step(core, 9);
   expect_idle_no_leak(core);
 }
 
 TEST(AsyncScheduling, CancellingBothInFlightStepsLeaksNothing) {
-  EngineCore core(make_config(64));
+  EngineCore core(async_config(64));
   core.add_request("a", iota_tokens(20), params(30));
   core.add_request("b", iota_tokens(24, 400), params(30, 2));
   SchedulerOutput& s0 = core.schedule();
@@ -275,7 +239,7 @@ TEST(AsyncScheduling, CancellingBothInFlightStepsLeaksNothing) {
 }
 
 TEST(AsyncScheduling, AbortBetweenTheTwoSteps) {
-  EngineCore core(make_config(64));
+  EngineCore core(async_config(64));
   core.add_request("a", iota_tokens(20), params(10));
   core.add_request("b", iota_tokens(20, 300), params(10));
   SchedulerOutput& s0 = core.schedule();
@@ -294,7 +258,7 @@ TEST(AsyncScheduling, AbortBetweenTheTwoSteps) {
 }
 
 TEST(AsyncScheduling, OffMeansNoPlaceholders) {
-  EngineCore core(make_config(64, false));
+  EngineCore core(async_config(64, false));
   core.add_request("a", iota_tokens(20), params(5));
   SchedulerOutput& s0 = core.schedule();
   SchedulerOutput& s1 = core.schedule();
@@ -312,7 +276,7 @@ TEST(AsyncScheduling, OffMeansNoPlaceholders) {
 }
 
 TEST(AsyncScheduling, ChunkedPrefillContinuesWhileItsChunkIsInFlight) {
-  EngineCore core(make_config(64, true, /*budget=*/16));
+  EngineCore core(async_config(64, true, /*budget=*/16));
   core.add_request("a", iota_tokens(40), params(3));
   SchedulerOutput& s0 = core.schedule();  // positions 0..15
   ASSERT_EQ(s0.num_tokens, 16);
@@ -340,10 +304,6 @@ TEST(AsyncScheduling, ChunkedPrefillContinuesWhileItsChunkIsInFlight) {
   core.release(s3);
   core.update_from_output(s4, std::vector<int32_t>{8});
   core.release(s4);
-  while (core.has_unfinished_requests()) {
-    SchedulerOutput& out = core.schedule();
-    core.update_from_output(out, std::vector<int32_t>(out.num_sampled, 9));
-    core.release(out);
-  }
+  while (core.has_unfinished_requests()) step(core, 9);
   expect_idle_no_leak(core);
 }

@@ -3,49 +3,17 @@
 // messages, aborts, in-flight steps and cancellation. Every test ends with no KV block leaked.
 #include <gtest/gtest.h>
 
-#include <numeric>
 #include <string>
 #include <vector>
 
 #include "pagedllm/engine_core.h"
 #include "pagedllm/errors.h"
+#include "engine_test_util.h"
 
 using namespace pagedllm;
+using namespace pagedllm::test_util;
 
 namespace {
-
-EngineConfig make_config(int32_t num_blocks, int32_t budget = 64, int32_t max_num_seqs = 8,
-                         int32_t max_model_len = 256, int32_t block_size = 16) {
-  EngineConfig c;
-  c.num_blocks = num_blocks;
-  c.block_size = block_size;
-  c.max_num_batched_tokens = budget;
-  c.max_num_seqs = max_num_seqs;
-  c.max_model_len = max_model_len;
-  return c;
-}
-
-std::vector<int32_t> iota_tokens(int32_t n, int32_t first = 100) {
-  std::vector<int32_t> v(n);
-  std::iota(v.begin(), v.end(), first);
-  return v;
-}
-
-RequestParams params(int32_t max_tokens, int32_t n = 1) {
-  RequestParams p;
-  p.max_tokens = max_tokens;
-  p.n = n;
-  return p;
-}
-
-/// Step with every sampled token = `token`; returns the result.
-std::shared_ptr<UpdateResult> step(EngineCore& core, int32_t token = 7) {
-  SchedulerOutput& out = core.schedule();
-  std::vector<int32_t> sampled(out.num_sampled, token);
-  auto r = core.update_from_output(out, sampled);
-  core.release(out);
-  return r;
-}
 
 void expect_slots_match_block_tables(const SchedulerOutput& out, int32_t bs) {
   for (int32_t row = 0; row < out.num_seqs; ++row) {
@@ -58,16 +26,6 @@ void expect_slots_match_block_tables(const SchedulerOutput& out, int32_t bs) {
   }
 }
 
-void expect_idle_no_leak(const EngineCore& core) {
-  EngineStats s = core.stats();
-  EXPECT_FALSE(core.has_unfinished_requests());
-  EXPECT_EQ(s.num_running, 0);
-  EXPECT_EQ(s.num_waiting, 0);
-  EXPECT_EQ(s.num_free_blocks, s.num_blocks);
-  EXPECT_EQ(s.kv_usage, 0.0);
-  EXPECT_EQ(core.kv_cache().num_seqs(), 0);
-  EXPECT_EQ(core.num_outputs_held(), 0);
-}
 
 }  // namespace
 
