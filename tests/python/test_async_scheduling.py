@@ -269,17 +269,23 @@ def test_llm_generate_leaves_nothing_in_flight(folder):
     llm.shutdown()
 
 
-def test_fill_placeholder_ids_matches_reference():
+def _check_fill_placeholder_ids(device, cases, seed):
+    """ops.fill_placeholder_ids on `device` against torch.where over fresh random ids, rows
+    (-1 = keep) and sampled ids, for each (tokens, sampled rows) in cases."""
     from pagedllm import ops
 
-    g = torch.Generator().manual_seed(3)
-    for t, r in ((1, 1), (7, 3), (300, 129)):
+    g = torch.Generator().manual_seed(seed)
+    for t, r in cases:
         ids = torch.randint(0, 5000, (t,), generator=g, dtype=torch.int32)
         rows = torch.randint(-1, r, (t,), generator=g, dtype=torch.int32)
         sampled = torch.randint(0, 150000, (r,), generator=g, dtype=torch.int64)
         expected = torch.where(rows >= 0, sampled[rows.clamp(min=0).long()].to(torch.int32), ids)
-        out = ops.fill_placeholder_ids(ids.clone(), rows, sampled)
-        assert torch.equal(out, expected)
+        out = ops.fill_placeholder_ids(ids.to(device), rows.to(device), sampled.to(device))
+        assert torch.equal(out.cpu(), expected)
+
+
+def test_fill_placeholder_ids_matches_reference():
+    _check_fill_placeholder_ids("cpu", ((1, 1), (7, 3), (300, 129)), seed=3)
 
 
 def test_fill_placeholder_ids_errors():
@@ -298,19 +304,9 @@ def test_fill_placeholder_ids_errors():
 
 @pytest.mark.cuda
 def test_fill_placeholder_ids_cuda_matches_reference():
-    from pagedllm import ops
-
     if not torch.cuda.is_available():
         pytest.fail("marked cuda but no CUDA device")
-    g = torch.Generator().manual_seed(4)
-    for t, r in ((1, 1), (256, 256), (1000, 77)):
-        ids = torch.randint(0, 5000, (t,), generator=g, dtype=torch.int32)
-        rows = torch.randint(-1, r, (t,), generator=g, dtype=torch.int32)
-        sampled = torch.randint(0, 150000, (r,), generator=g, dtype=torch.int64)
-        expected = torch.where(rows >= 0, sampled[rows.clamp(min=0).long()].to(torch.int32), ids)
-        out = ops.fill_placeholder_ids(ids.cuda(), rows.cuda(), sampled.cuda())
-        torch.cuda.synchronize()
-        assert torch.equal(out.cpu(), expected)
+    _check_fill_placeholder_ids("cuda", ((1, 1), (256, 256), (1000, 77)), seed=4)
 
 
 def test_pending_sample_scatters_skipped_rows():

@@ -300,31 +300,28 @@ class LLMEngine:
                 owned.pop()
                 for seq_id, stop_str in stops:
                     self.core.finish_sequence(seq_id, stop_str)
-            if run is not None and self._has_live_rows(sched):
-                self._inflight = _InFlight(sched, *self._sample_async(sched, run))
-                owned.pop(0)
-            # else every sequence of the launched step ended meanwhile (its rows were placeholders
-            # after their last token): nothing to sample or apply; it is released below, so that
-            # nothing stays in flight once every request has finished
+            if run is not None:
+                # which sequences of the launched step still run (the sampler forgets a sequence
+                # when it finishes or is aborted); if none does (their rows were placeholders after
+                # their last token), nothing is sampled or applied and the step is released below,
+                # so that nothing stays in flight once every request has finished
+                live = self.sampler.known(sched.sample_seq_ids)
+                if live.any() or self.sampler.known(sched.seq_ids).any():
+                    self._inflight = _InFlight(sched, *self._sample_async(sched, run, live))
+                    owned.pop(0)
         finally:
             for out in owned:  # never updated: its sequences are rescheduled, nothing leaks
                 self.core.release(out)
         outputs, self._ready = self._ready, []
         return outputs
 
-    def _has_live_rows(self, sched) -> bool:
-        """Whether some sequence of a launched step is still running (the sampler forgets a sequence
-        when it finishes or is aborted)."""
-        known = self.sampler.known
-        return bool(known(sched.seq_ids).any() or known(sched.sample_seq_ids).any())
-
-    def _sample_async(self, sched, run):
+    def _sample_async(self, sched, run, live: np.ndarray):
         """(PendingSample, seq ids of its logprob rows, prompt logits) of a launched step. Rows of
-        sequences that finished after it was scheduled (no longer in the sampler) are skipped."""
+        sequences that finished after it was scheduled (live[r] False: no longer in the sampler)
+        are skipped."""
         seq_ids = np.array(sched.sample_seq_ids, dtype=np.int64)
         if run.sampled_ids is not None:  # the model took the argmax itself
             return PendingSample(run.sampled_ids), seq_ids, run.prompt_logits
-        live = self.sampler.known(seq_ids)
         if live.all():
             return self.sampler.sample_async(run.logits, seq_ids), seq_ids, run.prompt_logits
         rows = np.nonzero(live)[0]
