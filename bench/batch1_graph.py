@@ -66,11 +66,16 @@ PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 
-def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None):
+def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="model"):
     """proj: projections through ops.gemv(config=config); attn: model | none | copy | rotary |
-    attend_prealloc | attend_copy; env: set around the capture; o_env: around the o GEMV call."""
+    attend_prealloc | attend_copy; env: set around the capture; o_env: around the o GEMV call;
+    rope: model (as the runner leaves it: paired qkv rows where they apply) | counters (the qkv
+    rows unpaired: the epilogue's last CTA per head rotates it) | separate (no rope epilogue: the
+    rotary kernel; implied by every attn but model, which replace DecoderLayer._attention)."""
+    if attn != "model":
+        rope = "separate"
     return {"proj": tuple(proj), "config": config, "pdl": pdl, "attn": attn, "env": dict(env or {}),
-            "o_env": dict(o_env or {})}
+            "o_env": dict(o_env or {}), "rope": rope}
 
 
 VARIANTS = {
@@ -85,6 +90,8 @@ VARIANTS = {
     "qkv_o_prefetch": V(("qkv_proj", "o_proj"), {"prefetch": 1}),
     "all_prefetch": V(PROJ, {"prefetch": 1}),
     "no_pdl": V(pdl=False),
+    "rope_counters": V(rope="counters"),
+    "rope_separate": V(rope="separate"),
 }
 DEFAULT_VARIANTS = ["base", "no_attn", "copy_only", "rotary_only", "attn_only", "attn_copy"]
 
@@ -130,6 +137,7 @@ def build(args):
     init_dummy_weights(model, args.seed)
     model.eval()
     model.pack_weights()  # as the runner; a no-op on CUDA
+    log(f"paired rotary rows: {model.pair_rotary_rows()}")  # as the runner
     width = math.ceil(args.max_model_len / BLOCK_SIZE)
     num_blocks = width + 4
     gen = torch.Generator(device=dev)
@@ -160,7 +168,8 @@ class Patched:
         from pagedllm import ops
         from pagedllm.model_executor.models import llama
 
-        self.ops, self.llama, self.spec = ops, llama, spec
+        self.ops, self.llama, self.spec, self.model = ops, llama, spec, model
+        self.was_paired, self.counters = False, None
         names = set(spec["proj"]) | ({"o_proj"} if spec["o_env"] else set())
         self.routes = {id(getattr(layer, n)): n for layer in model.layers for n in names}
         self.hits: dict[str, int] = {}
@@ -219,11 +228,24 @@ class Patched:
             llama.DecoderLayer._attention = attention
         if not spec["pdl"]:
             ops.set_pdl_enabled(False)
+        if spec["rope"] != "model":
+            self.was_paired = self.model._unpair_rotary_rows()
+        if spec["rope"] == "separate":
+            self.counters = [layer.rope_counters for layer in self.model.layers]
+            for layer in self.model.layers:
+                layer.rope_counters = None
         self.env.__enter__()
         return self
 
     def __exit__(self, *exc):
         self.env.__exit__(*exc)
+        if self.counters is not None:
+            for layer, c in zip(self.model.layers, self.counters):
+                layer.rope_counters = c
+            self.counters = None
+        if self.was_paired:
+            self.model.pair_rotary_rows()
+            self.was_paired = False
         self.llama._project = self._project
         self.llama.DecoderLayer._attention = self._attn
         self.ops.set_pdl_enabled(self._pdl)

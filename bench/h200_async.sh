@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Session 10's device batch (issue 7), one call (~7 min): build; the CUDA tests of the files session
-# 10 touches (engine, sampler, sampling ops, attention, GEMV, layer ops); then the benchmarks twice
-# for an A/B in one call: bench/throughput_gpu.py on both shapes (HF in the first run only) and
-# bench/batch1_breakdown.py, first as the code stands, then with B_ENV set (default: async
-# scheduling off; e.g. B_ENV=PAGEDLLM_GEMV_ROPE=0 B_NAME=-norope for the qkv GEMV's rope epilogue).
+# The issue-7 device batch (sessions 10-11), one call (~8 min): build; the CUDA tests of the engine,
+# sampler, sampling ops, attention, GEMV (with the paired rope rows) and layer ops; then the
+# benchmarks twice for an A/B in one call: bench/throughput_gpu.py on both shapes (HF in the first
+# run only) and bench/batch1_breakdown.py, first as the code stands, then with B_ENV set (default:
+# async scheduling off; e.g. B_ENV=PAGEDLLM_ROPE_PAIRED=0 B_NAME=-unpaired for the paired qkv rows);
+# last bench/batch1_graph.py with GRAPH_VARIANTS (default: base and the two other rope forms).
 # Everything lands in $OUT/work and comes back as one tarball ($OUT/$NAME.tgz: the device tool
 # returns at most 8 files) beside $OUT/summary.log.
 #   OUT=/some/dir NAME=s10 PAGEDLLM_COMMIT=<sha> [B_ENV=VAR=VALUE B_NAME=-suffix] bash bench/h200_async.sh
@@ -22,7 +23,8 @@ rm -rf tlog
 h200_tests tlog 300 "test_async_scheduling|tests/python/test_async_scheduling.py" \
   "test_sampler|tests/python/test_sampler.py" "test_sampling_ops|tests/python/test_sampling_ops.py" \
   "test_attention_kernels|tests/python/test_attention_kernels.py" "test_gemv|tests/python/test_gemv.py" \
-  "test_layer_ops_cuda|tests/python/test_layer_ops_cuda.py"
+  "test_layer_ops_cuda|tests/python/test_layer_ops_cuda.py" \
+  "test_rope_paired_rows|tests/python/test_rope_paired_rows.py"
 h200_tests tlog 200 "test_gpu_engine|tests/python/test_gpu_engine.py"
 h200_collect_tests tlog "$W/$NAME-tests.log" "$OUT/summary.log" "$t0"
 # the CPU-side async scheduling tests on this host too (not cuda-marked)
@@ -60,4 +62,10 @@ else
   run_b1 "" true ""
   run_b1 "$B_NAME" false ""
 fi
+GRAPH_VARIANTS=${GRAPH_VARIANTS:-base rope_counters rope_separate}
+t0=$(date +%s)
+# shellcheck disable=SC2086
+timeout 200 python3 bench/batch1_graph.py --variants $GRAPH_VARIANTS --tag "-$NAME" --out "$W" > "$W/$NAME-graph.log" 2>&1
+echo "batch1_graph: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
+grep -E '"(median_of_passes_us|minus_base_us|x_floor|floor_us)"' "$W/$NAME-graph.log" | head -40 | tee -a "$OUT/summary.log"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$OUT/summary.log"

@@ -21,6 +21,9 @@ PAGEDLLM_BINDING(layer_ops, m) {
   m.def("rotary_embedding_and_cache", &pagedllm::rotary_embedding_and_cache, py::arg("positions"),
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cos_cache"), py::arg("sin_cache"),
         py::arg("query_out"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
-        py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
-        "RoPE: rotated query -> query_out, rotated key and value -> the paged caches at slot_mapping.");
+        py::arg("stream") = 0, py::arg("paired_rows") = false, py::call_guard<py::gil_scoped_release>(),
+        "RoPE: rotated query -> query_out, rotated key and value -> the paged caches at slot_mapping; "
+        "paired_rows: query and key in the rotary_paired_row order.");
+  m.def("rotary_paired_row", &pagedllm::rotary_paired_row, py::arg("feature"), py::arg("rot_half"),
+        "The row of a head's feature in the paired-rows order (layer_ops.h).");
 }

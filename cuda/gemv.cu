@@ -93,6 +93,7 @@ struct GemvParams {
   const int64_t* rope_slots;
   int64_t rope_num_slots;
   int rope_heads, rope_kv_heads, rope_head_size, rope_rot_half, rope_block_size;
+  int rope_paired;       // 1: query / key rows in the rotary_paired_row order (no counters)
 };
 
 template <typename T>
@@ -334,6 +335,56 @@ __device__ void rope_epilogue(const GemvParams& p, int row0, int rows, int* flag
   }
 }
 
+/// The rope epilogue with paired rows (GemvRope::paired_rows) of one CTA's rows [row0, row0 +
+/// rows): the weight's query and key rows come in the rotary_paired_row order, so rows r and r + 8
+/// of each 16-row tile are the two features (j, j + rot_half) of a rotary pair. Each pair is
+/// rotated from `red` (the CTA's reduced sums [tile][row][token], before the bias; rounded as
+/// the y written above) by one thread — rotate_pair's roundings, so bit-equal to rope_epilogue on
+/// the unpermuted weight — and written in the standard order to query_out or the key cache;
+/// value rows (not permuted) are copied to the value cache. No counters, no other CTA involved.
+template <typename T>
+__device__ void rope_paired_epilogue(const GemvParams& p, int row0, int rows, const float* red) {
+  const int D = p.rope_head_size, half = p.rope_rot_half;
+  const int Hq = p.rope_heads, Hkv = p.rope_kv_heads;
+  const T* bias = static_cast<const T*>(p.bias);
+  auto element = [&](int row, int m) {  // out[m, row] as the epilogue rounds it
+    const int local = row - row0;
+    float v = red[(local / 16) * 128 + (local % 16) * 8 + m];
+    if (bias != nullptr) v += to_float(bias[row]);
+    return from_float<T>(v);
+  };
+  for (int e = threadIdx.x; e < rows / 2 * 8; e += blockDim.x) {
+    const int m = e % 8, pair = e / 8;
+    const int row = row0 + (pair / 8) * 16 + pair % 8;  // the pair's first row; the second is row + 8
+    if (m >= p.M || row >= p.N) continue;
+    const int head = row / D, within = row % D;
+    T* dst;
+    if (head < Hq) {
+      dst = static_cast<T*>(p.rope_query_out) + (static_cast<int64_t>(m) * Hq + head) * D;
+    } else {
+      const int64_t slot = p.rope_slots[m];
+      if (slot < 0 || slot >= p.rope_num_slots) continue;
+      const int kv = head < Hq + Hkv ? head - Hq : head - Hq - Hkv;
+      const int64_t block = slot / p.rope_block_size, brow = slot % p.rope_block_size;
+      void* cache = head < Hq + Hkv ? p.rope_key_cache : p.rope_value_cache;
+      dst = static_cast<T*>(cache) + ((block * Hkv + kv) * p.rope_block_size + brow) * D;
+    }
+    const T x1 = element(row, m), x2 = element(row + 8, m);
+    if (head >= Hq + Hkv) {  // a value head: its rows are in the standard order
+      dst[within] = x1;
+      dst[within + 8] = x2;
+      continue;
+    }
+    const int j = 8 * (within / 16) + within % 16;  // the pair's feature j < half (rotary_paired_row)
+    const int64_t pos = p.rope_positions[m];
+    T y1, y2;
+    rotate_pair<T>(x1, x2, to_float(static_cast<const T*>(p.rope_cos)[pos * half + j]),
+                   to_float(static_cast<const T*>(p.rope_sin)[pos * half + j]), y1, y2);
+    dst[j] = y1;
+    dst[j + half] = y2;
+  }
+}
+
 template <typename T, int TILES, int U, bool kVec, Prologue kPro>
 __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   // [warps][TILES * 128] floats: per-warp partial sums (row, token); then, for a staged
@@ -494,7 +545,8 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
       y[at] = from_float<T>(v);
     }
   }
-  if (p.rope_counters != nullptr) rope_epilogue<T>(p, row0, 16 * TILES, reinterpret_cast<int*>(red));
+  if (p.rope_paired) rope_paired_epilogue<T>(p, row0, 16 * TILES, red);
+  else if (p.rope_counters != nullptr) rope_epilogue<T>(p, row0, 16 * TILES, reinterpret_cast<int*>(red));
 }
 
 int device_attr(cudaDeviceAttr attr) {
@@ -640,7 +692,8 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
   p.k_per_split = k_per_split(p.K, splits);
   p.prefetch = config.prefetch >= 0 ? config.prefetch : 0;
   if (const GemvRope* r = fusion.rope; r != nullptr) {  // validated by the launcher (gemv.cpp)
-    p.rope_counters = r->counters->ptr<int>();
+    p.rope_paired = r->paired_rows ? 1 : 0;
+    p.rope_counters = r->paired_rows ? nullptr : r->counters->ptr<int>();
     p.rope_positions = r->positions->ptr<const int64_t>();
     p.rope_cos = r->cos_cache->data;
     p.rope_sin = r->sin_cache->data;

@@ -21,11 +21,12 @@ void rms_norm(const TensorView& out, const TensorView& input, const TensorView* 
 void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream);
 
 /// query_out == nullptr: rotate query and key in place (value, caches and slot_mapping unused,
-/// nullptr). Otherwise: rotated query -> query_out; rotated key and value -> the caches.
+/// nullptr). Otherwise: rotated query -> query_out; rotated key and value -> the caches, query and
+/// key read in the paired-rows order when paired_rows (fused form only).
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
                       const TensorView* value, const TensorView& cos_cache, const TensorView& sin_cache,
                       const TensorView* query_out, const TensorView* key_cache,
                       const TensorView* value_cache, const TensorView* slot_mapping,
-                      std::uintptr_t stream);
+                      std::uintptr_t stream, bool paired_rows = false);
 
 }  // namespace pagedllm::cuda

@@ -7,10 +7,14 @@
 // PyTorch's q * cos + rotate_half(q) * sin in dtype T (no fused multiply-add: __fmul_rn).
 // Fused form: the rotated query goes to a contiguous query_out; the rotated key and the value
 // go to row slot % block_size of block slot / block_size of the caches
-// ([num_blocks, Hkv, block_size, D]); features beyond rotary_dim are copied unchanged.
+// ([num_blocks, Hkv, block_size, D]); features beyond rotary_dim are copied unchanged. With
+// paired_rows (fused form, full rotary) query and key are read in layer_ops.h's rotary_paired_row
+// order — the output of a qkv projection whose weight rows were permuted for the GEMV's rope
+// epilogue — and written in the standard order.
 #include <algorithm>
 
 #include "layer_ops_common.cuh"
+#include "pagedllm/layer_ops.h"
 #include "layer_ops_cuda.h"
 #include "pdl.cuh"
 
@@ -33,21 +37,25 @@ struct RotaryParams {
   int64_t query_stride, key_stride, value_stride;
   int64_t num_slots;
   int num_heads, num_kv_heads, head_size, rot_half, block_size;
+  int paired_rows;        // fused form: query and key in the rotary_paired_row order (rot_half * 2 == D)
 };
 
 /// Rotate num_heads heads of `src` (token row) into `dst`; dst may equal src. When copy_rest,
-/// features [2 * rot_half, D) are copied from src to dst too.
+/// features [2 * rot_half, D) are copied from src to dst too. paired: src heads in the
+/// rotary_paired_row order (then 2 * rot_half == D: nothing to copy), dst in the standard order.
 template <typename T>
 __device__ __forceinline__ void rotate_heads(const T* src, T* dst, int64_t dst_head_stride, const T* cos_row,
                                              const T* sin_row, int num_heads, int head_size, int rot_half,
-                                             bool copy_rest) {
+                                             bool copy_rest, bool paired = false) {
   const int pairs = num_heads * rot_half;
   for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
     const int h = i / rot_half, j = i % rot_half;
     const T* x = src + h * head_size;
     T* y = dst + h * dst_head_stride;
+    const int j1 = paired ? rotary_paired_row(j, rot_half) : j;
+    const int j2 = paired ? j1 + 8 : j + rot_half;
     T y1, y2;
-    rotate_pair<T>(x[j], x[j + rot_half], to_float(cos_row[j]), to_float(sin_row[j]), y1, y2);
+    rotate_pair<T>(x[j1], x[j2], to_float(cos_row[j]), to_float(sin_row[j]), y1, y2);
     y[j] = y1;
     y[j + rot_half] = y2;
   }
@@ -76,7 +84,7 @@ __global__ void rotary_kernel(const RotaryParams p) {
     rotate_heads<T>(k, k, D, cos_row, sin_row, p.num_kv_heads, D, p.rot_half, false);
   } else {
     T* qo = static_cast<T*>(p.query_out) + token * static_cast<int64_t>(p.num_heads) * D;
-    rotate_heads<T>(q, qo, D, cos_row, sin_row, p.num_heads, D, p.rot_half, true);
+    rotate_heads<T>(q, qo, D, cos_row, sin_row, p.num_heads, D, p.rot_half, true, p.paired_rows != 0);
     const int64_t slot = p.slot_mapping[token];
     if (slot < 0 || slot >= p.num_slots) return;
     const int64_t block = slot / p.block_size, row = slot % p.block_size;
@@ -84,7 +92,7 @@ __global__ void rotary_kernel(const RotaryParams p) {
     const int64_t head_stride = static_cast<int64_t>(p.block_size) * D;
     const int64_t base = (block * p.num_kv_heads * p.block_size + row) * D;
     rotate_heads<T>(k, static_cast<T*>(p.key_cache) + base, head_stride, cos_row, sin_row, p.num_kv_heads, D, p.rot_half,
-                    true);
+                    true, p.paired_rows != 0);
     const T* v = static_cast<const T*>(p.value) + token * p.value_stride;
     T* vc = static_cast<T*>(p.value_cache) + base;
     for (int i = threadIdx.x; i < p.num_kv_heads * D; i += blockDim.x) {
@@ -108,10 +116,11 @@ void launch(const RotaryParams& p, int64_t num_tokens, bool fused, cudaStream_t 
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
                       const TensorView* value, const TensorView& cos_cache, const TensorView& sin_cache,
                       const TensorView* query_out, const TensorView* key_cache, const TensorView* value_cache,
-                      const TensorView* slot_mapping, std::uintptr_t stream) {
+                      const TensorView* slot_mapping, std::uintptr_t stream, bool paired_rows) {
   layer_ops::DeviceGuard guard(query.device_index);
   const bool fused = query_out != nullptr;
   RotaryParams p{};
+  p.paired_rows = fused && paired_rows ? 1 : 0;
   p.positions = positions.ptr<int64_t>();
   p.query = query.data;
   p.key = key.data;

@@ -34,9 +34,11 @@ void check_config(const char* op, const GemvConfig& c) {
 void check_rope(const char* op, const TensorView& out, const GemvRope& r, bool residual) {
   PAGEDLLM_CHECK(!residual, op, ": the rope epilogue cannot be combined with a residual");
   for (const TensorView* t : {r.positions, r.cos_cache, r.sin_cache, r.query_out, r.key_cache, r.value_cache,
-                              r.slot_mapping, r.counters})
+                              r.slot_mapping})
     PAGEDLLM_CHECK(t != nullptr, op, ": the rope epilogue needs positions, cos_cache, sin_cache, query_out, "
-                   "key_cache, value_cache, slot_mapping and counters");
+                   "key_cache, value_cache and slot_mapping");
+  PAGEDLLM_CHECK(r.paired_rows || r.counters != nullptr, op,
+                 ": the rope epilogue needs counters (or paired_rows: weight rows in the rotary_paired_row order)");
   PAGEDLLM_CHECK(r.num_heads > 0 && r.num_kv_heads > 0, op, ": rope num_heads and num_kv_heads must be positive, "
                  "got ", r.num_heads, " and ", r.num_kv_heads);
   detail::check_kv_caches(op, *r.key_cache, *r.value_cache);
@@ -62,6 +64,10 @@ void check_rope(const char* op, const TensorView& out, const GemvRope& r, bool r
   detail::check_rotary_and_cache_args(op, *r.positions, q, k, v, *r.cos_cache, *r.sin_cache, *r.query_out,
                                       *r.key_cache, *r.value_cache, *r.slot_mapping);
   PAGEDLLM_CHECK(!overlaps(*r.query_out, out), op, ": query_out overlaps out");
+  if (r.paired_rows) {
+    detail::check_rotary_paired_rows(op, D, r.cos_cache->size(1));
+    return;  // no counters: every CTA rotates its own rows
+  }
   check_ndim(op, "counters", *r.counters, 1, "[>= num_heads + 2 * num_kv_heads]");
   check_dtype(op, "counters", *r.counters, DType::kInt32);
   check_same_device(op, "counters", *r.counters, "out", out);

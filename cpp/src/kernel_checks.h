@@ -145,4 +145,8 @@ void check_rotary_and_cache_args(const char* op, const TensorView& positions, co
                                  const TensorView& key_cache, const TensorView& value_cache,
                                  const TensorView& slot_mapping);
 
+/// The paired-rows order (layer_ops.h's rotary_paired_row) needs full rotary: 2 * rot_half ==
+/// head_size, and head_size % 16 == 0; throws InvalidArgument naming `op` and both values.
+void check_rotary_paired_rows(const char* op, int64_t head_size, int64_t rot_half);
+
 }  // namespace pagedllm::detail

@@ -279,23 +279,30 @@ void check_rotary_and_cache_args(const char* op, const TensorView& positions, co
   PAGEDLLM_CHECK(!overlaps(query_out, q_span), op, ": query_out overlaps query");
 }
 
+void check_rotary_paired_rows(const char* op, int64_t head_size, int64_t rot_half) {
+  PAGEDLLM_CHECK(2 * rot_half == head_size && head_size % 16 == 0, op,
+                 ": paired_rows needs full rotary (rotary_dim == head_size) and head_size % 16 == 0, got head_size ",
+                 head_size, " and rotary_dim ", 2 * rot_half);
+}
+
 }  // namespace detail
 
 void rotary_embedding_and_cache(const TensorView& positions, const TensorView& query, const TensorView& key,
                                 const TensorView& value, const TensorView& cos_cache,
                                 const TensorView& sin_cache, const TensorView& query_out,
                                 const TensorView& key_cache, const TensorView& value_cache,
-                                const TensorView& slot_mapping, std::uintptr_t stream) {
+                                const TensorView& slot_mapping, std::uintptr_t stream, bool paired_rows) {
   const char* op = "rotary_embedding_and_cache";
   PAGEDLLM_CHECK(query.device == DeviceType::kCUDA, op, ": query is on ", detail::device_str(query),
                  "; this op has a CUDA kernel only so far (on the cpu use rotary_embedding, then "
                  "reshape_and_cache)");
   detail::check_rotary_and_cache_args(op, positions, query, key, value, cos_cache, sin_cache, query_out, key_cache,
                                       value_cache, slot_mapping);
+  if (paired_rows) detail::check_rotary_paired_rows(op, query.size(2), cos_cache.size(1));
   if (query.size(0) == 0) return;
 #ifdef PAGEDLLM_LAYER_OPS_CUDA
   cuda::rotary_embedding(positions, query, key, &value, cos_cache, sin_cache, &query_out, &key_cache,
-                         &value_cache, &slot_mapping, stream);
+                         &value_cache, &slot_mapping, stream, paired_rows);
 #else
   (void)stream;
   no_layer_ops_cuda(op);

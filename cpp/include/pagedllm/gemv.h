@@ -21,6 +21,12 @@
 //             into query_out or the key cache, or copies it to the value cache (out keeps the
 //             unrotated qkv). Same roundings as rotary_embedding_and_cache: bit for bit. Saves that
 //             kernel and its boundary (~3.8 us per decode layer at batch 1 on the H200).
+//             With paired_rows the weight's query and key rows come in layer_ops.h's
+//             rotary_paired_row order, which puts both features of every rotary pair in one lane's
+//             accumulators: each CTA rotates its own rows and writes query_out and the caches in
+//             the standard order — no counters, no cross-CTA step (out keeps the unrotated qkv in
+//             the paired order). Bit for bit equal to the standard order with the unpermuted
+//             weight. Needs full rotary (rotary_dim == head_size).
 //
 // M (tokens) is 1..kGemvMaxTokens. At these sizes a linear layer only streams its weight once, so
 // the kernel is built for memory bandwidth: 16-byte weight loads, several in flight per thread,
@@ -52,8 +58,8 @@
 //           (same data and shape) or not overlapping it
 //   fusion.rope         nullptr, or every field as rotary_embedding_and_cache takes it with query,
 //           key and value the three parts of out, plus counters int32 [>= Hq + 2 Hkv] on the device,
-//           all zero (every call leaves them zero; one call at a time per counters tensor);
-//           head_size a multiple of 32; not with a residual
+//           all zero (every call leaves them zero; one call at a time per counters tensor; not
+//           needed with paired_rows); head_size a multiple of 32; not with a residual
 //   stream  a cudaStream_t as an integer (0 = legacy default stream); never synchronizes, so
 //           CUDA graphs can capture it.
 // K and N may be any positive size; rows whose byte size is a multiple of 16 (K % 8 == 0) with
@@ -90,6 +96,9 @@ struct GemvRope {
   const TensorView* value_cache = nullptr;
   const TensorView* slot_mapping = nullptr;    ///< int64 [M]; a slot < 0 writes no key / value
   const TensorView* counters = nullptr;        ///< int32 [>= Hq + 2 * Hkv], zero before and after
+                                               ///< (unused with paired_rows: may be nullptr)
+  bool paired_rows = false;                    ///< weight rows of the query and key heads permuted
+                                               ///< to layer_ops.h's rotary_paired_row order
 };
 
 /// What the GEMV does around the product (see the header comment); the defaults do nothing.

@@ -75,11 +75,33 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
 ///   key_cache, value_cache  [num_blocks, Hkv, block_size, D] (pagedllm/cache_ops.h)
 ///   slot_mapping  int64 [T]: a slot < 0 or >= num_blocks * block_size writes nothing to the
 ///              caches for that token (its query is still rotated)
+///   paired_rows  false: query and key heads in the standard order; true: in the paired-rows
+///              order of rotary_paired_row (a qkv projection whose weight rows were permuted so that
+///              the GEMV's rope epilogue rotates in registers, GemvRope::paired_rows); needs full
+///              rotary (R == D) and D % 16 == 0. query_out and the caches are in the standard order
+///              either way.
 void rotary_embedding_and_cache(const TensorView& positions, const TensorView& query,
                                 const TensorView& key, const TensorView& value,
                                 const TensorView& cos_cache, const TensorView& sin_cache,
                                 const TensorView& query_out, const TensorView& key_cache,
                                 const TensorView& value_cache, const TensorView& slot_mapping,
-                                std::uintptr_t stream = 0);
+                                std::uintptr_t stream = 0, bool paired_rows = false);
+
+#if defined(__CUDACC__)
+#define PAGEDLLM_HOST_DEVICE __host__ __device__
+#else
+#define PAGEDLLM_HOST_DEVICE
+#endif
+
+/// The paired-rows order of a rotated head of D = 2 * rot_half features (rot_half % 8 == 0): the
+/// row that holds feature `feature`. Rotary pairs (j, j + rot_half) lie 8 rows apart inside one
+/// 16-row tile — features 8t..8t+7 at rows 16t..16t+7 and rot_half+8t..rot_half+8t+7 at rows
+/// 16t+8..16t+15 — which is where one lane's two accumulator rows (g, g + 8) of an m16n8k16 MMA
+/// fall, so the GEMV rotates its output without leaving registers. A permutation of [0, D).
+PAGEDLLM_HOST_DEVICE constexpr int rotary_paired_row(int feature, int rot_half) {
+  const int second = feature >= rot_half ? 1 : 0;
+  const int i = feature - second * rot_half;
+  return 16 * (i / 8) + i % 8 + 8 * second;
+}
 
 }  // namespace pagedllm

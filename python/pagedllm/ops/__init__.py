@@ -39,6 +39,7 @@ __all__ = [
     "silu_and_mul",
     "rotary_embedding",
     "rotary_embedding_and_cache",
+    "rotary_paired_order",
     "argmax_rows",
     "fill_placeholder_ids",
     "amx_linear_supported",
@@ -217,6 +218,7 @@ from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
     rms_norm,
     rotary_embedding,
     rotary_embedding_and_cache,
+    rotary_paired_order,
     silu_and_mul,
 )
 from pagedllm.ops.sampling_ops import argmax_rows, fill_placeholder_ids  # noqa: E402

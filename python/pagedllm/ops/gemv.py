@@ -10,7 +10,8 @@ optional fusions that save a kernel launch each in a decoder layer:
   residual stream in place (after the o / down projection).
 * ``rope=GemvRope(...)``: ``y`` is a fused qkv projection; the rotary embedding and the KV-cache
   write of :func:`pagedllm.ops.rotary_embedding_and_cache` run in the same kernel (bit for bit),
-  the last CTA of each head doing that head.
+  the last CTA of each head doing that head — or, with ``paired_rows`` (the weight's q and k rows
+  in :func:`pagedllm.ops.rotary_paired_order`), every CTA rotating its own rows in registers.
 
 CUDA only (bfloat16, float16; float32 is refused — use ``torch.nn.functional.linear``), launched
 on ``torch.cuda.current_stream()`` so CUDA graphs capture it. fp32 accumulation and one rounding,
@@ -40,7 +41,12 @@ class GemvRope:
     of the GEMV's output ``[M, (num_heads + 2 num_kv_heads) * head_size]``, plus ``counters``: int32
     ``[>= num_heads + 2 num_kv_heads]`` on the device, all zero (each call leaves them zero; use
     one counters tensor from one stream; after a launch that failed midway, ``counters.zero_()``
-    before the next call: nonzero counters are not detected). head_size must be a multiple of 32."""
+    before the next call: nonzero counters are not detected). head_size must be a multiple of 32.
+    ``paired_rows=True``: the weight's (and bias's) rows of every query and key head are in the
+    order of :func:`pagedllm.ops.rotary_paired_order`; each CTA then rotates its own rows (no
+    counters needed) and query_out / the caches still get the standard order, bit for bit as
+    without it on the unpermuted weight; the output's q and k parts stay in the paired order.
+    Needs full rotary (rotary_dim == head_size)."""
 
     num_heads: int
     num_kv_heads: int
@@ -51,7 +57,8 @@ class GemvRope:
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     slot_mapping: torch.Tensor
-    counters: torch.Tensor
+    counters: torch.Tensor | None = None
+    paired_rows: bool = False
 
 
 def gemv_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -93,8 +100,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             None if residual is None else _view(residual),
             None if rope is None else [_view(t) for t in (rope.positions, rope.cos_cache, rope.sin_cache,
                                                            rope.query_out, rope.key_cache, rope.value_cache,
-                                                           rope.slot_mapping, rope.counters)],
-            0 if rope is None else int(rope.num_heads), 0 if rope is None else int(rope.num_kv_heads))
+                                                           rope.slot_mapping, rope.counters)
+                                       if t is not None],
+            0 if rope is None else int(rope.num_heads), 0 if rope is None else int(rope.num_kv_heads),
+            rope is not None and bool(rope.paired_rows))
     return out
 
 

@@ -59,13 +59,30 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                                query_out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                               slot_mapping: torch.Tensor) -> None:
+                               slot_mapping: torch.Tensor, paired_rows: bool = False) -> None:
     """:func:`rotary_embedding`'s rotation fused with ``reshape_and_cache``: the rotated query goes
     to ``query_out [T, Hq, D]`` (contiguous), the rotated key and ``value`` go into the paged
     caches at ``slot_mapping`` (int64 ``[T]``; a slot < 0 writes nothing). ``query``, ``key``,
     ``value`` are only read and may be strided views into one QKV tensor (heads contiguous).
     ``cos_cache``/``sin_cache`` ``[max_position, R/2]``: the two halves of ``cos_sin_cache`` as
-    separate tables. CUDA only so far."""
+    separate tables. ``paired_rows``: each query and key head comes in the order of
+    :func:`rotary_paired_order` (the output of a qkv weight permuted for the GEMV's rope
+    epilogue; needs R == D, D % 16 == 0); ``query_out`` and the caches get the standard order.
+    CUDA only so far."""
     _C.rotary_embedding_and_cache(_view(positions), _view(query), _view(key), _view(value), _view(cos_cache),
                                   _view(sin_cache), _view(query_out), _view(key_cache), _view(value_cache),
-                                  _view(slot_mapping), _stream(query))
+                                  _view(slot_mapping), _stream(query), bool(paired_rows))
+
+
+def rotary_paired_order(head_size: int) -> torch.Tensor:
+    """int64 ``[head_size]``: the feature at each row of a head in the paired-rows order
+    (``rotary_paired_row`` in layer_ops.h; full rotary, head_size % 16 == 0): ``w[order]`` puts
+    the rows of one head of a q or k projection weight ``w [head_size, K]`` in that order, which
+    puts the two features (j, j + head_size / 2) of every rotary pair 8 rows apart in one 16-row
+    tile. Raises ValueError for a head_size that is not a positive multiple of 16."""
+    if head_size <= 0 or head_size % 16:
+        raise ValueError(f"rotary_paired_order: head_size must be a positive multiple of 16, got {head_size}")
+    order = torch.empty(head_size, dtype=torch.int64)
+    for feature in range(head_size):
+        order[_C.rotary_paired_row(feature, head_size // 2)] = feature
+    return order

@@ -108,6 +108,8 @@ class ModelRunner:
             logger.info("projections pre-packed (bfloat16 on CPU): %s", {
                 "AmxLinear": "AMX kernel for steps of <= 128 tokens, oneDNN above",
                 "PackedLinear": "oneDNN"}.get(kind, kind))
+        if self.model.pair_rotary_rows():
+            logger.info("qkv rows in the paired rotary order: the qkv GEMV rotates in registers")
         self._synchronize()
         self.phase_seconds["load_weights"] = time.perf_counter() - start
         logger.info("loaded %s (%s, %s, load_format=%s) in %.1f s", model_path, model_config.architecture, dtype,

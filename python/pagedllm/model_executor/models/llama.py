@@ -232,6 +232,9 @@ class DecoderLayer(nn.Module):
         #: int32 arrival counters of the qkv GEMV's rope epilogue (shared by the layers; set by
         #: LlamaForCausalLM where it applies), None: a separate rotary kernel
         self.rope_counters: torch.Tensor | None = None
+        #: qkv_proj's query and key rows are in ops.rotary_paired_order (LlamaForCausalLM.
+        #: pair_rotary_rows): the rope epilogue rotates in registers, the rotary kernel reads that order
+        self.rope_paired_rows = False
 
     def forward(
         self,
@@ -301,7 +304,7 @@ class DecoderLayer(nn.Module):
         key_cache, value_cache = kv_cache
         ops.gemv(h, self.qkv_proj.weight, self.qkv_proj.bias, rope=ops.GemvRope(
             self.num_heads, self.num_kv_heads, positions, rotary.cos, rotary.sin, query, key_cache, value_cache,
-            meta.slot_mapping, self.rope_counters))
+            meta.slot_mapping, None if self.rope_paired_rows else self.rope_counters, self.rope_paired_rows))
         return self.attn.attend(query, kv_cache, meta).view(T, self.q_size)
 
     def _attention(self, qkv: torch.Tensor, positions: torch.Tensor,
@@ -317,6 +320,8 @@ class DecoderLayer(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
+        if self.rope_paired_rows and (cos_sin is not None or not q.is_cuda):
+            raise RuntimeError("paired rotary rows are read by the CUDA rotary kernels only")
         if cos_sin is not None:
             q = rotary.apply(q, *cos_sin)
             k = rotary.apply(k, *cos_sin)
@@ -326,7 +331,7 @@ class DecoderLayer(nn.Module):
             query = torch.empty((T, self.num_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
             key_cache, value_cache = kv_cache
             ops.rotary_embedding_and_cache(positions, q, k, v, rotary.cos, rotary.sin, query, key_cache,
-                                           value_cache, meta.slot_mapping)
+                                           value_cache, meta.slot_mapping, paired_rows=self.rope_paired_rows)
             attn = self.attn.attend(query, kv_cache, meta)
         else:
             # fused (CPU): rotate q and k in place; the CPU kernels read q, k, v as views of qkv
@@ -522,6 +527,48 @@ class LlamaForCausalLM(nn.Module):
             return ops.gemv(normed, self.lm_head_weight).float()
         return F.linear(normed, self.lm_head_weight).float()
 
+    def pair_rotary_rows(self) -> bool:
+        """Where the qkv GEMV's rope epilogue applies (gemv_rope_applies) with full rotary
+        (rotary_dim == head_dim, head_dim % 16 == 0) and PAGEDLLM_ROPE_PAIRED is not "0": permute
+        the query and key rows of every layer's qkv weight (and bias) into ops.rotary_paired_order,
+        so that the epilogue rotates each CTA's own rows in registers (GemvRope.paired_rows: no
+        arrival counters, no cross-CTA step) and larger steps' rotary_embedding_and_cache reads that
+        order (paired_rows). Outputs are unchanged bit for bit: the rotated query and the KV cache
+        keep the standard order. Call after the weights are loaded (the model runner does);
+        load_weights keeps the order. Returns whether the rows are paired now (idempotent)."""
+        if any(layer.rope_paired_rows for layer in self.layers):
+            return True
+        cfg = self.config
+        if (not self.layers or self.layers[0].rope_counters is None or cfg.head_dim % 16
+                or 2 * self.rotary.cos.shape[1] != cfg.head_dim or os.environ.get("PAGEDLLM_ROPE_PAIRED", "1") == "0"):
+            return False
+        self._permute_qk_rows(ops.rotary_paired_order(cfg.head_dim))
+        for layer in self.layers:
+            layer.rope_paired_rows = True
+        return True
+
+    def _unpair_rotary_rows(self) -> bool:
+        """Undo pair_rotary_rows; returns whether the rows were paired."""
+        if not any(layer.rope_paired_rows for layer in self.layers):
+            return False
+        self._permute_qk_rows(torch.argsort(ops.rotary_paired_order(self.config.head_dim)))
+        for layer in self.layers:
+            layer.rope_paired_rows = False
+        return True
+
+    @torch.inference_mode()
+    def _permute_qk_rows(self, order: torch.Tensor) -> None:
+        """Every layer's qkv rows of each query and key head h: rows h * D + order (values untouched)."""
+        cfg = self.config
+        D, heads = cfg.head_dim, cfg.num_attention_heads + cfg.num_key_value_heads
+        rows = torch.arange(self.layers[0].qkv_proj.weight.shape[0])
+        rows[: heads * D] = (torch.arange(heads).unsqueeze(1) * D + order.unsqueeze(0)).reshape(-1)
+        rows = rows.to(self.device)
+        for layer in self.layers:
+            for t in (layer.qkv_proj.weight, layer.qkv_proj.bias):
+                if t is not None:
+                    t.copy_(t.index_select(0, rows))
+
     def pack_weights(self) -> bool:
         """After load_weights: on CPU in bfloat16, replace every projection (and the LM head) by an
         AmxLinear (pagedllm's AMX kernel for decode batches, oneDNN for prefill) where the machine
@@ -564,6 +611,14 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model (casting to its dtype). Raises ValueError on an
         unknown or missing tensor or a shape mismatch, naming it."""
+        paired = self._unpair_rotary_rows()  # checkpoints hold the standard order
+        try:
+            self._load_weights(weights)
+        finally:
+            if paired:
+                self.pair_rotary_rows()
+
+    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
