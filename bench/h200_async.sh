@@ -7,7 +7,8 @@
 # last bench/batch1_graph.py with GRAPH_VARIANTS (default: base and the two other rope forms).
 # Everything lands in $OUT/work and comes back as one tarball ($OUT/$NAME.tgz: the device tool
 # returns at most 8 files) beside $OUT/summary.log.
-#   OUT=/some/dir NAME=s10 PAGEDLLM_COMMIT=<sha> [B_ENV=VAR=VALUE B_NAME=-suffix] bash bench/h200_async.sh
+#   OUT=/some/dir NAME=s10 PAGEDLLM_COMMIT=<sha> [B_ENV=VAR=VALUE B_NAME=-suffix B_SHAPES="llama3-8b"]
+#   [GRAPH_VARIANTS="base ..."] bash bench/h200_async.sh
 set -uo pipefail
 OUT=${OUT:?set OUT}
 NAME=${NAME:-s10}
@@ -54,7 +55,8 @@ run_b1() {  # run_b1 SUFFIX true|false ENV
 }
 run_tp "" "" --shapes llama3-8b qwen2-0.5b
 if [ -n "$B_ENV" ]; then
-  run_tp "$B_NAME" "$B_ENV" --shapes llama3-8b qwen2-0.5b --skip-hf
+  # shellcheck disable=SC2086
+  run_tp "$B_NAME" "$B_ENV" --shapes ${B_SHAPES:-llama3-8b qwen2-0.5b} --skip-hf
   run_b1 "" true ""
   run_b1 "$B_NAME" true "$B_ENV"
 else
