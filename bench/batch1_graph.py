@@ -66,16 +66,21 @@ PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 
-def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="model"):
+def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="model", qkv_config=None,
+      split_k=None, early=True):
     """proj: projections through ops.gemv(config=config); attn: model | none | copy | rotary |
     attend_prealloc | attend_copy; env: set around the capture; o_env: around the o GEMV call;
     rope: model (as the runner leaves it: paired qkv rows where they apply) | counters (the qkv
     rows unpaired: the epilogue's last CTA per head rotates it) | separate (no rope epilogue: the
-    rotary kernel; implied by every attn but model, which replace DecoderLayer._attention)."""
+    rotary kernel; implied by every attn but model, which replace DecoderLayer._attention);
+    qkv_config: the rope qkv GEMV's config (DecoderLayer.qkv_gemv_config); split_k: the decode
+    attention's split (Attention.split_k; 0 = one pass); early: the decode kernel's early context
+    loads (attention.EARLY_CONTEXT_LOADS)."""
     if attn != "model":
         rope = "separate"
     return {"proj": tuple(proj), "config": config, "pdl": pdl, "attn": attn, "env": dict(env or {}),
-            "o_env": dict(o_env or {}), "rope": rope}
+            "o_env": dict(o_env or {}), "rope": rope, "qkv_config": qkv_config, "split_k": split_k,
+            "early": early}
 
 
 VARIANTS = {
@@ -92,6 +97,11 @@ VARIANTS = {
     "no_pdl": V(pdl=False),
     "rope_counters": V(rope="counters"),
     "rope_separate": V(rope="separate"),
+    "qkv_rows32": V(qkv_config={"variant": 2}),
+    "split1": V(split_k=0),
+    "split4": V(split_k=4),
+    "split16": V(split_k=16),
+    "no_early": V(early=False),
 }
 DEFAULT_VARIANTS = ["base", "no_attn", "copy_only", "rotary_only", "attn_only", "attn_copy"]
 
@@ -234,11 +244,22 @@ class Patched:
             self.counters = [layer.rope_counters for layer in self.model.layers]
             for layer in self.model.layers:
                 layer.rope_counters = None
+        from pagedllm.model_executor import attention as attention_mod
+
+        self.attention_mod, self._early = attention_mod, attention_mod.EARLY_CONTEXT_LOADS
+        attention_mod.EARLY_CONTEXT_LOADS = spec["early"]
+        for layer in self.model.layers:
+            layer.qkv_gemv_config = spec["qkv_config"]
+            layer.attn.split_k = spec["split_k"]
         self.env.__enter__()
         return self
 
     def __exit__(self, *exc):
         self.env.__exit__(*exc)
+        self.attention_mod.EARLY_CONTEXT_LOADS = self._early
+        for layer in self.model.layers:
+            layer.qkv_gemv_config = None
+            layer.attn.split_k = None
         if self.counters is not None:
             for layer, c in zip(self.model.layers, self.counters):
                 layer.rope_counters = c

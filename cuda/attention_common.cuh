@@ -59,6 +59,9 @@ struct AttnParams {
   // split_counters[group index = item / num_splits], zero on entry and reset to zero by that last arriver), and
   // no reduction kernel runs. nullptr: the partials are left for launch_splitk_reduce.
   int* split_counters = nullptr;
+  // Decode v2 only (AttentionOptions::early_context_loads): tiles wholly before each sequence's
+  // last token may be loaded before pdl_wait.
+  int early_context_loads = 0;
 };
 
 /// atom.add with acquire-release semantics at GPU scope (PTX ISA, "Memory Consistency Model"):

@@ -94,6 +94,7 @@ struct GemvParams {
   int64_t rope_num_slots;
   int rope_heads, rope_kv_heads, rope_head_size, rope_rot_half, rope_block_size;
   int rope_paired;       // 1: query / key rows in the rotary_paired_row order (no counters)
+  int out_f32;           // 1: y is float32, each element rounded to T first (no residual, no rope)
 };
 
 template <typename T>
@@ -542,7 +543,8 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
       const int64_t at = static_cast<int64_t>(token) * p.N + row;
       // the residual element is read and then written by this thread only (y may be residual)
       if (residual != nullptr) v = to_float(residual[at]) + round_to<T>(v);
-      y[at] = from_float<T>(v);
+      if (p.out_f32) static_cast<float*>(p.y)[at] = round_to<T>(v);
+      else y[at] = from_float<T>(v);
     }
   }
   if (p.rope_paired) rope_paired_epilogue<T>(p, row0, 16 * TILES, red);
@@ -649,6 +651,7 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
   p.residual = fusion.residual != nullptr ? fusion.residual->data : nullptr;
   p.eps = fusion.eps;
   p.y = out.data;
+  p.out_f32 = out.dtype == DType::kFloat32 ? 1 : 0;
   p.M = static_cast<int>(input.size(0));
   p.N = static_cast<int>(weight.size(0));
   p.K = static_cast<int>(weight.size(1));

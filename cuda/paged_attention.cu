@@ -82,6 +82,7 @@ AttnParams common_params(const TensorView& out, const TensorView& query, const T
   p.scale_log2 = scale * kLog2e;
   p.soft_cap = options.soft_cap;
   p.sliding_window = options.sliding_window;
+  p.early_context_loads = options.early_context_loads ? 1 : 0;
   return p;
 }
 

@@ -67,7 +67,7 @@ struct DecodeV2Cfg {
 };
 
 struct DecodeItem {
-  int seq, kv_head, h0, nrows, split, start, end, ntiles;
+  int seq, kv_head, h0, nrows, split, start, end, ntiles, seq_len;
   int group;  // (sequence, KV head, head chunk) index: the item's split-K arrival counter
   const int32_t* bt;
 };
@@ -102,6 +102,7 @@ __device__ __forceinline__ DecodeItem decode_item(const AttnParams& p, int idx, 
   }
   it.start = start;
   it.end = end;
+  it.seq_len = seq_len;
   it.ntiles = end > start ? (end - start + 15) / 16 : 0;
   it.bt = p.block_tables + static_cast<int64_t>(it.seq) * p.max_blocks_per_seq;
   return it;
@@ -207,8 +208,11 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     }
   }
   // Launched as a programmatic dependent (launch_pdl): the CTAs may be resident while the previous
-  // kernel (the rotary / cache write) still runs; every global read and write comes after this.
-  pdl_wait();
+  // kernel (the rotary / cache write) still runs. Every global read and write comes after pdl_wait
+  // below, except with p.early_context_loads: then the item lookups (sequence lengths, block
+  // tables) and the ring's first tiles that lie wholly before their sequence's last token — which
+  // the previous kernels do not write — are issued before it.
+  if (!p.early_context_loads) pdl_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   unsigned char* smem = smem_raw;
@@ -309,8 +313,17 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     cp_async_commit();  // one group per call (possibly empty) keeps wait_group counting exact
   };
 
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) issue_next();
+  // The ring's first S - 1 tiles; with early_context_loads those before the first tile that holds
+  // its sequence's last token (written by the previous kernel) are requested before the wait.
+  int issued = 0;
+  if (p.early_context_loads) {
+    auto next_is_early = [&]() {
+      return ii < num_items && min(iitem.start + ik * C::kTile + C::kTile, iitem.end) < iitem.seq_len;
+    };
+    for (; issued < S - 1 && next_is_early(); ++issued) issue_next();
+    pdl_wait();
+  }
+  for (; issued < S - 1; ++issued) issue_next();
 
   // Shared items: merge the team's (max, sum, accumulator) states of rows 0 .. nrows-1 (as
   // paged_decode.cu) and write the output or the partition's partials. Team barrier: the whole

@@ -111,7 +111,11 @@ void run(const char* op, const TensorView& out, const TensorView& input, const T
     check_dim(op, "bias", *bias, 0, N, "out_features, must match weight.size(0)");
   }
   check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
-  check_dtype(op, "out", out, input.dtype);
+  const bool out_f32 = out.dtype == DType::kFloat32;
+  if (!out_f32) check_dtype(op, "out", out, input.dtype);
+  PAGEDLLM_CHECK(!out_f32 || (fusion.residual == nullptr && fusion.rope == nullptr), op,
+                 ": a float32 out (the product rounded to the input dtype, stored as float32) cannot be "
+                 "combined with a residual or the rope epilogue");
   check_same_device(op, "out", out, "input", input);
   check_contiguous(op, "out", out);
   check_dim(op, "out", out, 0, M, "num_tokens, must match input");

@@ -160,6 +160,71 @@ def test_decode_workspace_gives_the_same_bits(seq_lens, split_k, gen):
         call(plain, big[4:])
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("seq_lens,split_k", [([300], None), ([300], 8), ([17, 300, 1200, 5, 16, 33], None),
+                                              ([2000], 16), ([1, 2, 16, 17], 0)])
+def test_decode_early_context_loads_see_the_new_token(seq_lens, split_k, gen):
+    """early_context_loads behind rotary_embedding_and_cache writing each sequence's last token
+    (a PDL chain, as in a model layer), eagerly and in a CUDA graph replayed over fresh tokens:
+    bit for bit the call without early loads on the same cache afterwards. A tile that held the
+    new token and was read before the wait would see the previous token's key / value."""
+    if not torch.cuda.is_available():
+        pytest.fail("marked cuda but no CUDA device")
+    dtype, Hq, Hkv, D, bs = torch.bfloat16, 32, 8, 128, 16
+    keys, values = random_kv(seq_lens, Hkv, D, dtype, gen)
+    cache = build_paged_cache(keys, values, bs, dtype, "cuda", gen, num_kv_heads=Hkv, head_size=D)
+    B = len(seq_lens)
+    tables = cache.block_tables.cpu()
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(seq_lens)],
+                         dtype=torch.int64, device="cuda")
+    positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device="cuda")
+    cos, sin = (torch.randn(max(seq_lens), D // 2, generator=gen).to(dtype).cuda() for _ in range(2))
+    q_in = torch.empty(B, Hq, D, dtype=dtype, device="cuda")
+    k_in, v_in = (torch.empty(B, Hkv, D, dtype=dtype, device="cuda") for _ in range(2))
+    query = torch.empty(B, Hq, D, dtype=dtype, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+
+    def attention(out, early):
+        ops.paged_attention(out, query, cache.key_cache, cache.value_cache, cache.block_tables, lens, D ** -0.5,
+                            split_k=split_k, early_context_loads=early)
+
+    def step(out):
+        ops.rotary_embedding_and_cache(positions, q_in, k_in, v_in, cos, sin, query, cache.key_cache,
+                                       cache.value_cache, slots)
+        attention(out, True)
+
+    def fresh_token():
+        for t in (q_in, k_in, v_in):
+            t.copy_(torch.randn(tuple(t.shape), generator=gen).to(dtype))
+
+    def expected():
+        torch.cuda.synchronize()
+        out = poisoned((B, Hq, D), dtype, "cuda")
+        attention(out, False)
+        torch.cuda.synchronize()
+        return out
+
+    for _ in range(3):
+        fresh_token()
+        out = poisoned((B, Hq, D), dtype, "cuda")
+        step(out)
+        assert torch.equal(out.view(torch.int16), expected().view(torch.int16))
+    graph_out = poisoned((B, Hq, D), dtype, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(graph_out)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            step(graph_out)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        fresh_token()
+        graph_out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(graph_out.view(torch.int16), expected().view(torch.int16))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_seq_len_zero_writes_zero_row(device, gen):
     keys, values = random_kv([0, 5], 2, 64, torch.float32, gen)

@@ -514,6 +514,26 @@ def test_fused_gemv_argument_errors():
     assert ops.gemv_fusion_fits(8, 14336, bf) and not ops.gemv_fusion_fits(8, 1 << 20, bf)
 
 
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_gemv_float32_out_is_the_rounded_product(gen, dtype, m):
+    """A float32 out holds the product rounded to the dtype, as float32: bit for bit gemv(...).float()
+    (an LM head's logits without the .float() kernel); refused with a residual or the rope epilogue."""
+    x = rand((m, 1024), dtype, gen)
+    w = rand((3001, 1024), dtype, gen, 0.05)
+    b = rand((3001,), dtype, gen)
+    ref = ops.gemv(x, w, b).float()
+    out = torch.full((m, 3001), float("nan"), device="cuda")
+    assert ops.gemv(x, w, b, out=out) is out
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="a float32 out .* cannot be combined with a residual or the rope"):
+        ops.gemv(x, w[:1024], out=torch.empty((m, 1024), device="cuda"),
+                 residual=torch.zeros((m, 1024), dtype=dtype, device="cuda"))
+
+
 # ---------------------------------------------------------------------------------------------
 # The rope epilogue (GemvRope): rotary embedding + paged KV-cache write of a qkv projection
 

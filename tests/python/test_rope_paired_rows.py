@@ -54,7 +54,7 @@ def test_paired_order_refuses_bad_head_sizes(d):
         ops.rotary_paired_order(d)
 
 
-FULL_ROPE_SHAPES = [(32, 8, 128, 64, False), (14, 2, 64, 32, True), (4, 1, 32, 16, True)]  # Hq, Hkv, D, half, bias
+FULL_ROPE_SHAPES = [(32, 8, 128, 64, False), (14, 2, 64, 32, True), (4, 1, 256, 128, True)]  # Hq, Hkv, D, half, bias
 
 
 @pytest.mark.cuda

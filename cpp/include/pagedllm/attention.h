@@ -59,6 +59,13 @@ struct AttentionOptions {
   /// caller keeps it alive until the call's work is done and never shares it between streams.
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
+  /// Decode only, CUDA (the v2 kernel): the caller guarantees that of the KV cache this call reads,
+  /// the kernels not yet complete on the stream write at most each sequence's last token (a decode
+  /// step's KV-cache write by the kernel just before, as in a model's layer). The kernel then
+  /// starts loading the rest of each context before it waits for the previous kernel
+  /// (programmatic dependent launch), and only the tiles holding the last token after. Same
+  /// results; false (the default) loads nothing before the wait.
+  bool early_context_loads = false;
 };
 
 /// Head sizes every implementation supports: {64, 80, 96, 128, 256}.

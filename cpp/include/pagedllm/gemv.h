@@ -51,7 +51,9 @@
 //   weight  [N, K], contiguous, same dtype and device
 //   bias    nullptr or [N], contiguous, same dtype and device
 //   out     [M, N], contiguous, same dtype and device, not overlapping input, weight, bias or
-//           norm_weight
+//           norm_weight; or float32: each element rounded to the input dtype, then stored as
+//           float32 (= the dtype's out followed by .float(), without that kernel; an LM head's
+//           logits), not with a residual or rope
 //   fusion.norm_weight  nullptr or [K], contiguous, same dtype and device (not with silu_and_mul);
 //           fusion.eps >= 0, finite
 //   fusion.residual     nullptr or [M, N], contiguous, same dtype and device; either exactly out

@@ -12,10 +12,16 @@ Model Serving with PagedAttention", section 4.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
 from pagedllm import ops
+
+#: Decode steps let the CUDA decode kernel load each context (all but the step's own token, which
+#: the kernel before writes) before waiting for that kernel (ops.paged_attention's
+#: early_context_loads); PAGEDLLM_EARLY_CONTEXT_LOADS=0 turns it off (read once, for A/B runs).
+EARLY_CONTEXT_LOADS = os.environ.get("PAGEDLLM_EARLY_CONTEXT_LOADS", "1") != "0"
 
 
 @dataclasses.dataclass
@@ -45,6 +51,9 @@ class Attention:
         self.sliding_window = sliding_window or None
         #: CUDA: the decode split-K scratch (ops.paged_attention's workspace), shared by the layers
         self.workspace: torch.Tensor | None = None
+        #: decode split-K override (ops.paged_attention's split_k; None: the kernel's cost model),
+        #: for benchmarks (bench/batch1_graph.py)
+        self.split_k: int | None = None
 
     def forward(
         self,
@@ -65,9 +74,11 @@ class Attention:
         key_cache, value_cache = kv_cache
         out = torch.empty_like(q)
         if meta.decode_only:
+            # the step wrote each sequence's last token only: the rest of the context may load early
             ops.paged_attention(
                 out, q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
-                sliding_window=self.sliding_window, workspace=self.workspace,
+                sliding_window=self.sliding_window, split_k=self.split_k, workspace=self.workspace,
+                early_context_loads=EARLY_CONTEXT_LOADS,
             )
         else:
             ops.paged_prefill_attention(

@@ -144,7 +144,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, sliding_window: int | None = None, soft_cap: float | None = None,
-                    split_k: int | None = None, workspace: torch.Tensor | None = None) -> None:
+                    split_k: int | None = None, workspace: torch.Tensor | None = None,
+                    early_context_loads: bool = False) -> None:
     """Decode attention, one query per sequence, written into ``out`` ``[B, Hq, D]``.
 
     ``query`` ``[B, Hq, D]`` (cache dtype), ``block_tables`` int32 ``[B, M]``, ``seq_lens`` int32
@@ -154,7 +155,11 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     cache's device used as the split-K scratch when large enough (B * Hq * splits * (D + 2)
     floats; else the call allocates its own, as without it): no memory nodes in a captured graph.
     Keep it alive and use it from one stream. Ignored on the CPU. ValueError for a workspace on
-    another device, not contiguous or not 16-byte aligned.
+    another device, not contiguous or not 16-byte aligned. ``early_context_loads``: CUDA only, a
+    promise that the kernels still running on the stream write at most each sequence's last
+    token of these caches (a decode step's KV-cache write just before, as in a model layer); the
+    kernel then loads the rest of each context before waiting for the previous kernel
+    (``AttentionOptions::early_context_loads``). Same results.
     """
     ws_ptr = ws_bytes = 0
     if workspace is not None and key_cache.is_cuda:
@@ -168,7 +173,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     _C.paged_attention(_view(out), _view(query), _view(key_cache), _view(value_cache),
                        _view(block_tables), _view(seq_lens), float(scale),
                        int(sliding_window or 0), float(soft_cap or 0.0),
-                       -1 if split_k is None else int(split_k), _stream(key_cache), ws_ptr, ws_bytes)
+                       -1 if split_k is None else int(split_k), _stream(key_cache), ws_ptr, ws_bytes,
+                       bool(early_context_loads))
 
 
 def last_cuda_decode_plan() -> dict:

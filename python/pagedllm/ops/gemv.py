@@ -82,7 +82,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     itself (in place). With ``rope`` (:class:`GemvRope`) the rotary embedding and the paged KV-cache
     write of a qkv projection follow in the same kernel (``out`` keeps the unrotated qkv).
     ``x`` rows may be strided (last dim contiguous); ``weight``, ``bias``,
-    ``norm_weight``, ``residual`` and ``out`` contiguous. Returns ``out`` (allocated when None).
+    ``norm_weight``, ``residual`` and ``out`` contiguous. A float32 ``out`` receives each element
+    rounded to x's dtype (what ``.float()`` of the x-dtype result gives, without that kernel; not
+    with ``residual`` or ``rope``). Returns ``out`` (allocated in x's dtype when None).
     ``config``: tuning overrides for benchmarks (keys variant, warps, splits, prefetch; see
     ``GemvConfig`` in gemv.h). Raises ValueError on CPU tensors, float32, more than
     GEMV_MAX_TOKENS rows, mismatched shapes or dtypes, or a prologue too large for the device's

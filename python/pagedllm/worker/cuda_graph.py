@@ -160,7 +160,7 @@ class DecodeGraphRunner:
             state = (self._handover[0][:size], None if state[1] is None else self._handover[1][:size], state[2])
         state = self.model.forward_layers(state, d["positions"], self.kv_caches, meta, bounds[k], bounds[k + 1])
         if k == len(bounds) - 2:
-            self._logits[:size].copy_(self.model.logits(state, self._rows[:size]))
+            self.model.logits(state, None, out=self._logits[:size])  # every row; the state is done
         elif shared:
             self._handover[0][:size].copy_(state[0])
             if state[1] is not None:

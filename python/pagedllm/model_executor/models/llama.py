@@ -235,6 +235,9 @@ class DecoderLayer(nn.Module):
         #: qkv_proj's query and key rows are in ops.rotary_paired_order (LlamaForCausalLM.
         #: pair_rotary_rows): the rope epilogue rotates in registers, the rotary kernel reads that order
         self.rope_paired_rows = False
+        #: GemvConfig override of the qkv GEMV with the rope epilogue (ops.gemv's config; None:
+        #: automatic), for benchmarks (bench/batch1_graph.py)
+        self.qkv_gemv_config: dict | None = None
 
     def forward(
         self,
@@ -304,7 +307,8 @@ class DecoderLayer(nn.Module):
         key_cache, value_cache = kv_cache
         ops.gemv(h, self.qkv_proj.weight, self.qkv_proj.bias, rope=ops.GemvRope(
             self.num_heads, self.num_kv_heads, positions, rotary.cos, rotary.sin, query, key_cache, value_cache,
-            meta.slot_mapping, None if self.rope_paired_rows else self.rope_counters, self.rope_paired_rows))
+            meta.slot_mapping, None if self.rope_paired_rows else self.rope_counters, self.rope_paired_rows),
+            config=self.qkv_gemv_config)
         return self.attn.attend(query, kv_cache, meta).view(T, self.q_size)
 
     def _attention(self, qkv: torch.Tensor, positions: torch.Tensor,
@@ -471,17 +475,25 @@ class LlamaForCausalLM(nn.Module):
             layers.append(n)
         return _C.CpuDecoderStack(conf, layers, v(self.rotary.cos_sin_cache))
 
-    def logits(self, state: tuple, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The state after the last layer -> float32 logits [R, vocab_size] of rows logits_indices."""
+    def logits(self, state: tuple, logits_indices: torch.Tensor | None, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The state after the last layer -> float32 logits [R, vocab_size] of rows logits_indices,
+        written into `out` (float32 [R, vocab_size], e.g. a CUDA graph's shared buffer) when given;
+        returns them. logits_indices None: every row in order, without a gather — the state's
+        tensors are then overwritten (the fused final norm works in place on them)."""
         hidden, residual, _ = state
+        pick = (lambda t: t) if logits_indices is None else (lambda t: t.index_select(0, logits_indices))
         if self.layers and self._gemv_fusion(hidden.shape[0]):  # the final norm in the LM head's GEMV
-            rows = hidden.index_select(0, logits_indices)
-            return ops.gemv(rows, self.lm_head_weight, norm_weight=self.norm.weight, eps=self.norm.eps).float()
+            return self._store(ops.gemv(pick(hidden), self.lm_head_weight, norm_weight=self.norm.weight,
+                                        eps=self.norm.eps).float(), out)
         if residual is None:  # no layers
-            return self.compute_logits(hidden.index_select(0, logits_indices))
-        normed, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
-                                           residual.index_select(0, logits_indices))
-        return self._lm_head(normed)
+            return self._store(self.compute_logits(pick(hidden)), out)
+        normed, _ = self.norm.add_and_norm(pick(hidden), pick(residual))
+        return self._lm_head(normed, out)
+
+    @staticmethod
+    def _store(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        return logits if out is None else out.copy_(logits)
 
     def argmax_applies(self, rows: int) -> bool:
         """Whether greedy_ids (the LM head and the argmax in one AMX pass) runs for `rows` rows."""
@@ -518,14 +530,18 @@ class LlamaForCausalLM(nn.Module):
         """hidden [R, hidden_size] (the residual stream, pre final norm) -> float32 logits [R, vocab_size]."""
         return self._lm_head(self.norm(hidden))
 
-    def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
+    def _lm_head(self, normed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """normed [R, hidden] -> float32 logits [R, vocab] (into `out` when given)."""
         if isinstance(self.packed_lm_head, AmxLinear):
-            return self.packed_lm_head(normed, out_dtype=torch.float32)  # = .float() of its bf16 logits
+            return self._store(self.packed_lm_head(normed, out_dtype=torch.float32), out)  # = .float() of bf16
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(normed).float()
-        if 0 < normed.shape[0] <= self.gemv_max_tokens:
-            return ops.gemv(normed, self.lm_head_weight).float()
-        return F.linear(normed, self.lm_head_weight).float()
+            return self._store(self.packed_lm_head(normed).float(), out)
+        if 0 < normed.shape[0] <= self.gemv_max_tokens:  # float32 straight from the GEMV: no .float() kernel
+            if out is None:
+                out = torch.empty((normed.shape[0], self.lm_head_weight.shape[0]), dtype=torch.float32,
+                                  device=normed.device)
+            return ops.gemv(normed, self.lm_head_weight, out=out)
+        return self._store(F.linear(normed, self.lm_head_weight).float(), out)
 
     def pair_rotary_rows(self) -> bool:
         """Where the qkv GEMV's rope epilogue applies (gemv_rope_applies) with full rotary
