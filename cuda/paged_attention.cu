@@ -208,9 +208,9 @@ CostModel cost_model(DecodeKernel kind, DType dtype, int head_size, const AttnPa
     // Shared items pay a merge (barriers, shared memory) and an uneven finish of their warps.
     case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, 1, p.group), 16, 1, 64, true};
     case DecodeKernel::kV2Pair: return {items, decode_v2_units(dtype, head_size, 2, p.group), 32, 3, 64, true};
-    case DecodeKernel::kV2Cta:
-      return {items, decode_v2_units(dtype, head_size, kDecodeV2Warps, p.group), 16 * kDecodeV2Warps, 3, 64, true,
-              forced_combine() == 1 ? 0 : kInKernelCtaMaxSplits};
+    case DecodeKernel::kV2Cta:  // early context loads: partitions down to two tiles (see plan_decode)
+      return {items, decode_v2_units(dtype, head_size, kDecodeV2Warps, p.group), 16 * kDecodeV2Warps, 3,
+              p.early_context_loads ? 32 : 64, true, forced_combine() == 1 ? 0 : kInKernelCtaMaxSplits};
     case DecodeKernel::kV1: return {items, decode_v1_units(dtype, head_size), 64, 1, 128};
     default: return {static_cast<int64_t>(p.num_seqs) * p.num_heads, attention_fp32_units(head_size), 4, 1, 64};
   }
@@ -236,7 +236,12 @@ thread_local DecodePlanInfo g_last_plan;
 /// The kernel and flash-decoding split count. split_k > 0 or == 0 fixes the count (1 for 0);
 /// -1: the cheapest count of the cost model (the smallest on ties). v2 kernels: items on warps,
 /// pairs of warps or CTAs, whichever the model prices lowest (in that order on ties) unless
-/// PAGEDLLM_DECODE_MODE forces one.
+/// PAGEDLLM_DECODE_MODE forces one. With early context loads (AttentionOptions::
+/// early_context_loads) CTA items take partitions down to 32 tokens and, among counts the model
+/// prices equal, the largest that the kernel combines itself: the tiles load before the wait, so
+/// more partitions shorten the path after it (H200, batch 1 of Llama-3-8B at 300 tokens in a
+/// 32-block table: 16 partitions instead of 8, -0.7 us per layer; bench/gpu_engine_notes.md
+/// "Session 11").
 DecodePlan plan_decode(DecodeKernel kind, DType dtype, int head_size, const AttnParams& p, int split_k) {
   DecodeKernel kinds[3] = {kind, kind, kind};
   int num_kinds = 1;
@@ -257,9 +262,11 @@ DecodePlan plan_decode(DecodeKernel kind, DType dtype, int head_size, const Attn
     int64_t lo = 1, hi = 1;
     if (split_k > 0) lo = hi = std::min<int64_t>(split_k, 1024);
     else if (split_k < 0 && p.max_blocks_per_seq > 0) hi = m.s_max(p);
+    const bool more_on_ties = p.early_context_loads && k == DecodeKernel::kV2Cta;
     for (int64_t s = lo; s <= hi; ++s) {
       const double c = m.cost(p, s);
-      if (best_cost < 0 || c < best_cost) {
+      const bool tie_to_more = more_on_ties && c == best_cost && best.kind == k && s <= m.in_kernel_max_splits;
+      if (best_cost < 0 || c < best_cost || tie_to_more) {
         best_cost = c;
         best = {k, s};
       }
