@@ -40,7 +40,10 @@
 // issues the loads of its first two groups of weights — they do not depend on the previous
 // kernel — and only then waits for the previous grid before reading x. (Optionally, config
 // prefetch = 1, it first asks L2 for its whole weight slice with cp.async.bulk.prefetch; measured
-// slower on the H200 except on the smallest matrices, so off by default.)
+// slower on the H200 except on the smallest matrices, so off by default. Optionally, config
+// stage_groups = P, each warp also copies its groups 3 .. P + 2 into shared memory by cp.async
+// before the wait and reads them from there; two such groups measured 0.32 ms per Llama-3-8B
+// token slower in the model on the H200, so off by default.)
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -633,8 +636,10 @@ int64_t stage_bytes(int warps, int tiles, int u, int groups) {
 constexpr int64_t kWeightStageBudget = 96 << 10;
 
 /// PAGEDLLM_GEMV_STAGE (read once): staged weight groups per warp when GemvConfig::stage_groups
-/// is automatic; default kDefaultStageGroups.
-constexpr int kDefaultStageGroups = 2;
+/// is automatic; default kDefaultStageGroups = 0: two staged groups measured 0.32 ms per token
+/// slower at batch 1 of Llama-3-8B on the H200 (4.43 against 4.11 ms in one call;
+/// bench/gpu_engine_notes.md "Session 11"), so staging is opt-in.
+constexpr int kDefaultStageGroups = 0;
 int env_stage_groups() {
   static const int groups = [] {
     const char* v = std::getenv("PAGEDLLM_GEMV_STAGE");
