@@ -76,13 +76,15 @@ def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="
     qkv_config: the rope qkv GEMV's config (DecoderLayer.qkv_gemv_config); split_k: the decode
     attention's split (Attention.split_k; 0 = one pass); early: the decode kernel's early context
     loads (attention.EARLY_CONTEXT_LOADS). `exact`: whether the logits must equal base's bit for bit
-    (not for another split or GEMV config, whose sums differ, nor for rope variants: their graphs
+    (not for another split or GEMV config, whose sums differ, nor without early loads, with which
+    the cost model may split otherwise, nor for rope variants: their graphs
     are replayed after the weights are paired again, so only their timing counts)."""
     if attn != "model":
         rope = "separate"
     return {"proj": tuple(proj), "config": config, "pdl": pdl, "attn": attn, "env": dict(env or {}),
             "o_env": dict(o_env or {}), "rope": rope, "qkv_config": qkv_config, "split_k": split_k,
-            "early": early, "exact": attn == "model" and rope == "model" and split_k is None and qkv_config is None}
+            "early": early,
+            "exact": attn == "model" and rope == "model" and split_k is None and qkv_config is None and early}
 
 
 VARIANTS = {

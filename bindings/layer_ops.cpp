@@ -1,6 +1,10 @@
 // Bindings for pagedllm/layer_ops.h. The GIL is released while a kernel runs.
 #include "pagedllm/layer_ops.h"
 
+#include <string>
+
+#include "pagedllm/errors.h"
+
 #include "registry.h"
 
 PAGEDLLM_BINDING(layer_ops, m) {
@@ -24,6 +28,16 @@ PAGEDLLM_BINDING(layer_ops, m) {
         py::arg("stream") = 0, py::arg("paired_rows") = false, py::call_guard<py::gil_scoped_release>(),
         "RoPE: rotated query -> query_out, rotated key and value -> the paged caches at slot_mapping; "
         "paired_rows: query and key in the rotary_paired_row order.");
-  m.def("rotary_paired_row", &pagedllm::rotary_paired_row, py::arg("feature"), py::arg("rot_half"),
-        "The row of a head's feature in the paired-rows order (layer_ops.h).");
+  m.def(
+      "rotary_paired_row",
+      [](int feature, int rot_half) {
+        if (rot_half <= 0 || rot_half % 8 != 0)
+          throw pagedllm::InvalidArgument("rotary_paired_row: rot_half must be a positive multiple of 8, got " +
+                                          std::to_string(rot_half));
+        if (feature < 0 || feature >= 2 * rot_half)
+          throw pagedllm::InvalidArgument("rotary_paired_row: feature must be in [0, " + std::to_string(2 * rot_half) +
+                                          "), got " + std::to_string(feature));
+        return pagedllm::rotary_paired_row(feature, rot_half);
+      },
+      py::arg("feature"), py::arg("rot_half"), "The row of a head's feature in the paired-rows order (layer_ops.h).");
 }

@@ -41,7 +41,7 @@
 // kernel — and only then waits for the previous grid before reading x. (Optionally, config
 // prefetch = 1, it first asks L2 for its whole weight slice with cp.async.bulk.prefetch; measured
 // slower on the H200 except on the smallest matrices, so off by default. Optionally, config
-// stage_groups = P, each warp also copies its groups 3 .. P + 2 into shared memory by cp.async
+// stage_groups = P, each warp also copies its groups 2 .. P + 1 (from 0) into shared memory by cp.async
 // before the wait and reads them from there; two such groups measured 0.32 ms per Llama-3-8B
 // token slower in the model on the H200, so off by default.)
 #include <cooperative_groups.h>
@@ -86,7 +86,8 @@ struct GemvParams {
   int prefetch;          // 1: L2-prefetch the CTA's weight slice before waiting for the previous grid
   int ldxs;              // staged x row stride in elements (kNorm / kSilu)
   float eps;             // kNorm
-  // rope epilogue (GemvRope; rope_counters == nullptr: none): rotary + KV-cache write of out = qkv
+  // rope epilogue (GemvRope; none unless rope_counters != nullptr or rope_paired): rotary + KV-cache
+  // write of out = qkv
   int* rope_counters;    // [Hq + 2 Hkv] arrivals per head, zero between launches
   const int64_t* rope_positions;
   const void* rope_cos;  // [max_position, rot_half]
@@ -99,7 +100,7 @@ struct GemvParams {
   int rope_heads, rope_kv_heads, rope_head_size, rope_rot_half, rope_block_size;
   int rope_paired;       // 1: query / key rows in the rotary_paired_row order (no counters)
   int out_f32;           // 1: y is float32, each element rounded to T first (no residual, no rope)
-  int stage_groups;      // weight groups 2 .. 1 + stage_groups of each warp staged in shared memory
+  int stage_groups;      // staged weight groups per warp: its groups 2 .. stage_groups + 1 (from 0)
 };
 
 template <typename T>
@@ -299,6 +300,20 @@ __device__ __forceinline__ T load_cg(const T* p) {
   return *reinterpret_cast<const T*>(&bits);
 }
 
+/// Where head `head` (of the Hq + 2 Hkv heads of out) of token m goes: query_out, or its slot of the
+/// key or value cache; nullptr for a key / value head whose slot is < 0 or past the pool.
+template <typename T>
+__device__ __forceinline__ T* rope_dst(const GemvParams& p, int head, int m) {
+  const int Hq = p.rope_heads, Hkv = p.rope_kv_heads, D = p.rope_head_size;
+  if (head < Hq) return static_cast<T*>(p.rope_query_out) + (static_cast<int64_t>(m) * Hq + head) * D;
+  const int64_t slot = p.rope_slots[m];
+  if (slot < 0 || slot >= p.rope_num_slots) return nullptr;
+  const int kv = head < Hq + Hkv ? head - Hq : head - Hq - Hkv;
+  const int64_t block = slot / p.rope_block_size, row = slot % p.rope_block_size;
+  void* cache = head < Hq + Hkv ? p.rope_key_cache : p.rope_value_cache;
+  return static_cast<T*>(cache) + ((block * Hkv + kv) * p.rope_block_size + row) * D;
+}
+
 /// The rope epilogue (GemvRope) of one row tile [row0, row0 + rows): the CTA whose arrival completes
 /// the tile's head rotates that head of every token, from out (L2), as rotary_kernel<T, true> does
 /// (same rotate_pair roundings, features past 2 * rot_half copied): query heads into query_out, key
@@ -321,17 +336,8 @@ __device__ void rope_epilogue(const GemvParams& p, int row0, int rows, int* flag
   const T* y = static_cast<const T*>(p.y);
   for (int m = 0; m < p.M; ++m) {
     const T* x = y + static_cast<int64_t>(m) * p.N + static_cast<int64_t>(head) * D;
-    T* dst;
-    if (head < Hq) {
-      dst = static_cast<T*>(p.rope_query_out) + (static_cast<int64_t>(m) * Hq + head) * D;
-    } else {
-      const int64_t slot = p.rope_slots[m];
-      if (slot < 0 || slot >= p.rope_num_slots) continue;
-      const int kv = head < Hq + Hkv ? head - Hq : head - Hq - Hkv;
-      const int64_t block = slot / p.rope_block_size, row = slot % p.rope_block_size;
-      void* cache = head < Hq + Hkv ? p.rope_key_cache : p.rope_value_cache;
-      dst = static_cast<T*>(cache) + ((block * Hkv + kv) * p.rope_block_size + row) * D;
-    }
+    T* dst = rope_dst<T>(p, head, m);
+    if (dst == nullptr) continue;
     if (head >= Hq + Hkv) {  // a value head: copied
       for (int j = threadIdx.x; j < D; j += blockDim.x) dst[j] = load_cg(x + j);
       continue;
@@ -372,17 +378,8 @@ __device__ void rope_paired_epilogue(const GemvParams& p, int row0, int rows, co
     const int row = row0 + (pair / 8) * 16 + pair % 8;  // the pair's first row; the second is row + 8
     if (m >= p.M || row >= p.N) continue;
     const int head = row / D, within = row % D;
-    T* dst;
-    if (head < Hq) {
-      dst = static_cast<T*>(p.rope_query_out) + (static_cast<int64_t>(m) * Hq + head) * D;
-    } else {
-      const int64_t slot = p.rope_slots[m];
-      if (slot < 0 || slot >= p.rope_num_slots) continue;
-      const int kv = head < Hq + Hkv ? head - Hq : head - Hq - Hkv;
-      const int64_t block = slot / p.rope_block_size, brow = slot % p.rope_block_size;
-      void* cache = head < Hq + Hkv ? p.rope_key_cache : p.rope_value_cache;
-      dst = static_cast<T*>(cache) + ((block * Hkv + kv) * p.rope_block_size + brow) * D;
-    }
+    T* dst = rope_dst<T>(p, head, m);
+    if (dst == nullptr) continue;
     const T x1 = element(row, m), x2 = element(row + 8, m);
     if (head >= Hq + Hkv) {  // a value head: its rows are in the standard order
       dst[within] = x1;

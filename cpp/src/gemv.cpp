@@ -114,7 +114,8 @@ void run(const char* op, const TensorView& out, const TensorView& input, const T
   }
   check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
   const bool out_f32 = out.dtype == DType::kFloat32;
-  if (!out_f32) check_dtype(op, "out", out, input.dtype);
+  PAGEDLLM_CHECK(out_f32 || out.dtype == input.dtype, op, ": out dtype ", dtype_name(out.dtype),
+                 " must be the input's (", dtype_name(input.dtype), ") or float32");
   PAGEDLLM_CHECK(!out_f32 || (fusion.residual == nullptr && fusion.rope == nullptr), op,
                  ": a float32 out (the product rounded to the input dtype, stored as float32) cannot be "
                  "combined with a residual or the rope epilogue");

@@ -16,19 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_engine_folder
 
 torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from pagedllm.model_executor.dummy import synthetic_tokenizer
-
-    path = tmp_path_factory.mktemp("async_sched_llama")
-    build_tiny_model("llama", path, seed=5)
-    synthetic_tokenizer(1024).save_pretrained(path)
-    return path
+    return build_tiny_engine_folder("llama", tmp_path_factory.mktemp("async_sched_llama"), seed=5)
 
 
 def _requests():

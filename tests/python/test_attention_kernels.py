@@ -228,12 +228,13 @@ def test_decode_early_context_loads_see_the_new_token(seq_lens, split_k, gen):
         graph_out.fill_(float("nan"))
         graph.replay()
         assert torch.equal(graph_out.view(torch.int16), expected().view(torch.int16))
-    if split_k is None:  # the cost model takes at least as many partitions with early loads
+    if split_k is None:  # whole-CTA items take at least as many partitions with early loads
         attention(poisoned((B, Hq, D), dtype, "cuda"), False)
         plain = ops.last_cuda_decode_plan()
         attention(poisoned((B, Hq, D), dtype, "cuda"), True)
         early = ops.last_cuda_decode_plan()
-        assert early["splits"] >= plain["splits"], (early, plain)
+        if early["kernel"] == plain["kernel"] == "v2-cta":
+            assert early["splits"] >= plain["splits"], (early, plain)
 
 
 @pytest.mark.parametrize("device", DEVICES)

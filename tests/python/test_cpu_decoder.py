@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import TINY_CONFIGS, PagedHarness, build_tiny_model, load_pagedllm
+from tiny_models import TINY_CONFIGS, PagedHarness, build_tiny_engine_folder, load_pagedllm
 
 
 @pytest.fixture(scope="module")
@@ -16,15 +16,12 @@ def tiny(tmp_path_factory):
     cache = {}
 
     def get(arch: str):
-        from pagedllm.model_executor.dummy import synthetic_tokenizer
-
         if arch not in cache:
             folder = tmp_path_factory.mktemp(arch)
             if arch == "llama-bias":  # gate_up and down with biases (Qwen2 has the qkv bias)
-                build_tiny_model("llama", folder, mlp_bias=True)
+                build_tiny_engine_folder("llama", folder, mlp_bias=True)
             else:
-                build_tiny_model(arch, folder)
-            synthetic_tokenizer(1024).save_pretrained(folder)
+                build_tiny_engine_folder(arch, folder)
             cache[arch] = folder
         return cache[arch]
 

@@ -580,6 +580,12 @@ def test_gemv_float32_out_is_the_rounded_product(gen, dtype, m):
     with pytest.raises(ValueError, match="a float32 out .* cannot be combined with a residual or the rope"):
         ops.gemv(x, w[:1024], out=torch.empty((m, 1024), device="cuda"),
                  residual=torch.zeros((m, 1024), dtype=dtype, device="cuda"))
+    xr, wr, _, cos, sin, positions, slots, (kc, vc), qo = _rope_case(gen, dtype, m, 4, 2, 128, 64, False)
+    with pytest.raises(ValueError, match="a float32 out .* cannot be combined with a residual or the rope"):
+        ops.gemv(xr, wr, out=torch.empty((m, wr.shape[0]), device="cuda"),
+                 rope=ops.GemvRope(4, 2, positions, cos, sin, qo, kc, vc, slots, paired_rows=True))
+    with pytest.raises(ValueError, match="out dtype int32 must be the input's .* or float32"):
+        ops.gemv(x, w, out=torch.empty((m, 3001), dtype=torch.int32, device="cuda"))
 
 
 # ---------------------------------------------------------------------------------------------

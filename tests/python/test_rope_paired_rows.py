@@ -12,7 +12,8 @@ rotary pair land in one lane of the GEMV (rows r and r + 8 of a 16-row tile).
 - argument errors (partial rotary, missing counters without paired rows);
 - the Llama model after pair_rotary_rows(): logits of prefill and decode steps bit for bit those of
   the model before (the standard rope epilogue and the separate rotary kernel), and the weights
-  back to the original after unpairing.
+  back to the original after unpairing; load_weights on a paired model keeps the paired order
+  (CPU, pairing enabled by hand).
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ from tiny_models import PagedHarness
 
 def qk_rows(hq, hkv, d, n):
     """int64 [n]: out row -> weight row of a qkv projection whose q and k heads are paired."""
-    order = ops.rotary_paired_order(d)
-    rows = torch.arange(n)
-    rows[: (hq + hkv) * d] = (torch.arange(hq + hkv).unsqueeze(1) * d + order).reshape(-1)
-    return rows
+    from pagedllm.model_executor.models.llama import qk_head_rows
+
+    return qk_head_rows(ops.rotary_paired_order(d), hq, hkv, n)
 
 
 @pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
@@ -52,6 +52,40 @@ def test_paired_order_puts_each_rotary_pair_in_one_lane(d):
 def test_paired_order_refuses_bad_head_sizes(d):
     with pytest.raises(ValueError, match=f"multiple of 16, got {d}"):
         ops.rotary_paired_order(d)
+    with pytest.raises(ValueError, match="rot_half must be a positive multiple of 8"):
+        _C.rotary_paired_row(0, d // 2)
+    with pytest.raises(ValueError, match=r"feature must be in \[0, 64\), got 64"):
+        _C.rotary_paired_row(64, 32)
+
+
+def test_load_weights_keeps_the_paired_order(tmp_path):
+    """Pairing is a weight permutation plus bookkeeping, checked on the CPU with it enabled by hand
+    (LlamaForCausalLM enables it on CUDA by giving the layers rope counters): load_weights of a
+    checkpoint leaves every layer paired with the checkpoint's qkv rows (and biases) in the paired
+    order, and unpairing gives the checkpoint's rows back."""
+    from pagedllm.model_executor.loader import load_safetensors
+
+    from tiny_models import build_tiny_model, load_pagedllm
+
+    build_tiny_model("qwen2", tmp_path, seed=1)  # qkv biases
+    model = load_pagedllm(tmp_path)
+    cfg = model.config
+    original = [(layer.qkv_proj.weight.clone(), layer.qkv_proj.bias.clone()) for layer in model.layers]
+    rows = qk_rows(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, original[0][0].shape[0])
+    for layer in model.layers:
+        layer.rope_counters = torch.zeros(1, dtype=torch.int32)
+    assert model.pair_rotary_rows()
+    for layer in model.layers:
+        layer.qkv_proj.weight.data.zero_()
+        layer.qkv_proj.bias.data.zero_()
+    model.load_weights(load_safetensors(tmp_path))
+    assert all(layer.rope_paired_rows for layer in model.layers)
+    for layer, (w, b) in zip(model.layers, original):
+        assert torch.equal(layer.qkv_proj.weight, w.index_select(0, rows))
+        assert torch.equal(layer.qkv_proj.bias, b.index_select(0, rows))
+    assert model._unpair_rotary_rows()
+    for layer, (w, b) in zip(model.layers, original):
+        assert torch.equal(layer.qkv_proj.weight, w) and torch.equal(layer.qkv_proj.bias, b)
 
 
 FULL_ROPE_SHAPES = [(32, 8, 128, 64, False), (14, 2, 64, 32, True), (4, 1, 256, 128, True)]  # Hq, Hkv, D, half, bias

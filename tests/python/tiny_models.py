@@ -61,6 +61,16 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0, dtype=torch.float32
     return model
 
 
+def build_tiny_engine_folder(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """build_tiny_model plus pagedllm's synthetic tokenizer of 1024 ids saved beside it: a folder
+    the engine (LLM / LLMEngine) loads as it is. Returns `folder`."""
+    from pagedllm.model_executor.dummy import synthetic_tokenizer
+
+    build_tiny_model(name, folder, seed=seed, **overrides)
+    synthetic_tokenizer(1024).save_pretrained(folder)
+    return folder
+
+
 def load_pagedllm(folder, dtype=torch.float32):
     """pagedllm's LlamaForCausalLM (on the CPU, in `dtype`) with the weights of the HF folder."""
     from pagedllm.model_executor.config import ModelConfig

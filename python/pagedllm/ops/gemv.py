@@ -97,14 +97,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if out is None:
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     cfg = config or {}
+    rope_views = None
+    if rope is not None:
+        fields = ("positions", "cos_cache", "sin_cache", "query_out", "key_cache", "value_cache", "slot_mapping")
+        missing = [f for f in fields if getattr(rope, f) is None]
+        if missing:
+            raise ValueError(f"gemv: GemvRope.{missing[0]} is None; the rope epilogue needs {', '.join(fields)}")
+        rope_views = [_view(getattr(rope, f)) for f in fields]
+        if rope.counters is not None:
+            rope_views.append(_view(rope.counters))
     _C.gemv(_view(out), _view(x), _view(weight), None if bias is None else _view(bias), bool(silu_and_mul),
             _stream(x), int(cfg.get("variant", 0)), int(cfg.get("warps", 0)), int(cfg.get("splits", 0)),
             int(cfg.get("prefetch", -1)), None if norm_weight is None else _view(norm_weight), float(eps),
             None if residual is None else _view(residual),
-            None if rope is None else [_view(t) for t in (rope.positions, rope.cos_cache, rope.sin_cache,
-                                                           rope.query_out, rope.key_cache, rope.value_cache,
-                                                           rope.slot_mapping, rope.counters)
-                                       if t is not None],
+            rope_views,
             0 if rope is None else int(rope.num_heads), 0 if rope is None else int(rope.num_kv_heads),
             rope is not None and bool(rope.paired_rows), int(cfg.get("stage", -1)))
     return out

@@ -202,6 +202,18 @@ def gemv_rope_applies(cfg: ModelConfig, device: torch.device, dtype: torch.dtype
 ATTN_WORKSPACE_BYTES = 16 << 20
 
 
+def qk_head_rows(order: torch.Tensor, num_heads: int, num_kv_heads: int, out_features: int) -> torch.Tensor:
+    """int64 [out_features]: the row map of a fused qkv projection (num_heads query heads, then
+    num_kv_heads key and value heads) that applies `order` (a permutation of one head's rows,
+    int64 [head_dim]) within every query and key head and leaves the value rows where they are:
+    w.index_select(0, rows) puts each q / k head's rows in that order."""
+    head_dim = order.numel()
+    rows = torch.arange(out_features)
+    heads = num_heads + num_kv_heads
+    rows[: heads * head_dim] = (torch.arange(heads).unsqueeze(1) * head_dim + order.unsqueeze(0)).reshape(-1)
+    return rows
+
+
 def _project(layer: nn.Linear, x: torch.Tensor, gemv: bool) -> torch.Tensor:
     return ops.gemv(x, layer.weight, layer.bias) if gemv else layer(x)
 
@@ -549,8 +561,10 @@ class LlamaForCausalLM(nn.Module):
         the query and key rows of every layer's qkv weight (and bias) into ops.rotary_paired_order,
         so that the epilogue rotates each CTA's own rows in registers (GemvRope.paired_rows: no
         arrival counters, no cross-CTA step) and larger steps' rotary_embedding_and_cache reads that
-        order (paired_rows). Outputs are unchanged bit for bit: the rotated query and the KV cache
-        keep the standard order. Call after the weights are loaded (the model runner does);
+        order (paired_rows). The rotated query and the KV cache keep the standard order; decode
+        steps (the GEMV) give the unpermuted model's outputs bit for bit, and prefill (F.linear on
+        the permuted rows) did too in every test on the H200, which cuBLAS does not promise (a
+        row moved to another output tile could be summed in another order). Call after the weights are loaded (the model runner does);
         load_weights keeps the order. Returns whether the rows are paired now (idempotent)."""
         if any(layer.rope_paired_rows for layer in self.layers):
             return True
@@ -576,10 +590,8 @@ class LlamaForCausalLM(nn.Module):
     def _permute_qk_rows(self, order: torch.Tensor) -> None:
         """Every layer's qkv rows of each query and key head h: rows h * D + order (values untouched)."""
         cfg = self.config
-        D, heads = cfg.head_dim, cfg.num_attention_heads + cfg.num_key_value_heads
-        rows = torch.arange(self.layers[0].qkv_proj.weight.shape[0])
-        rows[: heads * D] = (torch.arange(heads).unsqueeze(1) * D + order.unsqueeze(0)).reshape(-1)
-        rows = rows.to(self.device)
+        rows = qk_head_rows(order, cfg.num_attention_heads, cfg.num_key_value_heads,
+                            self.layers[0].qkv_proj.weight.shape[0]).to(self.device)
         for layer in self.layers:
             for t in (layer.qkv_proj.weight, layer.qkv_proj.bias):
                 if t is not None:
