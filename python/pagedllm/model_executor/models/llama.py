@@ -12,7 +12,8 @@ vLLM's Llama: the residual stream is carried beside the hidden state and each RM
 place (fused_add_rms_norm), SiLU(gate) * up is one kernel, and RoPE rotates q and k in place (CPU)
 or writes the rotated query out and the rotated key and the value straight into the paged KV
 cache (CUDA: rotary_embedding_and_cache, replacing reshape_and_cache). Both paths round where the
-PyTorch modules do.
+PyTorch modules do. On CUDA the model runner also permutes each qkv weight's query and key rows once
+(pair_rotary_rows) so that the qkv GEMV's rope epilogue rotates in registers.
 
 On CUDA in bfloat16/float16, steps with at most `gemv_max_tokens` tokens (decode at small batch;
 the crossover against cuBLAS measured by bench/gemv.py) run every projection and the LM head
@@ -563,9 +564,10 @@ class LlamaForCausalLM(nn.Module):
         arrival counters, no cross-CTA step) and larger steps' rotary_embedding_and_cache reads that
         order (paired_rows). The rotated query and the KV cache keep the standard order; decode
         steps (the GEMV) give the unpermuted model's outputs bit for bit, and prefill (F.linear on
-        the permuted rows) did too in every test on the H200, which cuBLAS does not promise (a
-        row moved to another output tile could be summed in another order). Call after the weights are loaded (the model runner does);
-        load_weights keeps the order. Returns whether the rows are paired now (idempotent)."""
+        the permuted rows) did too in every test on the H200, which cuBLAS does not promise (a row
+        moved to another output tile could be summed in another order). Call after the weights
+        are loaded (the model runner does); load_weights keeps the order. Returns whether the rows
+        are paired now (idempotent)."""
         if any(layer.rope_paired_rows for layer in self.layers):
             return True
         cfg = self.config
