@@ -41,9 +41,9 @@
 // kernel — and only then waits for the previous grid before reading x. (Optionally, config
 // prefetch = 1, it first asks L2 for its whole weight slice with cp.async.bulk.prefetch; measured
 // slower on the H200 except on the smallest matrices, so off by default. Optionally, config
-// stage_groups = P, each warp also copies its groups 2 .. P + 1 (from 0) into shared memory by cp.async
-// before the wait and reads them from there; two such groups measured 0.32 ms per Llama-3-8B
-// token slower in the model on the H200, so off by default.)
+// stage_groups = P, each warp also copies its groups 2 .. P + 1 (from 0) into shared memory by
+// cp.async before the wait and reads them from there; two such groups measured 0.32 ms per
+// Llama-3-8B token slower in the model on the H200, so off by default.)
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
