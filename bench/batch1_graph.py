@@ -106,12 +106,6 @@ VARIANTS = {
     "split4": V(split_k=4),
     "split16": V(split_k=16),
     "no_early": V(early=False),
-    # GEMV weight staging (GemvConfig stage_groups) per projection: where do its +10 us per layer
-    # (session 11, s11c, all projections) come from?
-    "stage_qkv": V(qkv_config={"stage": 2}),
-    "stage_o": V(("o_proj",), {"stage": 2}),
-    "stage_gate_up": V(("gate_up_proj",), {"stage": 2}),
-    "stage_down": V(("down_proj",), {"stage": 2}),
 }
 DEFAULT_VARIANTS = ["base", "no_attn", "copy_only", "rotary_only", "attn_only", "attn_copy"]
 

@@ -40,10 +40,9 @@
 // issues the loads of its first two groups of weights — they do not depend on the previous
 // kernel — and only then waits for the previous grid before reading x. (Optionally, config
 // prefetch = 1, it first asks L2 for its whole weight slice with cp.async.bulk.prefetch; measured
-// slower on the H200 except on the smallest matrices, so off by default. Optionally, config
-// stage_groups = P, each warp also copies its groups 2 .. P + 1 (from 0) into shared memory by
-// cp.async before the wait and reads them from there; two such groups measured 0.32 ms per
-// Llama-3-8B token slower in the model on the H200, so off by default.)
+// slower on the H200 except on the smallest matrices, so off by default. Copying two more groups
+// per warp into shared memory by cp.async before the wait measured 0.32 ms per Llama-3-8B token
+// slower in the model on the H200 and was removed: bench/gpu_engine_notes.md "Session 11".)
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -51,7 +50,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
 #include "device_guard.h"
 #include "gemv_cuda.h"
@@ -100,7 +98,6 @@ struct GemvParams {
   int rope_heads, rope_kv_heads, rope_head_size, rope_rot_half, rope_block_size;
   int rope_paired;       // 1: query / key rows in the rotary_paired_row order (no counters)
   int out_f32;           // 1: y is float32, each element rounded to T first (no residual, no rope)
-  int stage_groups;      // staged weight groups per warp: its groups 2 .. stage_groups + 1 (from 0)
 };
 
 template <typename T>
@@ -196,14 +193,6 @@ struct Frag {
   uint4 w[TILES][2][U];
   uint4 x[kRegX ? U : 1];
 };
-
-/// 16 bytes global -> shared (cp.async.cg: L2 only), zero-filled when !valid (src not read).
-__device__ __forceinline__ void cp_async_cg16(void* smem, const void* gmem, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
 
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -438,30 +427,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   const int stride = num_warps * 32 * U;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   using F = Frag<TILES, U, !kStaged>;
-  // Staged weight groups (p.stage_groups = P > 0; no prologue, vector path): this warp's groups
-  // 2 .. P + 1 go to shared memory by cp.async before the PDL wait — more of the CTA's weights in
-  // flight while the previous kernel finishes than the two register groups — laid out
-  // [warp][group][tile][row half][chunk][lane] (16 bytes per lane: conflict-free).
-  constexpr int kFrag = TILES * 2 * U;
-  const int kg_first = k_begin + warp * 32 * U;
-  uint4* const stage = reinterpret_cast<uint4*>(red + num_warps * kOut);
-  auto staged = [&](int q, int i, int h, int u) {
-    return stage + ((warp * p.stage_groups + q) * kFrag + (i * 2 + h) * U + u) * 32 + lane;
-  };
   auto load_weights = [&](F& f, int kg) {
-    if constexpr (kVec && !kStaged) {
-      const int q = (kg - kg_first) / stride - 2;
-      if (q >= 0 && q < p.stage_groups) {
-        asm volatile("cp.async.wait_all;\n" ::: "memory");  // this lane's own copies: no barrier
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int i = 0; i < TILES; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) f.w[i][h][u] = *staged(q, i, h, u);
-        return;
-      }
-    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kg + u * 32 + t * 8;
@@ -504,22 +470,6 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   // not depend on it); x only after.
   if (kg < k_end) load_weights(fa, kg);
   if (kg + stride < k_end) load_weights(fb, kg + stride);
-  if constexpr (kVec && !kStaged) {
-    for (int q = 0; q < p.stage_groups; ++q) {
-      const int kq = kg + (q + 2) * stride;
-      if (kq >= k_end) break;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = kq + u * 32 + t * 8;
-        const bool ok = k < k_end;
-#pragma unroll
-        for (int i = 0; i < TILES; ++i)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) cp_async_cg16(staged(q, i, h, u), wrow[i][h] + (ok ? k : 0), ok);
-      }
-    }
-    if (p.stage_groups > 0) asm volatile("cp.async.commit_group;\n" ::: "memory");
-  }
   if constexpr (kPro == Prologue::kNorm) {  // the norm weight is no output of the previous kernel
     for (int k = k_begin + static_cast<int>(threadIdx.x) * 8; k < k_end; k += blockDim.x * 8)
       asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const T*>(p.norm_w) + k));
@@ -623,28 +573,6 @@ constexpr int64_t kStageBudget = 100 << 10;
 
 int64_t reduce_bytes(int warps, int tiles) { return static_cast<int64_t>(warps) * tiles * 128 * sizeof(float); }
 
-/// Shared memory of `groups` staged weight groups per warp (16 bytes per lane per fragment).
-int64_t stage_bytes(int warps, int tiles, int u, int groups) {
-  return static_cast<int64_t>(warps) * groups * tiles * 2 * u * 32 * 16;
-}
-
-/// Staged weight groups per CTA: at most this much shared memory (two CTAs per SM on sm_90 keep
-/// their ~30K registers each and fit 2 x (96 + 4) KB).
-constexpr int64_t kWeightStageBudget = 96 << 10;
-
-/// PAGEDLLM_GEMV_STAGE (read once): staged weight groups per warp when GemvConfig::stage_groups
-/// is automatic; default kDefaultStageGroups = 0: two staged groups measured 0.32 ms per token
-/// slower at batch 1 of Llama-3-8B on the H200 (4.43 against 4.11 ms in one call;
-/// bench/gpu_engine_notes.md "Session 11"), so staging is opt-in.
-constexpr int kDefaultStageGroups = 0;
-int env_stage_groups() {
-  static const int groups = [] {
-    const char* v = std::getenv("PAGEDLLM_GEMV_STAGE");
-    return v != nullptr && *v != '\0' ? std::max(0, std::atoi(v)) : kDefaultStageGroups;
-  }();
-  return groups;
-}
-
 /// Staged x row stride for k_per_split columns: a multiple of 64 elements plus 32, so that rows
 /// lie 64 bytes (mod 128) apart and the 8 token rows of one warp read hit different banks.
 int staged_ld(int k_per_split) { return (k_per_split + 63) / 64 * 64 + 32; }
@@ -660,12 +588,6 @@ void launch_kernel(GemvParams p, int warps, cudaStream_t stream, bool pdl) {
   const auto kernel = gemv_kernel<T, TILES, U, kVec, kPro>;
   const int64_t tiles = (static_cast<int64_t>(p.N) + 16 * TILES - 1) / (16 * TILES);
   size_t smem = static_cast<size_t>(reduce_bytes(warps, TILES));
-  if (p.stage_groups > 0) {
-    static std::atomic<uint64_t> raised_stage{0};
-    smem += static_cast<size_t>(stage_bytes(warps, TILES, U, p.stage_groups));
-    detail::set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<size_t>(smem_optin()),
-                                 raised_stage);
-  }
   if constexpr (kPro != Prologue::kNone) {
     static std::atomic<uint64_t> raised{0};
     smem += static_cast<size_t>(p.M) * p.ldxs * sizeof(T);
@@ -771,15 +693,6 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
   p.splits = splits;
   p.k_per_split = k_per_split(p.K, splits);
   p.prefetch = config.prefetch >= 0 ? config.prefetch : 0;
-  if (vec && pro == Prologue::kNone) {
-    // Staged groups: no more than the warp has beyond its two register groups, within the budget.
-    const int stride = warps * 32 * U;
-    const int groups = (p.k_per_split + stride - 1) / stride;
-    int want = config.stage_groups >= 0 ? config.stage_groups : env_stage_groups();
-    want = std::min(want, std::max(0, groups - 2));
-    while (want > 0 && stage_bytes(warps, rows / 16, U, want) > kWeightStageBudget) --want;
-    p.stage_groups = want;
-  }
   if (const GemvRope* r = fusion.rope; r != nullptr) {  // validated by the launcher (gemv.cpp)
     p.rope_paired = r->paired_rows ? 1 : 0;
     p.rope_counters = r->paired_rows ? nullptr : r->counters->ptr<int>();

@@ -27,8 +27,6 @@ void check_config(const char* op, const GemvConfig& c) {
   PAGEDLLM_CHECK(c.splits == 0 || c.splits == 1 || c.splits == 2 || c.splits == 4 || c.splits == 8, op,
                  ": config.splits must be 0 (auto), 1, 2, 4 or 8, got ", c.splits);
   PAGEDLLM_CHECK(c.prefetch >= -1 && c.prefetch <= 1, op, ": config.prefetch must be -1, 0 or 1, got ", c.prefetch);
-  PAGEDLLM_CHECK(c.stage_groups >= -1 && c.stage_groups <= 8, op, ": config.stage_groups must be -1..8, got ",
-                 c.stage_groups);
 }
 
 /// The rope epilogue's arguments: those of rotary_embedding_and_cache with query, key and value

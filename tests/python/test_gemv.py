@@ -112,52 +112,6 @@ def test_gemv_every_config(gen, dtype, variant, warps, splits, prefetch):
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("m", [1, 8])
-@pytest.mark.parametrize("k", [8192, 4096 + 24, 14336])
-def test_gemv_staged_weight_groups_give_the_same_bits(gen, dtype, m, k):
-    """Weight groups staged in shared memory before the PDL wait (config stage 1..8, capped by K
-    and the shared-memory budget; -1 = automatic) leave the summation order alone: the bits of
-    stage 0 for 16- and 32-row tiles, 4 warps, a cluster K split, a K tail inside a group (zero-
-    filled copies), N not a multiple of 16; stage 0 against the float64 reference."""
-    n = 1000
-    x = rand((m, k), dtype, gen)
-    w = rand((n, k), dtype, gen, 0.05)
-    b = rand((n,), dtype, gen)
-    for cfg in ({}, {"variant": 2}, {"variant": 3, "warps": 4}, {"splits": 2}):
-        ref = ops.gemv(x, w, b, config={**cfg, "stage": 0})
-        check(ref, x, w, b, dtype, f"gemv {cfg} stage 0 m={m} k={k}")
-        for stage in (1, 2, 3, 8, -1):
-            y = ops.gemv(x, w, b, config={**cfg, "stage": stage})
-            assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), (cfg, stage)
-
-
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
-def test_graph_chain_with_staged_weights_matches_eager(gen, pdl):
-    """rms_norm -> gemv (K = 8192, groups staged before the PDL wait) -> gemv, in a CUDA graph:
-    replays over new inputs equal eager launches (the staged copies read weights only)."""
-    dtype, m, h = torch.bfloat16, 3, 8192
-    before = ops.pdl_enabled()
-    ops.set_pdl_enabled(pdl)
-    try:
-        x = rand((m, h), dtype, gen)
-        norm_w = rand((h,), dtype, gen, 0.1) + 1
-        w1 = rand((2048, h), dtype, gen, 0.05)
-        w2 = rand((512, 2048), dtype, gen, 0.05)
-
-        def chain(inp):
-            h1 = ops.rms_norm(torch.empty_like(inp), inp, norm_w, 1e-5)
-            return ops.gemv(ops.gemv(h1, w1, config={"stage": 3}), w2)
-
-        assert_graph_replays_equal_eager(chain, x, chain(x), gen)
-    finally:
-        ops.set_pdl_enabled(before)
-
-
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
 def test_gemv_strided_and_misaligned_x(gen, dtype, offset):
     m, n, k = 6, 300, 1024
@@ -280,8 +234,6 @@ def test_gemv_argument_errors():
         ops.gemv(torch.zeros(1, 8, dtype=torch.bfloat16, device=dev), w.T)
     with pytest.raises(ValueError, match="config.splits"):
         ops.gemv(torch.zeros(1, 16, dtype=torch.bfloat16, device=dev), w, config=dict(splits=3))
-    with pytest.raises(ValueError, match="config.stage_groups must be -1..8, got 9"):
-        ops.gemv(torch.zeros(1, 16, dtype=torch.bfloat16, device=dev), w, config=dict(stage=9))
     x = torch.zeros(1, 16, dtype=torch.bfloat16, device=dev)
     with pytest.raises(ValueError, match="overlaps"):
         ops.gemv(x, w, out=w[:1, :8])

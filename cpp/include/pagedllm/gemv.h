@@ -84,10 +84,6 @@ struct GemvConfig {
   int warps = 0;     ///< warps per CTA (1..8); 0: automatic
   int splits = 0;    ///< CTAs (a cluster, sm_90 only) splitting K for one row tile (1, 2, 4, 8); 0: auto
   int prefetch = -1; ///< 1/0: do / don't prefetch the weight slice into L2 first; -1: automatic
-  int stage_groups = -1;  ///< weight groups per warp loaded into shared memory before the PDL wait,
-                          ///< beyond the two register groups (0..8; capped by K and a 96 KB budget;
-                          ///< no prologue fusion); -1: automatic (PAGEDLLM_GEMV_STAGE, default 0:
-                          ///< measured slower in the model on the H200)
 };
 
 /// The rotary + KV-cache epilogue of a fused qkv projection (see the header comment).

@@ -85,9 +85,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ``norm_weight``, ``residual`` and ``out`` contiguous. A float32 ``out`` receives each element
     rounded to x's dtype (what ``.float()`` of the x-dtype result gives, without that kernel; not
     with ``residual`` or ``rope``). Returns ``out`` (allocated in x's dtype when None).
-    ``config``: tuning overrides for benchmarks (keys variant, warps, splits, prefetch, stage —
-    the weight groups per warp staged in shared memory before the PDL wait; see ``GemvConfig``
-    in gemv.h). Raises ValueError on CPU tensors, float32, more than
+    ``config``: tuning overrides for benchmarks (keys variant, warps, splits, prefetch; see
+    ``GemvConfig`` in gemv.h). Raises ValueError on CPU tensors, float32, more than
     GEMV_MAX_TOKENS rows, mismatched shapes or dtypes, or a prologue too large for the device's
     shared memory (see :func:`gemv_fusion_fits`)."""
     if not (isinstance(x, torch.Tensor) and x.is_cuda):
@@ -112,7 +111,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             None if residual is None else _view(residual),
             rope_views,
             0 if rope is None else int(rope.num_heads), 0 if rope is None else int(rope.num_kv_heads),
-            rope is not None and bool(rope.paired_rows), int(cfg.get("stage", -1)))
+            rope is not None and bool(rope.paired_rows))
     return out
 
 
