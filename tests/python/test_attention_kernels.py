@@ -18,6 +18,7 @@ import torch
 
 import pagedllm.ops as ops
 from pagedllm import _C
+from graph_capture import capture_graph
 from kernel_reference import (DEVICE_DTYPES, DEVICES, TOLERANCES, assert_close_to_reference, build_paged_cache,
                               poisoned, random_kv, reference_attention)
 
@@ -142,14 +143,7 @@ def test_decode_workspace_gives_the_same_bits(seq_lens, split_k, gen):
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), plain.view(torch.int16))
     graph_out = poisoned((B, Hq, D), dtype, "cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call(graph_out, big)  # warm-up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            call(graph_out, big)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, _ = capture_graph(lambda: call(graph_out, big))
     graph_out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -215,14 +209,7 @@ def test_decode_early_context_loads_see_the_new_token(seq_lens, split_k, gen):
         step(out)
         assert torch.equal(out.view(torch.int16), expected().view(torch.int16))
     graph_out = poisoned((B, Hq, D), dtype, "cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(graph_out)  # warm-up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step(graph_out)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, _ = capture_graph(lambda: step(graph_out))
     for _ in range(3):
         fresh_token()
         graph_out.fill_(float("nan"))

@@ -29,6 +29,7 @@ import torch
 import pagedllm.ops as ops
 from pagedllm import _C
 
+from graph_capture import capture_graph
 from tiny_models import PagedHarness
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -152,14 +153,7 @@ def assert_graph_replays_equal_eager(fn, x, eager, gen):
     eagerly by the caller); after fresh random values of x's shape and dtype (drawn from gen) are
     copied into the static input, a second replay equals fn of them run eagerly."""
     static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(static_x)  # warm-up
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            static_out = fn(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, static_out = capture_graph(lambda: fn(static_x))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, eager)
@@ -613,23 +607,12 @@ def test_gemv_rope_epilogue_in_a_cuda_graph(gen, pdl):
     rope = ops.GemvRope(hq, hkv, positions, cos, sin, qo, kc, vc, slots, counters)
     norm_w = rand((x.shape[1],), dtype, gen)
     xn = torch.empty_like(h)
-    was = ops.pdl_enabled()
-    ops.set_pdl_enabled(pdl)
-    try:
-        def body():
-            ops.rms_norm(xn, h, norm_w, 1e-5)
-            return ops.gemv(xn, w, b, rope=rope)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                y = body()
-        torch.cuda.current_stream().wait_stream(stream)
-    finally:
-        ops.set_pdl_enabled(was)
+    def body():
+        ops.rms_norm(xn, h, norm_w, 1e-5)
+        return ops.gemv(xn, w, b, rope=rope)
+
+    graph, y = capture_graph(body, pdl)
     for _ in range(2):
         h.copy_(rand(tuple(h.shape), dtype, gen))
         positions.copy_(torch.randint(0, cos.shape[0], (m,), generator=gen).cuda())

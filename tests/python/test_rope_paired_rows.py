@@ -27,6 +27,7 @@ import pagedllm.ops as ops
 from pagedllm import _C
 
 from test_gemv import DTYPES, _bits, _rope_case, dtype_id, needs_cuda, rand
+from graph_capture import capture_graph
 from tiny_models import PagedHarness
 
 
@@ -140,23 +141,12 @@ def test_paired_rope_epilogue_in_a_cuda_graph(gen, pdl):
     rope = ops.GemvRope(hq, hkv, positions, cos, sin, qo, kc, vc, slots, paired_rows=True)
     norm_w = rand((x.shape[1],), dtype, gen)
     xn = torch.empty_like(h)
-    was = ops.pdl_enabled()
-    ops.set_pdl_enabled(pdl)
-    try:
-        def body():
-            ops.rms_norm(xn, h, norm_w, 1e-5)
-            return ops.gemv(xn, wp, bp, rope=rope)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-    finally:
-        ops.set_pdl_enabled(was)
+    def body():
+        ops.rms_norm(xn, h, norm_w, 1e-5)
+        return ops.gemv(xn, wp, bp, rope=rope)
+
+    graph, _ = capture_graph(body, pdl)
     for _ in range(2):
         h.copy_(rand(tuple(h.shape), dtype, gen))
         positions.copy_(torch.randint(0, cos.shape[0], (m,), generator=gen).cuda())
