@@ -67,7 +67,7 @@ PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="model", qkv_config=None,
-      split_k=None, early=True):
+      split_k=None, early=True, gate_up="model"):
     """proj: projections through ops.gemv(config=config); attn: model | none | copy | rotary |
     attend_prealloc | attend_copy; env: set around the capture; o_env: around the o GEMV call;
     rope: model (as the runner leaves it: paired qkv rows where they apply) | counters (the qkv
@@ -75,16 +75,18 @@ def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="
     rotary kernel; implied by every attn but model, which replace DecoderLayer._attention);
     qkv_config: the rope qkv GEMV's config (DecoderLayer.qkv_gemv_config); split_k: the decode
     attention's split (Attention.split_k; 0 = one pass); early: the decode kernel's early context
-    loads (attention.EARLY_CONTEXT_LOADS). `exact`: whether the logits must equal base's bit for bit
+    loads (attention.EARLY_CONTEXT_LOADS); gate_up: model (as the runner leaves it: paired gate/up
+    rows, the SiLU in the gate_up GEMV's epilogue) | unpaired (the silu_and_mul kernel). `exact`: whether the logits must equal base's bit for bit
     (not for another split or GEMV config, whose sums differ, nor without early loads, with which
-    the cost model may split otherwise, nor for rope variants: their graphs
+    the cost model may split otherwise, nor for rope or gate_up variants: their graphs
     are replayed after the weights are paired again, so only their timing counts)."""
     if attn != "model":
         rope = "separate"
     return {"proj": tuple(proj), "config": config, "pdl": pdl, "attn": attn, "env": dict(env or {}),
             "o_env": dict(o_env or {}), "rope": rope, "qkv_config": qkv_config, "split_k": split_k,
-            "early": early,
-            "exact": attn == "model" and rope == "model" and split_k is None and qkv_config is None and early}
+            "early": early, "gate_up": gate_up,
+            "exact": attn == "model" and rope == "model" and split_k is None and qkv_config is None and early
+            and gate_up == "model"}
 
 
 VARIANTS = {
@@ -106,6 +108,7 @@ VARIANTS = {
     "split4": V(split_k=4),
     "split16": V(split_k=16),
     "no_early": V(early=False),
+    "gate_up_unpaired": V(gate_up="unpaired"),
 }
 DEFAULT_VARIANTS = ["base", "no_attn", "copy_only", "rotary_only", "attn_only", "attn_copy"]
 
@@ -152,6 +155,7 @@ def build(args):
     model.eval()
     model.pack_weights()  # as the runner; a no-op on CUDA
     log(f"paired rotary rows: {model.pair_rotary_rows()}")  # as the runner
+    log(f"paired gate/up rows: {model.pair_gate_up_rows()}")
     width = math.ceil(args.max_model_len / BLOCK_SIZE)
     num_blocks = width + 4
     gen = torch.Generator(device=dev)
@@ -183,7 +187,7 @@ class Patched:
         from pagedllm.model_executor.models import llama
 
         self.ops, self.llama, self.spec, self.model = ops, llama, spec, model
-        self.was_paired, self.counters = False, None
+        self.was_paired, self.gate_up_was_paired, self.counters = False, False, None
         names = set(spec["proj"]) | ({"o_proj"} if spec["o_env"] else set())
         self.routes = {id(getattr(layer, n)): n for layer in model.layers for n in names}
         self.hits: dict[str, int] = {}
@@ -244,6 +248,8 @@ class Patched:
             ops.set_pdl_enabled(False)
         if spec["rope"] != "model":
             self.was_paired = self.model._unpair_rotary_rows()
+        if spec["gate_up"] != "model":
+            self.gate_up_was_paired = self.model._unpair_gate_up_rows()
         if spec["rope"] == "separate":
             self.counters = [layer.rope_counters for layer in self.model.layers]
             for layer in self.model.layers:
@@ -271,6 +277,9 @@ class Patched:
         if self.was_paired:
             self.model.pair_rotary_rows()
             self.was_paired = False
+        if self.gate_up_was_paired:
+            self.model.pair_gate_up_rows()
+            self.gate_up_was_paired = False
         self.llama._project = self._project
         self.llama.DecoderLayer._attention = self._attn
         self.ops.set_pdl_enabled(self._pdl)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The issue-7 device batch (sessions 10-11), one call (~8 min): build; the CUDA tests of the engine,
-# sampler, sampling ops, attention, GEMV (with the paired rope rows) and layer ops; then the
+# sampler, sampling ops, attention, GEMV (with the paired rope and gate/up rows) and layer ops; then the
 # benchmarks twice for an A/B in one call: bench/throughput_gpu.py on both shapes (HF in the first
 # run only) and bench/batch1_breakdown.py, first as the code stands, then with B_ENV set (default:
 # async scheduling off; e.g. B_ENV=PAGEDLLM_ROPE_PAIRED=0 B_NAME=-unpaired for the paired qkv rows);
@@ -25,7 +25,8 @@ h200_tests tlog 300 "test_async_scheduling|tests/python/test_async_scheduling.py
   "test_sampler|tests/python/test_sampler.py" "test_sampling_ops|tests/python/test_sampling_ops.py" \
   "test_attention_kernels|tests/python/test_attention_kernels.py" "test_gemv|tests/python/test_gemv.py" \
   "test_layer_ops_cuda|tests/python/test_layer_ops_cuda.py" \
-  "test_rope_paired_rows|tests/python/test_rope_paired_rows.py"
+  "test_rope_paired_rows|tests/python/test_rope_paired_rows.py" \
+  "test_gate_up_paired_rows|tests/python/test_gate_up_paired_rows.py"
 h200_tests tlog 200 "test_gpu_engine|tests/python/test_gpu_engine.py"
 h200_collect_tests tlog "$W/$NAME-tests.log" "$OUT/summary.log" "$t0"
 # the CPU-side async scheduling tests on this host too (not cuda-marked)

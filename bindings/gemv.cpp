@@ -35,10 +35,11 @@ PAGEDLLM_BINDING(gemv, m) {
          const std::optional<TensorView>& bias, bool silu_and_mul, std::uintptr_t stream, int variant, int warps,
          int splits, int prefetch, const std::optional<TensorView>& norm_weight, float eps,
          const std::optional<TensorView>& residual, const std::optional<std::vector<TensorView>>& rope,
-         int rope_heads, int rope_kv_heads, bool rope_paired_rows) {
+         int rope_heads, int rope_kv_heads, bool rope_paired_rows, bool silu_paired_rows) {
         const auto config = make_config(variant, warps, splits, prefetch);
         pagedllm::GemvFusion fusion;
         fusion.silu_and_mul = silu_and_mul;
+        fusion.silu_paired_rows = silu_paired_rows;
         fusion.norm_weight = norm_weight ? &*norm_weight : nullptr;
         fusion.eps = eps;
         fusion.residual = residual ? &*residual : nullptr;
@@ -58,13 +59,15 @@ PAGEDLLM_BINDING(gemv, m) {
       py::arg("silu_and_mul") = false, py::arg("stream") = 0, py::arg("variant") = 0, py::arg("warps") = 0,
       py::arg("splits") = 0, py::arg("prefetch") = -1, py::arg("norm_weight") = py::none(), py::arg("eps") = 1e-6f,
       py::arg("residual") = py::none(), py::arg("rope") = py::none(), py::arg("rope_heads") = 0,
-      py::arg("rope_kv_heads") = 0, py::arg("rope_paired_rows") = false, py::call_guard<py::gil_scoped_release>(),
+      py::arg("rope_kv_heads") = 0, py::arg("rope_paired_rows") = false, py::arg("silu_paired_rows") = false,
+      py::call_guard<py::gil_scoped_release>(),
       "out [M, N] = x [M, K] @ weight [N, K]^T (+ bias) (+ residual [M, N], may be out); x = input, "
       "or SiLU(input[:, :K]) * input[:, K:] (silu_and_mul, input [M, 2K]), or RMSNorm(input) * "
       "norm_weight (eps). variant/warps/splits/prefetch: GemvConfig tuning overrides (0 / -1: automatic). "
       "rope: [positions, cos_cache, sin_cache, query_out, key_cache, value_cache, slot_mapping, counters] "
       "with rope_heads / rope_kv_heads: the rotary + KV-cache epilogue of a qkv projection (GemvRope); "
-      "rope_paired_rows: weight rows in the rotary_paired_row order (counters may be left out).");
+      "rope_paired_rows: weight rows in the rotary_paired_row order (counters may be left out). "
+      "silu_paired_rows: weight rows in the gate_up_paired_row order, out [M, N / 2] = SiLU(gate) * up.");
   m.def(
       "gemv_fusion_fits",
       [](int64_t tokens, int64_t in_features, const std::string& dtype) {

@@ -18,7 +18,8 @@ PAGEDLLM_BINDING(layer_ops, m) {
         py::arg("weight"), py::arg("eps"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
         "In place: residual += input; input = RMSNorm(residual) * weight.");
   m.def("silu_and_mul", &pagedllm::silu_and_mul, py::arg("out"), py::arg("input"), py::arg("stream") = 0,
-        py::call_guard<py::gil_scoped_release>(), "out [T, I] = SiLU(input[:, :I]) * input[:, I:].");
+        py::arg("paired_rows") = false, py::call_guard<py::gil_scoped_release>(),
+        "out [T, I] = SiLU(input[:, :I]) * input[:, I:]; paired_rows: input in the gate_up_paired_row order.");
   m.def("rotary_embedding", &pagedllm::rotary_embedding, py::arg("positions"), py::arg("query"), py::arg("key"),
         py::arg("cos_sin_cache"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
         "Rotate query [T, Hq, D] and key [T, Hkv, D] in place (NeoX layout) by positions int64 [T].");
@@ -40,4 +41,17 @@ PAGEDLLM_BINDING(layer_ops, m) {
         return pagedllm::rotary_paired_row(feature, rot_half);
       },
       py::arg("feature"), py::arg("rot_half"), "The row of a head's feature in the paired-rows order (layer_ops.h).");
+  m.def(
+      "gate_up_paired_row",
+      [](int64_t row, int64_t intermediate) {
+        if (intermediate <= 0 || intermediate % 8 != 0)
+          throw pagedllm::InvalidArgument("gate_up_paired_row: intermediate must be a positive multiple of 8, got " +
+                                          std::to_string(intermediate));
+        if (row < 0 || row >= 2 * intermediate)
+          throw pagedllm::InvalidArgument("gate_up_paired_row: row must be in [0, " + std::to_string(2 * intermediate) +
+                                          "), got " + std::to_string(row));
+        return pagedllm::gate_up_paired_row(row, intermediate);
+      },
+      py::arg("row"), py::arg("intermediate"),
+      "The standard [gate; up] row held by row `row` of the paired gate/up order (layer_ops.h).");
 }

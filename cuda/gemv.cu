@@ -98,6 +98,7 @@ struct GemvParams {
   int rope_heads, rope_kv_heads, rope_head_size, rope_rot_half, rope_block_size;
   int rope_paired;       // 1: query / key rows in the rotary_paired_row order (no counters)
   int out_f32;           // 1: y is float32, each element rounded to T first (no residual, no rope)
+  int silu_paired;       // 1: w in the gate_up_paired_row order; y [M, N / 2] = SiLU(gate) * up
 };
 
 template <typename T>
@@ -385,6 +386,31 @@ __device__ void rope_paired_epilogue(const GemvParams& p, int row0, int rows, co
   }
 }
 
+/// The SiLU-and-mul epilogue of a gate_up projection in layer_ops.h's gate_up_paired_row order:
+/// `red` holds the CTA's sums [tiles][16 rows][8 tokens] for rows row0 ..; rows r and r + 8 of
+/// each 16-row tile are the gate and up of output column row0 / 2 + 8 * tile + r. Rounds as gemv
+/// followed by silu_and_mul (cuda/activation.cu): the products (plus bias) to T, then
+/// T(T(SiLU(gate)) * up).
+template <typename T>
+__device__ __forceinline__ void silu_paired_epilogue(const GemvParams& p, int row0, int tiles, const float* red) {
+  T* y = static_cast<T*>(p.y);
+  const T* bias = static_cast<const T*>(p.bias);
+  const int half = p.N / 2;  // output columns (p.N % 16 == 0)
+  for (int j = threadIdx.x; j < tiles * 64; j += blockDim.x) {
+    const int tile = j / 64, r = (j % 64) / 8, token = j % 8;
+    const int row = row0 + 16 * tile + r;  // the gate row; its up row is row + 8
+    if (row >= p.N || token >= p.M) continue;
+    float gate = red[tile * 128 + r * 8 + token], up = red[tile * 128 + (r + 8) * 8 + token];
+    if (bias != nullptr) {
+      gate += to_float(bias[row]);
+      up += to_float(bias[row + 8]);
+    }
+    const float x = round_to<T>(gate);
+    const float silu = round_to<T>(x / (1.f + expf(-x)));
+    y[static_cast<int64_t>(token) * half + row0 / 2 + 8 * tile + r] = from_float<T>(silu * round_to<T>(up));
+  }
+}
+
 template <typename T, int TILES, int U, bool kVec, Prologue kPro>
 __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   // [warps][TILES * 128] floats: per-warp partial sums (row, token); then, for a staged
@@ -533,6 +559,10 @@ __global__ void __launch_bounds__(256) gemv_kernel(const GemvParams p) {
   if (rank != 0) return;
   T* y = static_cast<T*>(p.y);
   const T* bias = static_cast<const T*>(p.bias);
+  if (p.silu_paired) {  // rows g and g + 8 of each 16-row tile: gate and up of one output column
+    silu_paired_epilogue<T>(p, row0, TILES, red);
+    return;
+  }
   const T* residual = static_cast<const T*>(p.residual);
   for (int j = threadIdx.x; j < kOut; j += blockDim.x) {
     const int row = row0 + (j / 128) * 16 + (j % 128) / 8, token = j % 8;
@@ -651,6 +681,7 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
   p.eps = fusion.eps;
   p.y = out.data;
   p.out_f32 = out.dtype == DType::kFloat32 ? 1 : 0;
+  p.silu_paired = fusion.silu_paired_rows ? 1 : 0;
   p.M = static_cast<int>(input.size(0));
   p.N = static_cast<int>(weight.size(0));
   p.K = static_cast<int>(weight.size(1));

@@ -18,7 +18,7 @@ namespace pagedllm::cuda {
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView* residual,
               const TensorView& weight, float eps, std::uintptr_t stream);
 
-void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream);
+void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream, bool paired_rows);
 
 /// query_out == nullptr: rotate query and key in place (value, caches and slot_mapping unused,
 /// nullptr). Otherwise: rotated query -> query_out; rotated key and value -> the caches, query and

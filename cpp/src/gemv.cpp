@@ -120,7 +120,16 @@ void run(const char* op, const TensorView& out, const TensorView& input, const T
   check_same_device(op, "out", out, "input", input);
   check_contiguous(op, "out", out);
   check_dim(op, "out", out, 0, M, "num_tokens, must match input");
-  check_dim(op, "out", out, 1, N, "out_features, must match weight.size(0)");
+  if (fusion.silu_paired_rows) {
+    PAGEDLLM_CHECK(N % 16 == 0, op, ": silu_paired_rows (gate_up_paired_row order) needs out_features % 16 == 0, "
+                   "got weight ", weight.describe());
+    PAGEDLLM_CHECK(!out_f32 && fusion.residual == nullptr && fusion.rope == nullptr && !silu, op,
+                   ": silu_paired_rows (the SiLU-and-mul epilogue) cannot be combined with a float32 out, a "
+                   "residual, the rope epilogue or the silu_and_mul prologue");
+    check_dim(op, "out", out, 1, N / 2, "out_features / 2 with silu_paired_rows (SiLU(gate) * up)");
+  } else {
+    check_dim(op, "out", out, 1, N, "out_features, must match weight.size(0)");
+  }
   PAGEDLLM_CHECK(!overlaps(out, input), op, ": out overlaps input");
   PAGEDLLM_CHECK(!overlaps(out, weight), op, ": out overlaps weight");
   PAGEDLLM_CHECK(bias == nullptr || !overlaps(out, *bias), op, ": out overlaps bias");

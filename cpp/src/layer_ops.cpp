@@ -150,7 +150,7 @@ void fused_add_rms_norm(const TensorView& input, const TensorView& residual, con
 #endif
 }
 
-void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream) {
+void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream, bool paired_rows) {
   const char* op = "silu_and_mul";
   check_float(op, "input", input);
   check_rows(op, "input", input, input.dtype, "[num_tokens, 2 * intermediate_size]");
@@ -160,6 +160,10 @@ void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t
                  input.describe());
   check_dim(op, "out", out, 0, input.size(0), "num_tokens, must match input");
   check_dim(op, "out", out, 1, input.size(1) / 2, "intermediate_size, half of input's last dimension");
+  PAGEDLLM_CHECK(!paired_rows || out.size(1) % 8 == 0, op,
+                 ": paired_rows (gate_up_paired_row order) needs intermediate_size % 8 == 0, got ", out.size(1));
+  PAGEDLLM_CHECK(!paired_rows || input.device == DeviceType::kCUDA, op,
+                 ": paired_rows (gate_up_paired_row order) is CUDA only; input is on ", detail::device_str(input));
   if (out.numel() == 0) return;
   if (input.device == DeviceType::kCPU) {
     cpu::silu_and_mul(out, input, get_num_threads());
@@ -169,7 +173,7 @@ void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t
   check_cuda_contiguous(op, "out", out);
   PAGEDLLM_CHECK(!overlaps(out, input), op, ": out and input overlap");
 #ifdef PAGEDLLM_LAYER_OPS_CUDA
-  cuda::silu_and_mul(out, input, stream);
+  cuda::silu_and_mul(out, input, stream, paired_rows);
 #else
   (void)stream;
   no_layer_ops_cuda(op);

@@ -27,6 +27,11 @@
 //             the standard order — no counters, no cross-CTA step (out keeps the unrotated qkv in
 //             the paired order). Bit for bit equal to the standard order with the unpermuted
 //             weight. Needs full rotary (rotary_dim == head_size).
+//   silu_paired_rows  weight (and bias) rows of a fused gate_up projection in layer_ops.h's
+//             gate_up_paired_row order (16-row tiles of 8 gate rows and their 8 up rows): out is
+//             [M, N / 2] = SiLU(gate) * up, computed by each CTA from its own rows (layer_ops.h's
+//             silu_and_mul fused in as an epilogue, no cross-CTA step). Rounds as gemv on the
+//             standard-order weight followed by silu_and_mul: bit for bit. N % 16 == 0.
 //
 // M (tokens) is 1..kGemvMaxTokens. At these sizes a linear layer only streams its weight once, so
 // the kernel is built for memory bandwidth: 16-byte weight loads, several in flight per thread,
@@ -58,6 +63,8 @@
 //           fusion.eps >= 0, finite
 //   fusion.residual     nullptr or [M, N], contiguous, same dtype and device; either exactly out
 //           (same data and shape) or not overlapping it
+//   fusion.silu_paired_rows  out [M, N / 2] in the input's dtype; N % 16 == 0; not with a
+//           residual, rope, silu_and_mul or a float32 out
 //   fusion.rope         nullptr, or every field as rotary_embedding_and_cache takes it with query,
 //           key and value the three parts of out, plus counters int32 [>= Hq + 2 Hkv] on the device,
 //           all zero (every call leaves them zero; one call at a time per counters tensor; not
@@ -110,6 +117,8 @@ struct GemvFusion {
   bool silu_and_mul = false;                ///< input [M, 2K]: x = SiLU(input[:, :K]) * input[:, K:]
   const TensorView* residual = nullptr;     ///< [M, N]: out = T(T(x @ W^T + bias) + residual)
   const GemvRope* rope = nullptr;           ///< rotary + KV-cache write of a qkv projection
+  bool silu_paired_rows = false;            ///< weight in gate_up_paired_row order: out [M, N / 2] =
+                                            ///< SiLU(gate) * up (the SiLU-and-mul epilogue)
 };
 
 /// Whether this build has the GEMV kernels (a CUDA build).

@@ -49,7 +49,10 @@ void fused_add_rms_norm(const TensorView& input, const TensorView& residual, con
                         double eps, std::uintptr_t stream = 0);
 
 /// out [T, I] = SiLU(input[:, :I]) * input[:, I:] for input [T, 2I]; SiLU(x) = x / (1 + e^-x).
-void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream = 0);
+/// paired_rows (CUDA only; I % 8 == 0): input's columns are in the gate_up_paired_row order (the
+/// output of a gate_up projection whose weight rows were so permuted), out in the standard order.
+void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream = 0,
+                  bool paired_rows = false);
 
 /// Rotate query [T, Hq, D] and key [T, Hkv, D] in place (any token and head strides, contiguous
 /// last dim) by positions int64 [T]: with R = cos_sin_cache.size(1) (rotary dims, even, <= D) and
@@ -102,6 +105,17 @@ PAGEDLLM_HOST_DEVICE constexpr int rotary_paired_row(int feature, int rot_half) 
   const int second = feature >= rot_half ? 1 : 0;
   const int i = feature - second * rot_half;
   return 16 * (i / 8) + i % 8 + 8 * second;
+}
+
+/// The paired gate/up order of a fused gate_up projection of 2 * intermediate rows
+/// (intermediate % 8 == 0): row `row` of the paired weight is row gate_up_paired_row(row,
+/// intermediate) of the standard [gate; up] weight. Every 16-row tile holds 8 gate rows followed
+/// by the 8 matching up rows — one lane's two accumulator rows (g, g + 8) of an m16n8k16 MMA — so
+/// a GEMV CTA has both inputs of each SiLU(gate) * up output of its tile and writes the activation
+/// itself (GemvFusion::silu_paired_rows): no silu_and_mul kernel. Output column c comes from
+/// paired rows 16 (c / 8) + c % 8 (gate) and that + 8 (up). A permutation of [0, 2 * intermediate).
+PAGEDLLM_HOST_DEVICE constexpr int64_t gate_up_paired_row(int64_t row, int64_t intermediate) {
+  return (row % 16 < 8 ? 0 : intermediate) + 8 * (row / 16) + row % 8;
 }
 
 }  // namespace pagedllm

@@ -40,6 +40,7 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "rotary_paired_order",
+    "gate_up_paired_order",
     "argmax_rows",
     "fill_placeholder_ids",
     "amx_linear_supported",
@@ -220,6 +221,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
     fused_add_rms_norm,
+    gate_up_paired_order,
     layer_ops_supported,
     rms_norm,
     rotary_embedding,

@@ -12,6 +12,10 @@ optional fusions that save a kernel launch each in a decoder layer:
   write of :func:`pagedllm.ops.rotary_embedding_and_cache` run in the same kernel (bit for bit),
   the last CTA of each head doing that head — or, with ``paired_rows`` (the weight's q and k rows
   in :func:`pagedllm.ops.rotary_paired_order`), every CTA rotating its own rows in registers.
+* ``silu_paired_rows=True``: the weight is a gate_up projection in
+  :func:`pagedllm.ops.gate_up_paired_order`; ``y [M, N / 2] = SiLU(gate) * up`` is written by
+  each CTA from its own rows (:func:`pagedllm.ops.silu_and_mul` as an epilogue: no kernel, bit
+  for bit as gemv on the standard-order weight followed by silu_and_mul).
 
 CUDA only (bfloat16, float16; float32 is refused — use ``torch.nn.functional.linear``), launched
 on ``torch.cuda.current_stream()`` so CUDA graphs capture it. fp32 accumulation and one rounding,
@@ -70,7 +74,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          out: torch.Tensor | None = None, *, silu_and_mul: bool = False,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          residual: torch.Tensor | None = None, rope: GemvRope | None = None,
-         config: dict | None = None) -> torch.Tensor:
+         silu_paired_rows: bool = False, config: dict | None = None) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) (+ residual [M, N])``.
 
     With ``silu_and_mul=True`` x is ``[M, 2K]`` and the product uses ``SiLU(x[:, :K]) * x[:, K:]``
@@ -80,7 +84,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     a near tie). With ``residual`` the rounded product plus ``residual`` is rounded again (as
     gemv followed by :func:`pagedllm.ops.fused_add_rms_norm`'s add); ``out`` may be ``residual``
     itself (in place). With ``rope`` (:class:`GemvRope`) the rotary embedding and the paged KV-cache
-    write of a qkv projection follow in the same kernel (``out`` keeps the unrotated qkv).
+    write of a qkv projection follow in the same kernel (``out`` keeps the unrotated qkv). With
+    ``silu_paired_rows`` (weight rows in :func:`pagedllm.ops.gate_up_paired_order`, N % 16 == 0)
+    ``out`` is ``[M, N / 2] = SiLU(gate) * up`` (not with residual, rope, silu_and_mul or a float32
+    out).
     ``x`` rows may be strided (last dim contiguous); ``weight``, ``bias``,
     ``norm_weight``, ``residual`` and ``out`` contiguous. A float32 ``out`` receives each element
     rounded to x's dtype (what ``.float()`` of the x-dtype result gives, without that kernel; not
@@ -94,7 +101,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: x is on {where}; the GEMV kernels are CUDA only (on the cpu use "
                          "torch.nn.functional.linear)")
     if out is None:
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        n = weight.shape[0] // 2 if silu_paired_rows else weight.shape[0]
+        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     cfg = config or {}
     rope_views = None
     if rope is not None:
@@ -111,7 +119,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             None if residual is None else _view(residual),
             rope_views,
             0 if rope is None else int(rope.num_heads), 0 if rope is None else int(rope.num_kv_heads),
-            rope is not None and bool(rope.paired_rows))
+            rope is not None and bool(rope.paired_rows), bool(silu_paired_rows))
     return out
 
 

@@ -41,9 +41,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _C.fused_add_rms_norm(_view(x), _view(residual), _view(weight), float(eps), _stream(x))
 
 
-def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``out [T, I] = silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``; returns ``out``."""
-    _C.silu_and_mul(_view(out), _view(x), _stream(x))
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor, paired_rows: bool = False) -> torch.Tensor:
+    """``out [T, I] = silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``; returns ``out``. With
+    ``paired_rows`` (CUDA only, I % 8 == 0) x's columns are in :func:`gate_up_paired_order` (the
+    output of a gate_up projection whose weight rows were so permuted); out is in the standard
+    order either way."""
+    _C.silu_and_mul(_view(out), _view(x), _stream(x), bool(paired_rows))
     return out
 
 
@@ -86,3 +89,17 @@ def rotary_paired_order(head_size: int) -> torch.Tensor:
     for feature in range(head_size):
         order[_C.rotary_paired_row(feature, head_size // 2)] = feature
     return order
+
+
+def gate_up_paired_order(intermediate_size: int) -> torch.Tensor:
+    """int64 ``[2 * intermediate_size]``: the row of a fused ``[gate; up]`` projection weight at
+    each row of the paired gate/up order (``gate_up_paired_row`` in layer_ops.h): ``w[order]``
+    makes every 16-row tile 8 gate rows followed by their 8 up rows, so the GEMV writes
+    ``SiLU(gate) * up`` itself (``ops.gemv(..., silu_paired_rows=True)``) and
+    ``silu_and_mul(..., paired_rows=True)`` reads that order. Raises ValueError for an
+    intermediate_size that is not a positive multiple of 8."""
+    if intermediate_size <= 0 or intermediate_size % 8:
+        raise ValueError(f"gate_up_paired_order: intermediate_size must be a positive multiple of 8, got "
+                         f"{intermediate_size}")
+    return torch.tensor([_C.gate_up_paired_row(row, intermediate_size) for row in range(2 * intermediate_size)],
+                        dtype=torch.int64)

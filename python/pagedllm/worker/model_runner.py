@@ -110,6 +110,8 @@ class ModelRunner:
                 "PackedLinear": "oneDNN"}.get(kind, kind))
         if self.model.pair_rotary_rows():
             logger.info("qkv rows in the paired rotary order: the qkv GEMV rotates in registers")
+        if self.model.pair_gate_up_rows():
+            logger.info("gate_up rows in the paired gate/up order: the gate_up GEMV writes SiLU(gate) * up")
         self._synchronize()
         self.phase_seconds["load_weights"] = time.perf_counter() - start
         logger.info("loaded %s (%s, %s, load_format=%s) in %.1f s", model_path, model_config.architecture, dtype,

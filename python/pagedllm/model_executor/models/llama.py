@@ -13,7 +13,8 @@ place (fused_add_rms_norm), SiLU(gate) * up is one kernel, and RoPE rotates q an
 or writes the rotated query out and the rotated key and the value straight into the paged KV
 cache (CUDA: rotary_embedding_and_cache, replacing reshape_and_cache). Both paths round where the
 PyTorch modules do. On CUDA the model runner also permutes each qkv weight's query and key rows once
-(pair_rotary_rows) so that the qkv GEMV's rope epilogue rotates in registers.
+(pair_rotary_rows) so that the qkv GEMV's rope epilogue rotates in registers, and each gate_up
+weight's rows (pair_gate_up_rows) so that the gate_up GEMV writes SiLU(gate) * up itself.
 
 On CUDA in bfloat16/float16, steps with at most `gemv_max_tokens` tokens (decode at small batch;
 the crossover against cuBLAS measured by bench/gemv.py) run every projection and the LM head
@@ -251,6 +252,9 @@ class DecoderLayer(nn.Module):
         #: GemvConfig override of the qkv GEMV with the rope epilogue (ops.gemv's config; None:
         #: automatic), for benchmarks (bench/batch1_graph.py)
         self.qkv_gemv_config: dict | None = None
+        #: gate_up_proj's rows are in ops.gate_up_paired_order (LlamaForCausalLM.pair_gate_up_rows):
+        #: the GEMV writes SiLU(gate) * up (silu_paired_rows), silu_and_mul reads that order (CUDA only)
+        self.gate_up_paired_rows = False
 
     def forward(
         self,
@@ -279,11 +283,14 @@ class DecoderLayer(nn.Module):
             attn = self._attention(qkv, positions, cos_sin, rotary, kv_cache, meta)
         hidden = _project(self.o_proj, attn, gemv)
         h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        gate_up = _project(self.gate_up_proj, h, gemv)
-        if self.fused:
-            act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device), gate_up)
+        if self.gate_up_paired_rows and gemv:  # SiLU(gate) * up in the GEMV's epilogue: no kernel
+            act = ops.gemv(h, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_paired_rows=True)
+        elif self.fused:
+            act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device),
+                                   _project(self.gate_up_proj, h, gemv), paired_rows=self.gate_up_paired_rows)
         else:
-            gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
+            gate, up = _project(self.gate_up_proj, h, gemv).split([self.intermediate_size, self.intermediate_size],
+                                                                  dim=-1)
             act = F.silu(gate) * up
         return _project(self.down_proj, act, gemv), residual
 
@@ -294,13 +301,19 @@ class DecoderLayer(nn.Module):
         adds fused into the GEMVs: `stream` [T, hidden_size] is the residual stream (after the
         previous layer's residual add), updated in place. qkv = gemv(rms_norm(stream)); stream +=
         gemv(attention); gate_up = gemv(rms_norm(stream)); stream += gemv(SiLU(gate) * up) — with
-        silu_in_down the SiLU is the down GEMV's prologue, else one silu_and_mul kernel. Same
-        roundings as forward() (the norms up to one ulp on near ties: ops.gemv)."""
+        paired gate/up rows the SiLU is the gate_up GEMV's epilogue, else with silu_in_down the
+        down GEMV's prologue, else one silu_and_mul kernel. Same roundings as forward() (the norms
+        up to one ulp on near ties: ops.gemv)."""
         T = stream.shape[0]
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         qkv = ops.gemv(stream, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=n1.weight, eps=n1.eps)
         attn = self._attention(qkv, positions, None, rotary, kv_cache, meta)
         ops.gemv(attn, self.o_proj.weight, self.o_proj.bias, out=stream, residual=stream)
+        if self.gate_up_paired_rows:
+            act = ops.gemv(stream, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=n2.weight,
+                           eps=n2.eps, silu_paired_rows=True)
+            ops.gemv(act, self.down_proj.weight, self.down_proj.bias, out=stream, residual=stream)
+            return
         gate_up = ops.gemv(stream, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=n2.weight,
                            eps=n2.eps)
         if silu_in_down:
@@ -579,6 +592,44 @@ class LlamaForCausalLM(nn.Module):
             layer.rope_paired_rows = True
         return True
 
+    def pair_gate_up_rows(self) -> bool:
+        """Where the GEMV runs the projections (CUDA bf16/fp16 with the fused layer ops),
+        intermediate_size % 8 == 0 and PAGEDLLM_GATE_UP_PAIRED is not "0": permute every layer's
+        gate_up weight (and bias) rows into ops.gate_up_paired_order, so that GEMV-sized steps get
+        SiLU(gate) * up straight from the gate_up GEMV (silu_paired_rows: no silu_and_mul kernel,
+        bit for bit as before) and larger steps' silu_and_mul reads that order (paired_rows; F.linear
+        on the permuted rows, equal to the unpermuted product where cuBLAS sums each row alike, as
+        pair_rotary_rows notes). Call after the weights are loaded (the model runner does);
+        load_weights keeps the order. Returns whether the rows are paired now (idempotent)."""
+        if any(layer.gate_up_paired_rows for layer in self.layers):
+            return True
+        cfg = self.config
+        if (not self.layers or not self.fused or self.gemv_max_tokens == 0 or self.packed_lm_head is not None
+                or cfg.intermediate_size % 8 or os.environ.get("PAGEDLLM_GATE_UP_PAIRED", "1") == "0"):
+            return False
+        self._permute_gate_up_rows(ops.gate_up_paired_order(cfg.intermediate_size))
+        for layer in self.layers:
+            layer.gate_up_paired_rows = True
+        return True
+
+    def _unpair_gate_up_rows(self) -> bool:
+        """Undo pair_gate_up_rows; returns whether the rows were paired."""
+        if not any(layer.gate_up_paired_rows for layer in self.layers):
+            return False
+        self._permute_gate_up_rows(torch.argsort(ops.gate_up_paired_order(self.config.intermediate_size)))
+        for layer in self.layers:
+            layer.gate_up_paired_rows = False
+        return True
+
+    @torch.inference_mode()
+    def _permute_gate_up_rows(self, order: torch.Tensor) -> None:
+        """Every layer's gate_up weight (and bias) rows: row i <- row order[i]."""
+        rows = order.to(self.device)
+        for layer in self.layers:
+            for t in (layer.gate_up_proj.weight, layer.gate_up_proj.bias):
+                if t is not None:
+                    t.copy_(t.index_select(0, rows))
+
     def _unpair_rotary_rows(self) -> bool:
         """Undo pair_rotary_rows; returns whether the rows were paired."""
         if not any(layer.rope_paired_rows for layer in self.layers):
@@ -642,11 +693,14 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors into the model (casting to its dtype). Raises ValueError on an
         unknown or missing tensor or a shape mismatch, naming it."""
         paired = self._unpair_rotary_rows()  # checkpoints hold the standard order
+        gate_up_paired = self._unpair_gate_up_rows()
         try:
             self._load_weights(weights)
         finally:
             if paired:
                 self.pair_rotary_rows()
+            if gate_up_paired:
+                self.pair_gate_up_rows()
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
