@@ -1,18 +1,21 @@
 // cuda/sampling_ops.cu — argmax_rows on CUDA (pagedllm/sampling_ops.h), the greedy sampler's
 // one kernel, and fill_placeholder_ids (one thread per token), async scheduling's input fix-up.
 //
-// One CTA of 1024 threads per row (a row is 32K-256K logits, already in L2 after the LM head):
-// each thread scans 16-byte vectors (or single elements when the row is not 16-byte aligned)
+// Each thread scans 16-byte vectors (or single elements when the row is not 16-byte aligned)
 // with several loads in flight, keeping its largest value and the smallest index holding it;
 // then a warp-shuffle and a shared-memory merge take the larger value, the smaller index on a
 // tie — torch.argmax's first-index rule. NaN is never chosen over a number (comparisons with
 // NaN are false); a row of -inf only gives its first index, a row of NaN only gives 0 (as the
-// CPU kernel). torch.argmax reduces a single 128K row with few CTAs (~28 us on an H200); this
-// takes a few us.
+// CPU kernel). Rows of fewer than 16K columns: one CTA of 1024 threads per row. Longer rows (an
+// LM head's 32K-256K logits, already in L2): CTAs of 256 threads over chunks of ~4K columns write
+// their best to a stream-ordered scratch (cudaMallocAsync), and a second kernel (a programmatic
+// dependent) merges each row's chunks in order. torch.argmax reduces a single 128K row with few
+// CTAs (~28 us on an H200); one CTA per row took ~9 us.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -20,13 +23,22 @@
 #include "cuda_check.h"
 #include "device_guard.h"
 #include "layer_ops_common.cuh"
+#include "pdl.cuh"
 #include "sampling_ops_cuda.h"
 
 namespace pagedllm::cuda {
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = 1024;      // one CTA per row
+constexpr int kChunkThreads = 256;  // one CTA per chunk of a long row
 constexpr int kUnroll = 4;
+// Rows of at least kSplitColumns columns (and at most kMaxSplitRows rows) are split into chunks of
+// about kChunkColumns columns, at most kMaxChunks per row (H200: a 128K-column float32 row read by
+// one CTA took ~9 us, bound by one SM's share of L2 bandwidth).
+constexpr int64_t kSplitColumns = 16384;
+constexpr int64_t kChunkColumns = 4096;
+constexpr int64_t kMaxChunks = 64;
+constexpr int64_t kMaxSplitRows = 65535;
 constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
 
 struct Best {
@@ -48,50 +60,92 @@ __device__ __forceinline__ Best merge(Best a, Best b) {
   return a;
 }
 
+/// This thread's best over vectors v0, v0 + step, ... < v1 of `row` (VEC elements each; vector v
+/// holds columns v * VEC ..), several loads in flight.
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kThreads) argmax_rows_kernel(int64_t* __restrict__ out,
-                                                               const T* __restrict__ logits,
-                                                               int64_t row_stride, int64_t n) {
+__device__ __forceinline__ void scan(Best& best, const T* row, int64_t v0, int64_t v1, int step) {
   using V = layer_ops::Vec<T, VEC>;
-  const T* row = logits + blockIdx.x * row_stride;
-  Best best{-INFINITY, kNone};
-  const int64_t num_vecs = n / VEC;
   const V* vecs = reinterpret_cast<const V*>(row);
-  int64_t v = threadIdx.x;
-  for (; v + (kUnroll - 1) * kThreads < num_vecs; v += kUnroll * kThreads) {
+  int64_t v = v0;
+  for (; v + (kUnroll - 1) * step < v1; v += kUnroll * step) {
     V chunk[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) chunk[u] = vecs[v + u * kThreads];
+    for (int u = 0; u < kUnroll; ++u) chunk[u] = vecs[v + u * step];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-      for (int j = 0; j < VEC; ++j)
-        take(best, layer_ops::to_float(chunk[u].v[j]), (v + u * kThreads) * VEC + j);
+      for (int j = 0; j < VEC; ++j) take(best, layer_ops::to_float(chunk[u].v[j]), (v + u * step) * VEC + j);
   }
-  for (; v < num_vecs; v += kThreads) {
+  for (; v < v1; v += step) {
     const V chunk = vecs[v];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) take(best, layer_ops::to_float(chunk.v[j]), v * VEC + j);
   }
-  for (int64_t i = num_vecs * VEC + threadIdx.x; i < n; i += kThreads)
-    take(best, layer_ops::to_float(row[i]), i);
+}
 
+__device__ __forceinline__ Best warp_best(Best best) {
   for (int o = 16; o > 0; o >>= 1) {
     Best other{__shfl_xor_sync(0xffffffffu, best.value, o), __shfl_xor_sync(0xffffffffu, best.index, o)};
     best = merge(best, other);
   }
-  __shared__ Best warp_best[kThreads / 32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_best[warp] = best;
+  return best;
+}
+
+/// The CTA's best (valid in thread 0); blockDim.x a multiple of 32, at most 1024.
+__device__ __forceinline__ Best block_best(Best best) {
+  __shared__ Best per_warp[32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  best = warp_best(best);
+  if (lane == 0) per_warp[warp] = best;
   __syncthreads();
-  if (warp == 0) {
-    best = warp_best[lane];  // kThreads / 32 == 32 warps
-    for (int o = 16; o > 0; o >>= 1) {
-      Best other{__shfl_xor_sync(0xffffffffu, best.value, o), __shfl_xor_sync(0xffffffffu, best.index, o)};
-      best = merge(best, other);
-    }
-    if (lane == 0) out[blockIdx.x] = best.index == kNone ? 0 : best.index;
-  }
+  if (warp == 0) best = warp_best(lane < warps ? per_warp[lane] : Best{-INFINITY, kNone});
+  return best;
+}
+
+/// One CTA per row (rows of fewer than kSplitColumns columns): out[row] = its argmax over n columns.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) argmax_rows_kernel(int64_t* __restrict__ out,
+                                                               const T* __restrict__ logits,
+                                                               int64_t row_stride, int64_t n) {
+  const T* row = logits + blockIdx.x * row_stride;
+  Best best{-INFINITY, kNone};
+  const int64_t num_vecs = n / VEC;
+  scan<T, VEC>(best, row, threadIdx.x, num_vecs, kThreads);
+  for (int64_t i = num_vecs * VEC + threadIdx.x; i < n; i += kThreads) take(best, layer_ops::to_float(row[i]), i);
+  best = block_best(best);
+  if (threadIdx.x == 0) out[blockIdx.x] = best.index == kNone ? 0 : best.index;
+}
+
+/// Long rows, first pass: CTA (row, c) of `chunks` per row takes columns [c * chunk, (c + 1) *
+/// chunk) of [0, n) (chunk a multiple of 8, so of VEC) and writes its best to
+/// partials[row * chunks + c].
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kChunkThreads) argmax_chunks_kernel(Best* __restrict__ partials,
+                                                                      const T* __restrict__ logits,
+                                                                      int64_t row_stride, int64_t n, int chunks,
+                                                                      int64_t chunk) {
+  detail::pdl_launch_dependents();  // the merge kernel may be scheduled now; it waits for this grid
+  const int64_t r = blockIdx.x / chunks, c = blockIdx.x % chunks;
+  const T* row = logits + r * row_stride;
+  const int64_t begin = min(n, c * chunk), end = min(n, begin + chunk);
+  Best best{-INFINITY, kNone};
+  const int64_t v_end = end / VEC;  // whole vectors; the row's tail (n % VEC columns) element-wise
+  scan<T, VEC>(best, row, begin / VEC + threadIdx.x, v_end, kChunkThreads);
+  for (int64_t i = max(begin, v_end * VEC) + threadIdx.x; i < end; i += kChunkThreads)
+    take(best, layer_ops::to_float(row[i]), i);
+  best = block_best(best);
+  if (threadIdx.x == 0) partials[blockIdx.x] = best;
+}
+
+/// Long rows, second pass (a programmatic dependent of the first): one warp per row merges the
+/// row's `chunks` partials (ties: the smaller index, whichever lane holds it).
+__global__ void __launch_bounds__(32) argmax_merge_kernel(int64_t* __restrict__ out,
+                                                          const Best* __restrict__ partials, int chunks) {
+  detail::pdl_wait();
+  Best best{-INFINITY, kNone};
+  for (int c = threadIdx.x; c < chunks; c += 32) best = merge(best, partials[blockIdx.x * chunks + c]);
+  best = warp_best(best);
+  if (threadIdx.x == 0) out[blockIdx.x] = best.index == kNone ? 0 : best.index;
 }
 
 template <typename T>
@@ -101,12 +155,27 @@ void launch(const TensorView& out, const TensorView& logits, int64_t n, cudaStre
   const int64_t stride = logits.stride(0);
   const bool aligned = reinterpret_cast<std::uintptr_t>(logits.data) % 16 == 0 &&
                        (rows == 1 || (stride * static_cast<int64_t>(sizeof(T))) % 16 == 0);
-  const dim3 grid(static_cast<unsigned>(rows));
-  if (aligned)
-    argmax_rows_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(out.ptr<int64_t>(), logits.ptr<const T>(), stride, n);
-  else
-    argmax_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(out.ptr<int64_t>(), logits.ptr<const T>(), stride, n);
+  int64_t* ids = out.ptr<int64_t>();
+  const T* x = logits.ptr<const T>();
+  if (n < kSplitColumns || rows > kMaxSplitRows) {  // one CTA per row
+    const dim3 grid(static_cast<unsigned>(rows));
+    if (aligned) argmax_rows_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(ids, x, stride, n);
+    else argmax_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(ids, x, stride, n);
+    PAGEDLLM_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const int chunks = static_cast<int>(std::min<int64_t>(kMaxChunks, (n + kChunkColumns - 1) / kChunkColumns));
+  const int64_t chunk = ((n + chunks - 1) / chunks + 7) / 8 * 8;
+  void* scratch = nullptr;  // stream-ordered: no synchronization, capturable in a CUDA graph
+  PAGEDLLM_CUDA_CHECK(cudaMallocAsync(&scratch, static_cast<size_t>(rows) * chunks * sizeof(Best), stream));
+  auto* partials = static_cast<Best*>(scratch);
+  const dim3 grid(static_cast<unsigned>(rows * chunks));
+  if (aligned) argmax_chunks_kernel<T, kVec><<<grid, kChunkThreads, 0, stream>>>(partials, x, stride, n, chunks, chunk);
+  else argmax_chunks_kernel<T, 1><<<grid, kChunkThreads, 0, stream>>>(partials, x, stride, n, chunks, chunk);
   PAGEDLLM_CUDA_CHECK_LAUNCH();
+  detail::launch_dependent(argmax_merge_kernel, dim3(static_cast<unsigned>(rows)), dim3(32), 0, stream, ids,
+                           static_cast<const Best*>(partials), chunks);
+  PAGEDLLM_CUDA_CHECK(cudaFreeAsync(scratch, stream));
 }
 
 __global__ void fill_placeholder_ids_kernel(int32_t* __restrict__ ids, const int32_t* __restrict__ rows,

@@ -91,6 +91,18 @@ def test_argmax_rows_cuda_special_rows_graph_and_errors():
     x[1, :7] = float("nan")
     x[2] = float("nan")
     assert ops.argmax_rows(x).tolist() == [0, 7, 0]  # first -inf; NaN never chosen; all-NaN: 0
+    # rows long enough to be split into chunks (the kernel's two passes): the same rules across
+    # chunk boundaries — NaN-only and -inf-only chunks, the maximum tied in three chunks
+    for dtype in (torch.float32, torch.bfloat16):
+        y = torch.full((4, 128256), -float("inf"), dtype=dtype, device="cuda")
+        y[0, :70000] = float("nan")
+        y[1, 5000:] = 0.0
+        y[1, 4095] = 3.0
+        y[1, [90001, 12345]] = 3.0
+        y[2] = float("nan")
+        y[3, 128255] = -1.0
+        assert ops.argmax_rows(y).tolist() == [70000, 4095, 0, 128255]
+        assert ops.argmax_rows(y, 100000).tolist() == [70000, 4095, 0, 0]
     assert ops.argmax_rows(torch.empty(0, 10, device="cuda")).shape == (0,)
     # captured in a CUDA graph and replayed on new values
     logits = torch.zeros(2, 50000, device="cuda")
