@@ -94,6 +94,12 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+/// Keep the current device's default memory pool from returning freed memory to the OS at
+/// synchronizations (release threshold: unlimited), so stream-ordered scratch (cudaMallocAsync)
+/// stays cheap; once per device, and not while `stream` captures a graph (then a later call does
+/// it). Defined in paged_attention.cu.
+void keep_pool_memory(cudaStream_t stream);
+
 /// Whether launches on the current device should carry the PDL attribute: compute capability
 /// >= 9, PAGEDLLM_NO_PDL unset, and not turned off by set_pdl_enabled(false) (cuda/pdl.cu).
 bool pdl_enabled_for_current_device();

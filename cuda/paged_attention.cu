@@ -38,23 +38,6 @@ int current_device() {
   return d;
 }
 
-void keep_pool_memory(cudaStream_t stream) {
-  static std::atomic<bool> done[kMaxDevices] = {};
-  const int dev = current_device();
-  if (dev < kMaxDevices && done[dev].load()) return;
-  // Not allowed while the stream captures a graph (cudaErrorStreamCaptureUnsupported, which would
-  // also invalidate the capture): a split decode captured first in a process leaves it to the
-  // next call outside a capture.
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  PAGEDLLM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  if (status != cudaStreamCaptureStatusNone) return;
-  cudaMemPool_t pool;
-  PAGEDLLM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
-  uint64_t threshold = std::numeric_limits<uint64_t>::max();
-  PAGEDLLM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
-  if (dev < kMaxDevices) done[dev].store(true);
-}
-
 AttnParams common_params(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                          const TensorView& value_cache, const TensorView& block_tables,
                          const TensorView& seq_lens, float scale, const AttentionOptions& options) {
@@ -290,6 +273,23 @@ void require_aligned(const TensorView& out, const TensorView& query, const Tenso
 }
 
 }  // namespace
+
+void keep_pool_memory(cudaStream_t stream) {
+  static std::atomic<bool> done[kMaxDevices] = {};
+  const int dev = current_device();
+  if (dev < kMaxDevices && done[dev].load()) return;
+  // Not allowed while the stream captures a graph (cudaErrorStreamCaptureUnsupported, which would
+  // also invalidate the capture): a split decode captured first in a process leaves it to the
+  // next call outside a capture.
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  PAGEDLLM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) return;
+  cudaMemPool_t pool;
+  PAGEDLLM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t threshold = std::numeric_limits<uint64_t>::max();
+  PAGEDLLM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  if (dev < kMaxDevices) done[dev].store(true);
+}
 
 void set_max_dynamic_smem(const void* kernel, size_t bytes, std::atomic<uint64_t>& done_devices) {
   if (bytes <= 48 * 1024) return;

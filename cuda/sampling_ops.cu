@@ -167,6 +167,7 @@ void launch(const TensorView& out, const TensorView& logits, int64_t n, cudaStre
   const int chunks = static_cast<int>(std::min<int64_t>(kMaxChunks, (n + kChunkColumns - 1) / kChunkColumns));
   const int64_t chunk = ((n + chunks - 1) / chunks + 7) / 8 * 8;
   void* scratch = nullptr;  // stream-ordered: no synchronization, capturable in a CUDA graph
+  detail::keep_pool_memory(stream);
   PAGEDLLM_CUDA_CHECK(cudaMallocAsync(&scratch, static_cast<size_t>(rows) * chunks * sizeof(Best), stream));
   auto* partials = static_cast<Best*>(scratch);
   const dim3 grid(static_cast<unsigned>(rows * chunks));
