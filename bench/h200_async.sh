@@ -8,7 +8,7 @@
 # Everything lands in $OUT/work and comes back as one tarball ($OUT/$NAME.tgz: the device tool
 # returns at most 8 files) beside $OUT/summary.log.
 #   OUT=/some/dir NAME=s10 PAGEDLLM_COMMIT=<sha> [B_ENV=VAR=VALUE B_NAME=-suffix B_SHAPES="llama3-8b"]
-#   [GRAPH_VARIANTS="base ..."] bash bench/h200_async.sh
+#   [GRAPH_VARIANTS="base ..."] [TESTS="test_gemv ..."] bash bench/h200_async.sh
 set -uo pipefail
 OUT=${OUT:?set OUT}
 NAME=${NAME:-s10}
@@ -21,13 +21,11 @@ trap finish EXIT
 h200_build "$W" | tee "$OUT/summary.log" || exit 1
 t0=$(date +%s)
 rm -rf tlog
-h200_tests tlog 300 "test_async_scheduling|tests/python/test_async_scheduling.py" \
-  "test_sampler|tests/python/test_sampler.py" "test_sampling_ops|tests/python/test_sampling_ops.py" \
-  "test_attention_kernels|tests/python/test_attention_kernels.py" "test_gemv|tests/python/test_gemv.py" \
-  "test_layer_ops_cuda|tests/python/test_layer_ops_cuda.py" \
-  "test_rope_paired_rows|tests/python/test_rope_paired_rows.py" \
-  "test_gate_up_paired_rows|tests/python/test_gate_up_paired_rows.py"
-h200_tests tlog 200 "test_gpu_engine|tests/python/test_gpu_engine.py"
+# TESTS="test_x test_y": only those files (tests/python/NAME.py); default: the list below
+TESTS=${TESTS:-test_async_scheduling test_sampler test_sampling_ops test_attention_kernels test_gemv test_layer_ops_cuda test_rope_paired_rows test_gate_up_paired_rows test_gpu_engine}
+specs=()
+for t in $TESTS; do specs+=("$t|tests/python/$t.py"); done
+h200_tests tlog 300 "${specs[@]}"
 h200_collect_tests tlog "$W/$NAME-tests.log" "$OUT/summary.log" "$t0"
 # the CPU-side async scheduling tests on this host too (not cuda-marked)
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/python/test_async_scheduling.py -m "not cuda" \
