@@ -67,7 +67,7 @@ PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="model", qkv_config=None,
-      split_k=None, early=True, gate_up="model", cluster=True):
+      split_k=None, early=True, gate_up="model"):
     """proj: projections through ops.gemv(config=config); attn: model | none | copy | rotary |
     attend_prealloc | attend_copy; env: set around the capture; o_env: around the o GEMV call;
     rope: model (as the runner leaves it: paired qkv rows where they apply) | counters (the qkv
@@ -76,19 +76,17 @@ def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="
     qkv_config: the rope qkv GEMV's config (DecoderLayer.qkv_gemv_config); split_k: the decode
     attention's split (Attention.split_k; 0 = one pass); early: the decode kernel's early context
     loads (attention.EARLY_CONTEXT_LOADS); gate_up: model (as the runner leaves it: paired gate/up
-    rows, the SiLU in the gate_up GEMV's epilogue) | unpaired (the silu_and_mul kernel); cluster: the
-    decode attention's cluster combine (attention.CLUSTER_COMBINE). `exact`: whether the logits must
-    equal base's bit for bit (not for another split or GEMV config, or without the cluster combine,
-    whose sums differ, nor without early loads, with which the cost model may split otherwise, nor
-    for rope or gate_up variants: their graphs are replayed after the weights are paired again, so
-    only their timing counts)."""
+    rows, the SiLU in the gate_up GEMV's epilogue) | unpaired (the silu_and_mul kernel). `exact`: whether the logits must equal base's bit for bit
+    (not for another split or GEMV config, whose sums differ, nor without early loads, with which
+    the cost model may split otherwise, nor for rope or gate_up variants: their graphs
+    are replayed after the weights are paired again, so only their timing counts)."""
     if attn != "model":
         rope = "separate"
     return {"proj": tuple(proj), "config": config, "pdl": pdl, "attn": attn, "env": dict(env or {}),
             "o_env": dict(o_env or {}), "rope": rope, "qkv_config": qkv_config, "split_k": split_k,
-            "early": early, "gate_up": gate_up, "cluster": cluster,
+            "early": early, "gate_up": gate_up,
             "exact": attn == "model" and rope == "model" and split_k is None and qkv_config is None and early
-            and gate_up == "model" and cluster}
+            and gate_up == "model"}
 
 
 VARIANTS = {
@@ -111,7 +109,6 @@ VARIANTS = {
     "split16": V(split_k=16),
     "no_early": V(early=False),
     "gate_up_unpaired": V(gate_up="unpaired"),
-    "no_cluster": V(cluster=False),
 }
 DEFAULT_VARIANTS = ["base", "no_attn", "copy_only", "rotary_only", "attn_only", "attn_copy"]
 
@@ -261,8 +258,6 @@ class Patched:
 
         self.attention_mod, self._early = attention_mod, attention_mod.EARLY_CONTEXT_LOADS
         attention_mod.EARLY_CONTEXT_LOADS = spec["early"]
-        self._cluster = attention_mod.CLUSTER_COMBINE
-        attention_mod.CLUSTER_COMBINE = spec["cluster"]
         for layer in self.model.layers:
             layer.qkv_gemv_config = spec["qkv_config"]
             layer.attn.split_k = spec["split_k"]
@@ -272,7 +267,6 @@ class Patched:
     def __exit__(self, *exc):
         self.env.__exit__(*exc)
         self.attention_mod.EARLY_CONTEXT_LOADS = self._early
-        self.attention_mod.CLUSTER_COMBINE = self._cluster
         for layer in self.model.layers:
             layer.qkv_gemv_config = None
             layer.attn.split_k = None
