@@ -35,19 +35,18 @@ PAGEDLLM_BINDING(attention, m) {
       [](const TensorView& out, const TensorView& query, const TensorView& key_cache,
          const TensorView& value_cache, const TensorView& block_tables, const TensorView& seq_lens,
          double scale, int32_t sliding_window, float soft_cap, int32_t split_k, std::uintptr_t stream,
-         std::uintptr_t workspace, int64_t workspace_bytes, bool early_context_loads, bool cluster_combine) {
+         std::uintptr_t workspace, int64_t workspace_bytes, bool early_context_loads) {
         AttentionOptions options{sliding_window, soft_cap, split_k};
         options.workspace = reinterpret_cast<void*>(workspace);
         options.workspace_bytes = workspace_bytes;
         options.early_context_loads = early_context_loads;
-        options.cluster_combine = cluster_combine;
         pagedllm::paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, options,
                                   stream);
       },
       py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
       py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
       py::arg("soft_cap") = 0.0f, py::arg("split_k") = -1, py::arg("stream") = 0, py::arg("workspace") = 0,
-      py::arg("workspace_bytes") = 0, py::arg("early_context_loads") = false, py::arg("cluster_combine") = false,
+      py::arg("workspace_bytes") = 0, py::arg("early_context_loads") = false,
       py::call_guard<py::gil_scoped_release>(), "Decode paged attention (see pagedllm/attention.h).");
   m.def(
       "last_cuda_decode_plan",

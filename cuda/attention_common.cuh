@@ -62,10 +62,6 @@ struct AttnParams {
   // Decode v2 only (AttentionOptions::early_context_loads): tiles wholly before each sequence's
   // last token may be loaded before pdl_wait.
   int early_context_loads = 0;
-  // Decode v2 only, CTA items, 2..16 partitions (AttentionOptions::cluster_combine where
-  // decode_v2_cluster_fits): one item per CTA, launched in clusters of num_splits CTAs; rank 0
-  // combines the group's partitions from the others' shared memory (no partials, no counters).
-  int cluster_combine = 0;
 };
 
 /// atom.add with acquire-release semantics at GPU scope (PTX ISA, "Memory Consistency Model"):

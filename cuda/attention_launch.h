@@ -29,10 +29,6 @@ void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, int warps
 /// warps_per_item warps for v2 (`group` = Hq / Hkv sizes the merge buffers of shared items), CTAs
 /// for the CTA-per-item kernel and the float32 kernel.
 int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group);
-/// Whether p's decode (num_splits partitions per group) can take the cluster combine
-/// (AttnParams::cluster_combine): sm_90, whole-CTA items all resident at once (`items` of them),
-/// 2..16 partitions and a cluster of that many CTAs that fits the device.
-bool decode_v2_cluster_fits(DType dtype, int head_size, const AttnParams& p, int64_t items);
 int decode_v1_units(DType dtype, int head_size);
 int attention_fp32_units(int head_size);
 

@@ -343,19 +343,10 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   // the stream has zeroed arrival counters; else the reduction kernel after it.
   const int64_t groups = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ((p.group + 15) / 16);
   if (v2 && p.num_splits > 1 && forced_combine() != 1 &&
-      (forced_combine() == 2 || in_kernel_combine_pays(kind, p.num_splits))) {
-    // the caller allows it and every item has its CTA: the partitions meet in a cluster instead
-    if (options.cluster_combine && kind == DecodeKernel::kV2Cta &&
-        decode_v2_cluster_fits(dtype, head_size, p, groups * p.num_splits))
-      p.cluster_combine = 1;
-    else
-      p.split_counters = split_counters_for(stream, groups);
-  }
+      (forced_combine() == 2 || in_kernel_combine_pays(kind, p.num_splits)))
+    p.split_counters = split_counters_for(stream, groups);
   g_last_plan = DecodePlanInfo{kind_name(kind), p.num_splits,
-                               p.num_splits == 1              ? "none"
-                               : p.cluster_combine            ? "cluster"
-                               : p.split_counters != nullptr ? "in-kernel"
-                                                              : "kernel"};
+                               p.num_splits == 1 ? "none" : p.split_counters != nullptr ? "in-kernel" : "kernel"};
   auto launch = [&] {
     switch (kind) {
       case DecodeKernel::kFp32: return launch_attention_fp32(head_size, p, stream);
@@ -366,7 +357,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     }
   };
 
-  if (p.num_splits == 1 || p.cluster_combine) return launch();  // no partials in global memory
+  if (p.num_splits == 1) return launch();
 
   const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_heads * p.num_splits;
   const size_t bytes = rows * (head_size + 2) * sizeof(float);

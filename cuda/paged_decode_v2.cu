@@ -20,20 +20,12 @@
 // either follow the block-table width (partition_tokens) or split each sequence's own context
 // into equal whole tiles (even_splits, the default for this kernel).
 //
-// Cluster combine (AttnParams::cluster_combine; CTA items on sm_90, one item per CTA, 2..16
-// partitions): the grid is launched in thread-block clusters of num_splits CTAs, one per partition
-// of a group (items are partition-fastest, so cluster rank = partition). Each CTA leaves its merged
-// state (normalised output rows, maximum, sum) in its own shared memory; after a cluster barrier
-// rank 0 reads the others' through distributed shared memory and writes the combined rows — no
-// partials in global memory, no arrival counter, no L2 round trips (vs. combine_splits).
-//
 // Tile loads (template LOAD): kLoadTma (head size 128 on sm_90, the default there): a tile that
 // lies whole in one block arrives as 2-D TMA boxes (cp.async.bulk.tensor; 64 columns x 16 rows,
 // 128-byte swizzle, no padding) issued by one lane and completing on the ring slot's mbarrier;
 // other tiles (block edges, the sequence's last tile) go by cp.async into the same swizzled
 // layout. kLoadCpAsync: 16-byte cp.async per lane into padded rows (other head sizes, other GPUs,
 // or PAGEDLLM_DECODE_TMA=0). TMA was 3% faster at 64 x 4,096 on the H200 (run 4, notes).
-#include <cooperative_groups.h>
 #include <cuda.h>  // CUtensorMap and its enums (types only; the encoder is fetched at run time)
 
 #include <cstdlib>
@@ -43,12 +35,6 @@
 
 namespace pagedllm::cuda::detail {
 namespace {
-
-namespace cg = cooperative_groups;
-
-/// Largest cluster (partitions) of the cluster combine: 16 is a non-portable cluster size, which
-/// sm_90 allows per kernel (cudaFuncAttributeNonPortableClusterSizeAllowed).
-constexpr int kMaxClusterSplits = 16;
 
 enum LoadKind : int { kLoadCpAsync = 0, kLoadTma = 1 };
 
@@ -194,49 +180,6 @@ __device__ __forceinline__ void combine_splits(const AttnParams& p, const Decode
     }
     store_combined(static_cast<T*>(p.out) + (row0 + r) * D + 4 * c, o, total);
   }
-}
-
-/// The cluster combine's last step (see the header comment), called by every CTA of the cluster:
-/// c_o [nrows][D], c_m [16], c_l [16] hold this CTA's partition state in shared memory (as the
-/// partials of combine_splits: rows normalised by their own sum, log2-domain maximum, sum). Rank
-/// 0 combines the num_splits states in rank order with combine_splits' formula. `tid` /
-/// `nthreads`: this thread among the CTA's.
-template <typename T, int D>
-__device__ __forceinline__ void cluster_combine_splits(const AttnParams& p, const DecodeItem& it, const float* c_o,
-                                                       const float* c_m, const float* c_l, int tid, int nthreads) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every partition's state is in its CTA's shared memory (release / acquire)
-  if (cluster.block_rank() == 0) {
-    constexpr int kCols = D / 4;  // float4 columns
-    const int S = p.num_splits;   // == the cluster's size
-    const int64_t row0 = static_cast<int64_t>(it.seq) * p.num_heads + it.h0;
-    for (int idx = tid; idx < it.nrows * kCols; idx += nthreads) {
-      const int r = idx / kCols, c = idx % kCols;
-      float mmax = neg_inf();
-      for (int s = 0; s < S; ++s) mmax = fmaxf(mmax, *cluster.map_shared_rank(c_m + r, s));
-      float total = 0.f;
-      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (mmax != neg_inf()) {
-        for (int s = 0; s < S; ++s) {
-          const float m = *cluster.map_shared_rank(c_m + r, s);
-          const float w = *cluster.map_shared_rank(c_l + r, s) * exp2f(m - mmax);
-          const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(c_o + r * D + 4 * c, s));
-          total += w;
-          o.x += w * v.x;
-          o.y += w * v.y;
-          o.z += w * v.z;
-          o.w += w * v.w;
-        }
-      }
-      store_combined(static_cast<T*>(p.out) + (row0 + r) * D + 4 * c, o, total);
-    }
-  }
-  cluster.sync();  // the other CTAs' shared memory stays alive until rank 0 has read it
-#else
-  (void)p, (void)it, (void)c_o, (void)c_m, (void)c_l, (void)tid, (void)nthreads;
-  __trap();  // launched in clusters on sm_90 only (decode_v2_cluster_fits)
-#endif
 }
 
 /// WPI warps per work item. WPI == 1: a work item per warp (items first, first + W, ... for W
@@ -396,12 +339,6 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   };
   __shared__ int s_last_arriver[kTeams];  // WPI > 1: the team's arrival result, shared by the team
 
-  // Cluster combine: this CTA's partition state, in the ring's shared memory (idle by then: the
-  // CTA's one item has consumed every tile it loaded).
-  static_assert(C::kWarps * C::kWarpBytes >= (16 * D + 32) * int(sizeof(float)), "cluster state fits the rings");
-  float* c_o = reinterpret_cast<float*>(smem);  // [16][D]
-  float* c_m = c_o + 16 * D;                    // [16]
-  float* c_l = c_m + 16;                        // [16]
   auto merge_warps_and_store = [&](const DecodeItem& it, const float(&m)[2], const float(&l)[2],
                                    const float(&acc)[D / 8][4], int mrows) {
     float* s_m = reinterpret_cast<float*>(smem + C::kMergeOffset);  // [kWarps][16]
@@ -439,12 +376,6 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
       const int64_t row = row0 + r;
       if (p.num_splits == 1) {
         static_cast<T*>(p.out)[row * D + d] = TypeTraits<T>::from_float(lsum > 0.f ? o / lsum : 0.f);
-      } else if (p.cluster_combine) {  // the state stays in this CTA's shared memory
-        c_o[r * D + d] = lsum > 0.f ? o / lsum : 0.f;
-        if (d == 0) {
-          c_m[r] = mmax;
-          c_l[r] = lsum;
-        }
       } else {
         const int64_t prow = row * p.num_splits + it.split;
         p.partial_out[prow * D + d] = lsum > 0.f ? o / lsum : 0.f;
@@ -453,10 +384,6 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
           p.partial_sum[prow] = lsum;
         }
       }
-    }
-    if (p.num_splits > 1 && p.cluster_combine) {
-      if constexpr (WPI == W_) cluster_combine_splits<T, D>(p, it, c_o, c_m, c_l, threadIdx.x, blockDim.x);
-      return;
     }
     if (p.num_splits > 1 && p.split_counters != nullptr) {
       const int tid = threadIdx.x - 32 * w0;
@@ -641,44 +568,6 @@ struct V2 {
     return f(kernel<W>());
   }
 
-  // Let the whole-CTA kernel run in clusters of up to kMaxClusterSplits CTAs (sizes above 8 are
-  // non-portable; sm_90 takes 16), once per device.
-  static void allow_large_clusters() {
-    static std::atomic<uint64_t> done{0};
-    int dev = 0;
-    PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
-    const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
-    if (bit != 0 && (done.load() & bit)) return;
-    PAGEDLLM_CUDA_CHECK(
-        cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel<W>()), cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    done.fetch_or(bit);
-  }
-
-  // Whether a group's `splits` partitions can run as one cluster of whole-CTA items: some such
-  // cluster fits the device at once (cudaOccupancyMaxActiveClusters), cached per cluster size.
-  static bool cluster_fits(int splits, int merge_rows) {
-    static std::atomic<int> cached[kMaxClusterSplits + 1] = {};  // 0 unknown, 1 no, 2 yes
-    if (splits < 2 || splits > kMaxClusterSplits) return false;
-    if (const int c = cached[splits].load(); c != 0) return c == 2;
-    raise_smem();
-    allow_large_clusters();
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(splits));
-    config.blockDim = dim3(C::kThreads);
-    config.dynamicSmemBytes = smem_bytes(W, merge_rows);
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(splits);
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    int clusters = 0;
-    PAGEDLLM_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel<W>(), &config));
-    cached[splits].store(clusters > 0 ? 2 : 1);
-    return clusters > 0;
-  }
-
   // Raise the kernels' shared-memory limit once per device, to the largest size any takes.
   static void raise_smem() {
     static std::atomic<uint64_t> bits[3] = {};
@@ -718,15 +607,6 @@ struct V2 {
     }
     std::atomic<uint64_t> none{~uint64_t{0}};
     const size_t smem = smem_bytes(wpi, merge_rows);
-    if (p.cluster_combine) {  // one item per CTA, clusters of the group's partitions
-      if (wpi != W || static_cast<int64_t>(ctas) != items || p.num_splits < 2 || p.num_splits > kMaxClusterSplits)
-        throw std::runtime_error("CUDA decode: the cluster combine needs whole-CTA items, one per CTA, and 2.." +
-                                 std::to_string(kMaxClusterSplits) + " partitions");
-      allow_large_clusters();
-      launch_ex(kernel<W>(), ctas, C::kThreads, smem, stream, pdl_enabled_for_current_device(),
-                static_cast<unsigned>(p.num_splits), p, static_cast<int>(items), head_chunks, merge_rows, maps);
-      return;
-    }
     with_kernel(wpi, [&](auto kern) {
       // PDL: with a persistent workspace (no free node between them) it saves ~0.6 us per decode
       // layer at batch 1 on the H200 (bench/gpu_engine_notes.md, session 10)
@@ -763,18 +643,6 @@ auto with_config(int head_size, const AttnParams* p, F&& f) {
 
 bool decode_v2_supports(DType dtype, int head_size) {
   return (dtype == DType::kBFloat16 || dtype == DType::kFloat16) && head_size <= 128;
-}
-
-bool decode_v2_cluster_fits(DType dtype, int head_size, const AttnParams& p, int64_t items) {
-  if (current_device_major() < 9) return false;
-  return dispatch_mma_dtype(dtype, "CUDA decode v2", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    return with_config<T>(head_size, &p, [&](auto cfg) {
-      using Cfg = decltype(cfg);
-      const int merge_rows = std::min(16, p.group);
-      return items <= Cfg::units(kDecodeV2Warps, merge_rows) && Cfg::cluster_fits(p.num_splits, merge_rows);
-    });
-  });
 }
 
 int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group) {

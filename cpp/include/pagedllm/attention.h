@@ -66,13 +66,6 @@ struct AttentionOptions {
   /// (programmatic dependent launch), and only the tiles holding the last token after. Same
   /// results; false (the default) loads nothing before the wait.
   bool early_context_loads = false;
-  /// Decode only, CUDA (the v2 kernel on sm_90): where the plan has whole-CTA work items, each
-  /// resident at once, with 2..16 flash-decoding partitions combined in the kernel, launch each
-  /// group's partitions as one thread-block cluster and combine them through distributed shared
-  /// memory (no partials in global memory, no arrival counters). The same weighting of the
-  /// partitions, summed in one pass instead of chunks of 8 (last-bit differences in float32
-  /// before the rounding to the dtype); false (the default) keeps the arrival-counter combine.
-  bool cluster_combine = false;
 };
 
 /// Head sizes every implementation supports: {64, 80, 96, 128, 256}.
@@ -124,10 +117,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 ///            CPU-only build (an empty batch launches nothing and leaves the record as it was)
 ///   splits   flash-decoding partitions per sequence (1 = single pass)
 ///   combine  "none" (one partition), "kernel" (the split-K reduction kernel after the decode
-///            kernel), "in-kernel" (the last partition of each group to finish combines them
-///            inside the decode kernel, arrival counters in a persistent zeroed buffer) or
-///            "cluster" (AttentionOptions::cluster_combine: each group's partitions one
-///            thread-block cluster, combined through distributed shared memory)
+///            kernel) or "in-kernel" (the last partition of each group to finish combines them
+///            inside the decode kernel, arrival counters in a persistent zeroed buffer)
 struct DecodePlanInfo {
   std::string kernel;
   int32_t splits = 0;

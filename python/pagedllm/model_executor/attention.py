@@ -23,11 +23,6 @@ from pagedllm import ops
 #: early_context_loads); PAGEDLLM_EARLY_CONTEXT_LOADS=0 turns it off (read once, for A/B runs).
 EARLY_CONTEXT_LOADS = os.environ.get("PAGEDLLM_EARLY_CONTEXT_LOADS", "1") != "0"
 
-#: Decode steps let the CUDA decode kernel combine a group's flash-decoding partitions inside a
-#: thread-block cluster where its plan allows (ops.paged_attention's cluster_combine);
-#: PAGEDLLM_DECODE_CLUSTER=0 turns it off (read once, for A/B runs).
-CLUSTER_COMBINE = os.environ.get("PAGEDLLM_DECODE_CLUSTER", "1") != "0"
-
 
 @dataclasses.dataclass
 class AttentionMetadata:
@@ -83,7 +78,7 @@ class Attention:
             ops.paged_attention(
                 out, q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
                 sliding_window=self.sliding_window, split_k=self.split_k, workspace=self.workspace,
-                early_context_loads=EARLY_CONTEXT_LOADS, cluster_combine=CLUSTER_COMBINE,
+                early_context_loads=EARLY_CONTEXT_LOADS,
             )
         else:
             ops.paged_prefill_attention(

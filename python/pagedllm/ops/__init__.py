@@ -146,7 +146,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, sliding_window: int | None = None, soft_cap: float | None = None,
                     split_k: int | None = None, workspace: torch.Tensor | None = None,
-                    early_context_loads: bool = False, cluster_combine: bool = False) -> None:
+                    early_context_loads: bool = False) -> None:
     """Decode attention, one query per sequence, written into ``out`` ``[B, Hq, D]``.
 
     ``query`` ``[B, Hq, D]`` (cache dtype), ``block_tables`` int32 ``[B, M]``, ``seq_lens`` int32
@@ -160,11 +160,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     promise that the kernels still running on the stream write at most each sequence's last
     token of these caches (a decode step's KV-cache write just before, as in a model layer); the
     kernel then loads the rest of each context before waiting for the previous kernel
-    (``AttentionOptions::early_context_loads``). Same results. ``cluster_combine``: CUDA only (sm_90),
-    where the plan combines 2..16 partitions of whole-CTA items inside the kernel and every item has
-    its CTA, run each group's partitions as one thread-block cluster combined through distributed
-    shared memory (``AttentionOptions::cluster_combine``; float32 sums in another grouping: the
-    same results up to the last bits before the rounding to the cache dtype).
+    (``AttentionOptions::early_context_loads``). Same results.
     """
     ws_ptr = ws_bytes = 0
     if workspace is not None and key_cache.is_cuda:
@@ -179,15 +175,15 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                        _view(block_tables), _view(seq_lens), float(scale),
                        int(sliding_window or 0), float(soft_cap or 0.0),
                        -1 if split_k is None else int(split_k), _stream(key_cache), ws_ptr, ws_bytes,
-                       bool(early_context_loads), bool(cluster_combine))
+                       bool(early_context_loads))
 
 
 def last_cuda_decode_plan() -> dict:
     """What this thread's last CUDA :func:`paged_attention` call ran (for tests and benchmarks):
     ``{'kernel': 'v2-warp' | 'v2-pair' | 'v2-cta' | 'v1' | 'fp32', 'splits': int,
-    'combine': 'none' | 'kernel' | 'in-kernel' | 'cluster'}`` — the decode kernel, its flash-decoding
-    partitions per sequence and how they were combined (reduction kernel, by the last partition
-    inside the decode kernel, or through a thread-block cluster's shared memory). Empty strings before the first call (see ``pagedllm/attention.h``)."""
+    'combine': 'none' | 'kernel' | 'in-kernel'}`` — the decode kernel, its flash-decoding partitions
+    per sequence and how they were combined (reduction kernel, or by the last partition inside the
+    decode kernel). Empty strings before the first call (see ``pagedllm/attention.h``)."""
     return dict(_C.last_cuda_decode_plan())
 
 
