@@ -76,17 +76,18 @@ def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="
     qkv_config: the rope qkv GEMV's config (DecoderLayer.qkv_gemv_config); split_k: the decode
     attention's split (Attention.split_k; 0 = one pass); early: the decode kernel's early context
     loads (attention.EARLY_CONTEXT_LOADS); gate_up: model (as the runner leaves it: paired gate/up
-    rows, the SiLU in the gate_up GEMV's epilogue) | unpaired (the silu_and_mul kernel). `exact`: whether the logits must equal base's bit for bit
-    (not for another split or GEMV config, whose sums differ, nor without early loads, with which
-    the cost model may split otherwise, nor for rope or gate_up variants: their graphs
-    are replayed after the weights are paired again, so only their timing counts)."""
+    rows, the SiLU in the gate_up GEMV's epilogue) | unpaired (the silu_and_mul kernel). `exact`:
+    whether the logits must equal base's bit for bit (not for another split or GEMV tiling, whose
+    sums differ, nor without early loads, with which the cost model may split otherwise, nor for
+    rope or gate_up variants: their graphs are replayed after the weights are paired again, so only
+    their timing counts)."""
     if attn != "model":
         rope = "separate"
     return {"proj": tuple(proj), "config": config, "pdl": pdl, "attn": attn, "env": dict(env or {}),
             "o_env": dict(o_env or {}), "rope": rope, "qkv_config": qkv_config, "split_k": split_k,
             "early": early, "gate_up": gate_up,
             "exact": attn == "model" and rope == "model" and split_k is None and qkv_config is None and early
-            and gate_up == "model"}
+            and gate_up == "model" and not set(config or {}) & {"variant", "warps", "splits"}}
 
 
 VARIANTS = {
@@ -108,6 +109,16 @@ VARIANTS = {
     "split4": V(split_k=4),
     "split16": V(split_k=16),
     "no_early": V(early=False),
+    # GEMV tilings per projection (gemv.h GemvConfig; the automatic choice is variant 1, 8 warps,
+    # no split for every Llama-3-8B projection): one wave for qkv's 384 row tiles (3 or 4 CTAs per
+    # SM instead of 2), or a cluster K split
+    "qkv_v3": V(qkv_config={"variant": 3}),
+    "qkv_w4": V(qkv_config={"warps": 4}),
+    "qkv_split2": V(qkv_config={"splits": 2}),
+    "o_w4": V(("o_proj",), {"warps": 4}),
+    "o_split2": V(("o_proj",), {"splits": 2}),
+    "down_w4": V(("down_proj",), {"warps": 4}),
+    "down_split2": V(("down_proj",), {"splits": 2}),
     "gate_up_unpaired": V(gate_up="unpaired"),
 }
 DEFAULT_VARIANTS = ["base", "no_attn", "copy_only", "rotary_only", "attn_only", "attn_copy"]
