@@ -67,13 +67,15 @@ PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="model", qkv_config=None,
-      split_k=None, early=True, gate_up="model"):
+      split_k=None, early=True, gate_up="model", gate_up_config=None, lm_head_config=None):
     """proj: projections through ops.gemv(config=config); attn: model | none | copy | rotary |
     attend_prealloc | attend_copy; env: set around the capture; o_env: around the o GEMV call;
     rope: model (as the runner leaves it: paired qkv rows where they apply) | counters (the qkv
     rows unpaired: the epilogue's last CTA per head rotates it) | separate (no rope epilogue: the
     rotary kernel; implied by every attn but model, which replace DecoderLayer._attention);
-    qkv_config: the rope qkv GEMV's config (DecoderLayer.qkv_gemv_config); split_k: the decode
+    qkv_config, gate_up_config, lm_head_config: the rope qkv GEMV's, the SiLU-epilogue gate_up
+    GEMV's and the LM head GEMV's config (DecoderLayer.qkv_gemv_config / gate_up_gemv_config,
+    LlamaForCausalLM.lm_head_gemv_config); split_k: the decode
     attention's split (Attention.split_k; 0 = one pass); early: the decode kernel's early context
     loads (attention.EARLY_CONTEXT_LOADS); gate_up: model (as the runner leaves it: paired gate/up
     rows, the SiLU in the gate_up GEMV's epilogue) | unpaired (the silu_and_mul kernel). `exact`:
@@ -85,9 +87,10 @@ def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="
         rope = "separate"
     return {"proj": tuple(proj), "config": config, "pdl": pdl, "attn": attn, "env": dict(env or {}),
             "o_env": dict(o_env or {}), "rope": rope, "qkv_config": qkv_config, "split_k": split_k,
-            "early": early, "gate_up": gate_up,
-            "exact": attn == "model" and rope == "model" and split_k is None and qkv_config is None and early
-            and gate_up == "model" and not set(config or {}) & {"variant", "warps", "splits"}}
+            "early": early, "gate_up": gate_up, "gate_up_config": gate_up_config, "lm_head_config": lm_head_config,
+            "exact": attn == "model" and rope == "model" and split_k is None and early and gate_up == "model"
+            and not any(set(c or {}) & {"variant", "warps", "splits"}
+                        for c in (config, qkv_config, gate_up_config, lm_head_config))}
 
 
 VARIANTS = {
@@ -112,7 +115,13 @@ VARIANTS = {
     # GEMV tilings per projection (gemv.h GemvConfig; the automatic choice is variant 1, 8 warps,
     # no split for every Llama-3-8B projection): one wave for qkv's 384 row tiles (3 or 4 CTAs per
     # SM instead of 2), or a cluster K split
+    "qkv_v1": V(qkv_config={"variant": 1}),
     "qkv_v3": V(qkv_config={"variant": 3}),
+    "qkv_v3w4": V(qkv_config={"variant": 3, "warps": 4}),
+    "o_v3": V(("o_proj",), {"variant": 3}),
+    "down_v3": V(("down_proj",), {"variant": 3}),
+    "gate_up_v3": V(gate_up_config={"variant": 3}),
+    "lm_head_v3": V(lm_head_config={"variant": 3}),
     "qkv_w4": V(qkv_config={"warps": 4}),
     "qkv_split2": V(qkv_config={"splits": 2}),
     "o_w4": V(("o_proj",), {"warps": 4}),
@@ -271,7 +280,9 @@ class Patched:
         attention_mod.EARLY_CONTEXT_LOADS = spec["early"]
         for layer in self.model.layers:
             layer.qkv_gemv_config = spec["qkv_config"]
+            layer.gate_up_gemv_config = spec["gate_up_config"]
             layer.attn.split_k = spec["split_k"]
+        self.model.lm_head_gemv_config = spec["lm_head_config"]
         self.env.__enter__()
         return self
 
@@ -280,7 +291,9 @@ class Patched:
         self.attention_mod.EARLY_CONTEXT_LOADS = self._early
         for layer in self.model.layers:
             layer.qkv_gemv_config = None
+            layer.gate_up_gemv_config = None
             layer.attn.split_k = None
+        self.model.lm_head_gemv_config = None
         if self.counters is not None:
             for layer, c in zip(self.model.layers, self.counters):
                 layer.rope_counters = c

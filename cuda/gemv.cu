@@ -648,6 +648,32 @@ void dispatch_prologue(GemvParams p, Prologue pro, int variant, int warps, bool 
 
 bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
 
+/// CTAs of 8 warps of gemv_kernel<T, 1, U, vector loads, no prologue> resident per SM on the
+/// current device (its registers decide: ~120 for U = 4, ~70 for U = 2 with sm_90 code); cached
+/// per process (one device model assumed).
+template <typename T, int U>
+int gemv_ctas_per_sm() {
+  static std::atomic<int> cached{0};
+  int n = cached.load();
+  if (n == 0) {
+    PAGEDLLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, gemv_kernel<T, 1, U, true, Prologue::kNone>, 256, static_cast<size_t>(reduce_bytes(8, 1))));
+    n = std::max(n, 1);
+    cached.store(n);
+  }
+  return n;
+}
+
+/// Whether `tiles` 16-row tiles fill one wave of variant 3 (U = 2) CTAs but more than one of
+/// variant 1 (U = 4), with 8 warps each.
+bool one_wave_with_fewer_registers(int64_t tiles, DType dtype) {
+  const int64_t sms = sm_count();
+  const bool bf16 = dtype == DType::kBFloat16;
+  const int64_t v1 = sms * (bf16 ? gemv_ctas_per_sm<__nv_bfloat16, 4>() : gemv_ctas_per_sm<__half, 4>());
+  const int64_t v3 = sms * (bf16 ? gemv_ctas_per_sm<__nv_bfloat16, 2>() : gemv_ctas_per_sm<__half, 2>());
+  return tiles > v1 && tiles <= v3;
+}
+
 /// Smallest cluster split (1, 2, 4, 8; 1 only below sm_90) at or above `from` whose staged x fits
 /// next to the reduction buffer in `limit` bytes; 0 if none does.
 int staged_splits(int M, int K, int elem, int from, int64_t reduce, int64_t limit, bool hopper) {
@@ -697,7 +723,12 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
   // down: N = 896).
   const int64_t tiles16 = (static_cast<int64_t>(p.N) + 15) / 16;
   const bool short_rows = p.K < 2048 && tiles16 >= 4 * static_cast<int64_t>(sm_count());
-  const int variant = !vec ? 3 : config.variant > 0 ? config.variant : short_rows ? 3 : 1;
+  // Variant 3 (2 chunks: fewer registers, 3 CTAs per SM on the H200 against variant 1's 2) where
+  // that makes the row tiles one wave instead of two: Llama-3-8B's qkv (384 tiles on 132 SMs) took
+  // 1.9 us less per layer at batch 1 (bench/batch1_graph.py, H200, session 12).
+  const bool one_wave_v3 = vec && !short_rows && config.variant <= 0 && pro == Prologue::kNone &&
+                           one_wave_with_fewer_registers(tiles16, input.dtype);
+  const int variant = !vec ? 3 : config.variant > 0 ? config.variant : short_rows || one_wave_v3 ? 3 : 1;
   const int U = variant == 1 ? 4 : 2, rows = variant == 2 ? 32 : 16;
   const int warps = config.warps > 0 ? config.warps : short_rows ? 4 : 8;
   int splits = config.splits;

@@ -249,9 +249,10 @@ class DecoderLayer(nn.Module):
         #: qkv_proj's query and key rows are in ops.rotary_paired_order (LlamaForCausalLM.
         #: pair_rotary_rows): the rope epilogue rotates in registers, the rotary kernel reads that order
         self.rope_paired_rows = False
-        #: GemvConfig override of the qkv GEMV with the rope epilogue (ops.gemv's config; None:
-        #: automatic), for benchmarks (bench/batch1_graph.py)
+        #: GemvConfig overrides of the qkv GEMV with the rope epilogue and of the gate_up GEMV with
+        #: the SiLU epilogue (ops.gemv's config; None: automatic), for benchmarks (bench/batch1_graph.py)
         self.qkv_gemv_config: dict | None = None
+        self.gate_up_gemv_config: dict | None = None
         #: gate_up_proj's rows are in ops.gate_up_paired_order (LlamaForCausalLM.pair_gate_up_rows):
         #: the GEMV writes SiLU(gate) * up (silu_paired_rows), silu_and_mul reads that order (CUDA only)
         self.gate_up_paired_rows = False
@@ -284,7 +285,8 @@ class DecoderLayer(nn.Module):
         hidden = _project(self.o_proj, attn, gemv)
         h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         if self.gate_up_paired_rows and gemv:  # SiLU(gate) * up in the GEMV's epilogue: no kernel
-            act = ops.gemv(h, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_paired_rows=True)
+            act = ops.gemv(h, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_paired_rows=True,
+                           config=self.gate_up_gemv_config)
         elif self.fused:
             act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device),
                                    _project(self.gate_up_proj, h, gemv), paired_rows=self.gate_up_paired_rows)
@@ -399,6 +401,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
             self.lm_head_weight = self.lm_head.weight
         self.packed_lm_head: nn.Module | None = None  # AmxLinear or PackedLinear, set by pack_weights()
+        #: GemvConfig override of the LM head's GEMV (None: automatic), for benchmarks
+        self.lm_head_gemv_config: dict | None = None
         self.fused = ops.layer_ops_supported(device, dtype)
         self.gemv_max_tokens = gemv_max_tokens(device, dtype)
         self._fusion_fits: dict[int, tuple[bool, bool]] = {}
@@ -566,7 +570,7 @@ class LlamaForCausalLM(nn.Module):
             if out is None:
                 out = torch.empty((normed.shape[0], self.lm_head_weight.shape[0]), dtype=torch.float32,
                                   device=normed.device)
-            return ops.gemv(normed, self.lm_head_weight, out=out)
+            return ops.gemv(normed, self.lm_head_weight, out=out, config=self.lm_head_gemv_config)
         return self._store(F.linear(normed, self.lm_head_weight).float(), out)
 
     def pair_rotary_rows(self) -> bool:
