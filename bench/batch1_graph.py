@@ -68,7 +68,9 @@ PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="model", qkv_config=None,
       split_k=None, early=True, gate_up="model", gate_up_config=None, lm_head_config=None):
-    """proj: projections through ops.gemv(config=config); attn: model | none | copy | rotary |
+    """proj: projections through ops.gemv(config=config) (those the layer calls through
+    llama._project: not the qkv with the rope epilogue nor the gate_up with paired rows, whose
+    configs are qkv_config / gate_up_config); attn: model | none | copy | rotary |
     attend_prealloc | attend_copy; env: set around the capture; o_env: around the o GEMV call;
     rope: model (as the runner leaves it: paired qkv rows where they apply) | counters (the qkv
     rows unpaired: the epilogue's last CTA per head rotates it) | separate (no rope epilogue: the
@@ -112,11 +114,11 @@ VARIANTS = {
     "split4": V(split_k=4),
     "split16": V(split_k=16),
     "no_early": V(early=False),
-    # GEMV tilings per projection (gemv.h GemvConfig; the automatic choice is variant 1, 8 warps,
-    # no split for every Llama-3-8B projection): one wave for qkv's 384 row tiles (3 or 4 CTAs per
-    # SM instead of 2), or a cluster K split
+    # GEMV tilings per projection (gemv.h GemvConfig; the automatic choice, 8 warps and no split
+    # for every Llama-3-8B projection, is variant 3 for qkv since session 12 — one wave of its 384
+    # row tiles at 3 CTAs per SM — and variant 1 for the others), 4 warps, or a cluster K split
     "qkv_v1": V(qkv_config={"variant": 1}),
-    "qkv_v3": V(qkv_config={"variant": 3}),
+    "qkv_v3": V(qkv_config={"variant": 3}),  # = base since session 12, but not held to bit equality
     "qkv_v3w4": V(qkv_config={"variant": 3, "warps": 4}),
     "o_v3": V(("o_proj",), {"variant": 3}),
     "down_v3": V(("down_proj",), {"variant": 3}),

@@ -10,6 +10,7 @@
 
 #include "layer_ops_common.cuh"
 #include "layer_ops_cuda.h"
+#include "pagedllm/layer_ops.h"
 #include "pdl.cuh"
 
 namespace pagedllm::cuda {
@@ -31,7 +32,7 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ i
   const int num_vecs = d / VEC;
   for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_vecs; i += gridDim.y * blockDim.x) {
     const int c = i * VEC;  // first output column
-    const int gate_col = PAIRED ? 16 * (c / 8) + c % 8 : c;
+    const int gate_col = PAIRED ? static_cast<int>(gate_up_paired_gate_row(c)) : c;
     const int up_col = PAIRED ? gate_col + 8 : c + d;
     const V g = *reinterpret_cast<const V*>(row + gate_col);
     const V u = *reinterpret_cast<const V*>(row + up_col);

@@ -55,6 +55,7 @@
 #include "gemv_cuda.h"
 #include "layer_ops_common.cuh"
 #include "pagedllm/errors.h"
+#include "pagedllm/layer_ops.h"
 #include "pdl.cuh"
 
 namespace pagedllm::cuda {
@@ -407,7 +408,7 @@ __device__ __forceinline__ void silu_paired_epilogue(const GemvParams& p, int ro
     }
     const float x = round_to<T>(gate);
     const float silu = round_to<T>(x / (1.f + expf(-x)));
-    y[static_cast<int64_t>(token) * half + row0 / 2 + 8 * tile + r] = from_float<T>(silu * round_to<T>(up));
+    y[static_cast<int64_t>(token) * half + gate_up_paired_column(row)] = from_float<T>(silu * round_to<T>(up));
   }
 }
 
@@ -665,7 +666,8 @@ int gemv_ctas_per_sm() {
 }
 
 /// Whether `tiles` 16-row tiles fill one wave of variant 3 (U = 2) CTAs but more than one of
-/// variant 1 (U = 4), with 8 warps each.
+/// variant 1 (U = 4), with 8 warps each (the plain kernels' occupancy, also taken for the
+/// prologue kernels).
 bool one_wave_with_fewer_registers(int64_t tiles, DType dtype) {
   const int64_t sms = sm_count();
   const bool bf16 = dtype == DType::kBFloat16;
@@ -725,8 +727,10 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
   const bool short_rows = p.K < 2048 && tiles16 >= 4 * static_cast<int64_t>(sm_count());
   // Variant 3 (2 chunks: fewer registers, 3 CTAs per SM on the H200 against variant 1's 2) where
   // that makes the row tiles one wave instead of two: Llama-3-8B's qkv (384 tiles on 132 SMs) took
-  // 1.9 us less per layer at batch 1 (bench/batch1_graph.py, H200, session 12).
-  const bool one_wave_v3 = vec && !short_rows && config.variant <= 0 && pro == Prologue::kNone &&
+  // 1.9 us less per layer at batch 1 (bench/batch1_graph.py, H200, session 12). Only with every
+  // config field automatic (the waves assume 8 warps and no split; such shapes take no automatic
+  // split), and whatever the prologue, so that a fused GEMV sums as its unfused pair does.
+  const bool one_wave_v3 = vec && !short_rows && config.variant <= 0 && config.warps <= 0 && config.splits <= 0 &&
                            one_wave_with_fewer_registers(tiles16, input.dtype);
   const int variant = !vec ? 3 : config.variant > 0 ? config.variant : short_rows || one_wave_v3 ? 3 : 1;
   const int U = variant == 1 ? 4 : 2, rows = variant == 2 ? 32 : 16;

@@ -6,16 +6,17 @@
 // then a warp-shuffle and a shared-memory merge take the larger value, the smaller index on a
 // tie — torch.argmax's first-index rule. NaN is never chosen over a number (comparisons with
 // NaN are false); a row of -inf only gives its first index, a row of NaN only gives 0 (as the
-// CPU kernel). Rows of fewer than 16K columns: one CTA of 1024 threads per row. Longer rows (an
-// LM head's 32K-256K logits, already in L2): CTAs of 256 threads over chunks of ~4K columns write
-// their best to a stream-ordered scratch (cudaMallocAsync), and a second kernel (a programmatic
-// dependent) merges each row's chunks in order. torch.argmax reduces a single 128K row with few
+// CPU kernel). Many or short rows: one CTA of 1024 threads per row. A few long rows (a small
+// decode batch's 32K-256K logits, already in L2 after the LM head): CTAs of 256 threads over chunks
+// of ~4K columns write their best to a stream-ordered scratch (cudaMallocAsync), and a second
+// kernel (a programmatic dependent) merges each row's chunks. torch.argmax reduces a single 128K row with few
 // CTAs (~28 us on an H200); one CTA per row took ~9 us.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -32,19 +33,33 @@ namespace {
 constexpr int kThreads = 1024;      // one CTA per row
 constexpr int kChunkThreads = 256;  // one CTA per chunk of a long row
 constexpr int kUnroll = 4;
-// Rows of at least kSplitColumns columns (and at most kMaxSplitRows rows) are split into chunks of
-// about kChunkColumns columns, at most kMaxChunks per row (H200: a 128K-column float32 row read by
-// one CTA took ~9 us, bound by one SM's share of L2 bandwidth).
-constexpr int64_t kSplitColumns = 16384;
+// A few long rows are split into chunks of about kChunkColumns columns: as many per row as keep
+// about one CTA per SM busy, at most kMaxChunks, at least kMinChunks (else one CTA per row). H200,
+// 128,256 float32 logits: 1 row 9.0 us in one CTA, 3.7 us in 32 chunks; 256 rows 38 us in one CTA
+// each, 58 us in 32 chunks each (bench/gpu_engine_notes.md, session 12).
 constexpr int64_t kChunkColumns = 4096;
 constexpr int64_t kMaxChunks = 64;
-constexpr int64_t kMaxSplitRows = 65535;
+constexpr int64_t kMinChunks = 4;
 constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
 
 struct Best {
   float value;
   int64_t index;
 };
+
+/// Multiprocessors of the current device (cached per device, up to 64 devices).
+int64_t sm_count() {
+  static std::atomic<int> cache[64] = {};
+  int dev = 0;
+  PAGEDLLM_CUDA_CHECK(cudaGetDevice(&dev));
+  std::atomic<int>& slot = cache[dev < 64 ? dev : 63];
+  int n = slot.load();
+  if (n == 0) {
+    PAGEDLLM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    slot.store(n);
+  }
+  return n;
+}
 
 __device__ __forceinline__ void take(Best& b, float v, int64_t i) {
   // larger value, or the same value at a smaller index (-inf == -inf counts: a row of -inf
@@ -102,7 +117,7 @@ __device__ __forceinline__ Best block_best(Best best) {
   return best;
 }
 
-/// One CTA per row (rows of fewer than kSplitColumns columns): out[row] = its argmax over n columns.
+/// One CTA per row (many or short rows): out[row] = its argmax over n columns.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(int64_t* __restrict__ out,
                                                                const T* __restrict__ logits,
@@ -157,14 +172,15 @@ void launch(const TensorView& out, const TensorView& logits, int64_t n, cudaStre
                        (rows == 1 || (stride * static_cast<int64_t>(sizeof(T))) % 16 == 0);
   int64_t* ids = out.ptr<int64_t>();
   const T* x = logits.ptr<const T>();
-  if (n < kSplitColumns || rows > kMaxSplitRows) {  // one CTA per row
+  const int chunks = static_cast<int>(
+      std::min({kMaxChunks, (n + kChunkColumns - 1) / kChunkColumns, std::max<int64_t>(1, sm_count() / rows)}));
+  if (chunks < kMinChunks) {  // one CTA per row
     const dim3 grid(static_cast<unsigned>(rows));
     if (aligned) argmax_rows_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(ids, x, stride, n);
     else argmax_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(ids, x, stride, n);
     PAGEDLLM_CUDA_CHECK_LAUNCH();
     return;
   }
-  const int chunks = static_cast<int>(std::min<int64_t>(kMaxChunks, (n + kChunkColumns - 1) / kChunkColumns));
   const int64_t chunk = ((n + chunks - 1) / chunks + 7) / 8 * 8;
   void* scratch = nullptr;  // stream-ordered: no synchronization, capturable in a CUDA graph
   detail::keep_pool_memory(stream);

@@ -123,9 +123,13 @@ void run(const char* op, const TensorView& out, const TensorView& input, const T
   if (fusion.silu_paired_rows) {
     PAGEDLLM_CHECK(N % 16 == 0, op, ": silu_paired_rows (gate_up_paired_row order) needs out_features % 16 == 0, "
                    "got weight ", weight.describe());
-    PAGEDLLM_CHECK(!out_f32 && fusion.residual == nullptr && fusion.rope == nullptr && !silu, op,
-                   ": silu_paired_rows (the SiLU-and-mul epilogue) cannot be combined with a float32 out, a "
-                   "residual, the rope epilogue or the silu_and_mul prologue");
+    const char* other = out_f32                     ? "a float32 out"
+                        : fusion.residual != nullptr ? "a residual"
+                        : fusion.rope != nullptr     ? "the rope epilogue"
+                        : silu                       ? "the silu_and_mul prologue"
+                                                     : nullptr;
+    PAGEDLLM_CHECK(other == nullptr, op, ": silu_paired_rows (the SiLU-and-mul epilogue) cannot be combined with ",
+                   other == nullptr ? "" : other);
     check_dim(op, "out", out, 1, N / 2, "out_features / 2 with silu_paired_rows (SiLU(gate) * up)");
   } else {
     check_dim(op, "out", out, 1, N, "out_features, must match weight.size(0)");

@@ -303,6 +303,25 @@ def test_gemv_rms_norm_prologue(gen, dtype, m, n, k, bias):
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_automatic_config_is_the_same_with_a_prologue(gen, m):
+    """The automatic tiling does not depend on the prologue: at row counts where it takes variant 3
+    for one wave (Llama-3-8B's qkv, 6,144 rows, on the H200) and around them, the RMSNorm prologue
+    GEMV sums exactly as rms_norm + gemv (exact sums of squares: bit for bit)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    dtype, k = torch.bfloat16, 4096
+    for n in sorted({6144, 16 * 2 * sms + 16, 16 * 3 * sms}):
+        w = rand((n, k), dtype, gen, 0.05)
+        g = (rand((k,), dtype, gen, 0.3).double() + 1).to(dtype)
+        he = exact_rows((m, k), dtype, gen)
+        fused = ops.gemv(he, w, norm_weight=g, eps=1e-5)
+        unfused = ops.gemv(ops.rms_norm(torch.empty_like(he), he, g, 1e-5), w)
+        torch.cuda.synchronize()
+        assert torch.equal(fused, unfused), f"n={n}: {int((fused != unfused).sum())} of {fused.numel()} values differ"
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 14336), (515, 333), (7, 1), (33, 4104)])

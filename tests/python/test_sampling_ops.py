@@ -66,7 +66,7 @@ def _plant(logits, n, gen):
 @pytest.mark.parametrize("rows,width,vocab,offset,pad", [
     (1, 128256, 0, 0, 5), (1, 128256, 0, 1, 5), (3, 151936, 151646, 0, 5), (4, 49152, 0, 3, 5),
     (256, 32000, 0, 0, 5), (2, 7, 0, 0, 5), (5, 1000, 999, 1, 5), (3, 33, 17, 0, 5),
-    (4, 32000, 0, 0, 0), (6, 128256, 128000, 0, 0)])
+    (4, 32000, 0, 0, 0), (6, 128256, 128000, 0, 0), (2, 151936, 151645, 0, 0)])
 def test_argmax_rows_cuda_matches_torch(dtype, rows, width, vocab, offset, pad, gen):
     wide = torch.randn(rows, width + offset + pad, generator=gen).to(dtype).cuda()
     # row stride width + offset + pad: pad 0 with offset 0 gives contiguous 16-byte-aligned rows
@@ -82,6 +82,31 @@ def test_argmax_rows_cuda_matches_torch(dtype, rows, width, vocab, offset, pad, 
     assert got[0].item() == first
     # the same rows through the CPU kernel (float32 copy) agree
     assert torch.equal(got.cpu(), ops.argmax_rows(logits.float().cpu().contiguous(), vocab))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_argmax_rows_cuda_ties_at_chunk_boundaries(dtype, rows, gen):
+    """A few long rows are split into chunks (cuda/sampling_ops.cu: ~4K columns each, as many as keep
+    about one CTA per SM busy): the maximum tied on both sides of a chunk boundary and in a later
+    chunk gives the first of them; a row ending in a partial vector (151,645 columns) too."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n in (128256, 151645):
+        chunks = min(64, -(-n // 4096), max(1, sms // rows))  # the kernel's count (< 4: not split)
+        chunk = -(-(-(-n // chunks)) // 8) * 8
+        x = (torch.randn(rows, n, generator=gen) * 3).to(dtype).cuda()
+        expected = []
+        for r in range(rows):
+            c = 1 + (r % max(1, chunks - 2))  # a boundary inside the row
+            for col in (c * chunk - 1, c * chunk, min(n - 1, (c + 1) * chunk + 5)):
+                x[r, col] = 100.0
+            expected.append(c * chunk - 1)
+        x[0, n - 1] = 100.0  # the last column (the partial vector) ties too: still the first wins
+        assert ops.argmax_rows(x).tolist() == expected, (n, chunks, chunk)
+        x[0, : n - 1] = -float("inf")
+        assert ops.argmax_rows(x)[0].item() == n - 1  # the maximum alone in the tail
 
 
 @pytest.mark.cuda

@@ -88,8 +88,9 @@ inline constexpr int kGemvMaxTokens = 8;
 struct GemvConfig {
   int variant = 0;   ///< 1: 16 rows per CTA, 4 chunks of 32 columns per group; 2: 32 rows, 2 chunks;
                      ///< 3: 16 rows, 2 chunks (fewer registers: more CTAs per SM); 0: automatic — 1,
-                     ///< or 3 for short rows with many tiles and where 3 fits the row tiles in one
-                     ///< wave and 1 does not (rows with K % 8 != 0 always use 3)
+                     ///< or 3 for short rows with many tiles and, with warps and splits automatic too,
+                     ///< where 3 fits the row tiles in one wave and 1 does not (rows with K % 8 != 0
+                     ///< always use 3)
   int warps = 0;     ///< warps per CTA (1..8); 0: automatic
   int splits = 0;    ///< CTAs (a cluster, sm_90 only) splitting K for one row tile (1, 2, 4, 8); 0: auto
   int prefetch = -1; ///< 1/0: do / don't prefetch the weight slice into L2 first; -1: automatic

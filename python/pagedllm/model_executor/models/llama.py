@@ -313,7 +313,7 @@ class DecoderLayer(nn.Module):
         ops.gemv(attn, self.o_proj.weight, self.o_proj.bias, out=stream, residual=stream)
         if self.gate_up_paired_rows:
             act = ops.gemv(stream, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=n2.weight,
-                           eps=n2.eps, silu_paired_rows=True)
+                           eps=n2.eps, silu_paired_rows=True, config=self.gate_up_gemv_config)
             ops.gemv(act, self.down_proj.weight, self.down_proj.bias, out=stream, residual=stream)
             return
         gate_up = ops.gemv(stream, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=n2.weight,
@@ -697,14 +697,16 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors into the model (casting to its dtype). Raises ValueError on an
         unknown or missing tensor or a shape mismatch, naming it."""
         paired = self._unpair_rotary_rows()  # checkpoints hold the standard order
-        gate_up_paired = self._unpair_gate_up_rows()
         try:
-            self._load_weights(weights)
+            gate_up_paired = self._unpair_gate_up_rows()
+            try:
+                self._load_weights(weights)
+            finally:
+                if gate_up_paired:
+                    self.pair_gate_up_rows()
         finally:
             if paired:
                 self.pair_rotary_rows()
-            if gate_up_paired:
-                self.pair_gate_up_rows()
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
