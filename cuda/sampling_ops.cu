@@ -7,10 +7,10 @@
 // tie — torch.argmax's first-index rule. NaN is never chosen over a number (comparisons with
 // NaN are false); a row of -inf only gives its first index, a row of NaN only gives 0 (as the
 // CPU kernel). Many or short rows: one CTA of 1024 threads per row. A few long rows (a small
-// decode batch's 32K-256K logits, already in L2 after the LM head): CTAs of 256 threads over chunks
-// of ~4K columns write their best to a stream-ordered scratch (cudaMallocAsync), and a second
-// kernel (a programmatic dependent) merges each row's chunks. torch.argmax reduces a single 128K row with few
-// CTAs (~28 us on an H200); one CTA per row took ~9 us.
+// decode batch's 32K-256K logits, already in L2 after the LM head): CTAs of 256 threads over
+// chunks of ~4K columns write their best to a stream-ordered scratch (cudaMallocAsync), and a
+// second kernel (a programmatic dependent) merges each row's chunks. torch.argmax reduces a single
+// 128K row with few CTAs (~28 us on an H200); one CTA per row took ~9 us, 32 chunks ~3.7 us.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
