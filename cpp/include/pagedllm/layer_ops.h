@@ -120,7 +120,9 @@ PAGEDLLM_HOST_DEVICE constexpr int64_t gate_up_paired_row(int64_t row, int64_t i
 
 /// The paired gate/up order seen from the output: the paired row of output column `column`'s gate
 /// (its up is that row + 8).
-PAGEDLLM_HOST_DEVICE constexpr int64_t gate_up_paired_gate_row(int64_t column) { return 16 * (column / 8) + column % 8; }
+PAGEDLLM_HOST_DEVICE constexpr int64_t gate_up_paired_gate_row(int64_t column) {
+  return 16 * (column / 8) + column % 8;
+}
 
 /// The output column of paired gate row `row` (row % 16 < 8): the inverse of gate_up_paired_gate_row.
 PAGEDLLM_HOST_DEVICE constexpr int64_t gate_up_paired_column(int64_t row) { return 8 * (row / 16) + row % 8; }
