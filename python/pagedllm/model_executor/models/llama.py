@@ -611,7 +611,7 @@ class LlamaForCausalLM(nn.Module):
         if (not self.layers or not self.fused or self.gemv_max_tokens == 0 or self.packed_lm_head is not None
                 or cfg.intermediate_size % 8 or os.environ.get("PAGEDLLM_GATE_UP_PAIRED", "1") == "0"):
             return False
-        self._permute_gate_up_rows(ops.gate_up_paired_order(cfg.intermediate_size))
+        self._permute_rows("gate_up_proj", ops.gate_up_paired_order(cfg.intermediate_size))
         for layer in self.layers:
             layer.gate_up_paired_rows = True
         return True
@@ -620,19 +620,10 @@ class LlamaForCausalLM(nn.Module):
         """Undo pair_gate_up_rows; returns whether the rows were paired."""
         if not any(layer.gate_up_paired_rows for layer in self.layers):
             return False
-        self._permute_gate_up_rows(torch.argsort(ops.gate_up_paired_order(self.config.intermediate_size)))
+        self._permute_rows("gate_up_proj", torch.argsort(ops.gate_up_paired_order(self.config.intermediate_size)))
         for layer in self.layers:
             layer.gate_up_paired_rows = False
         return True
-
-    @torch.inference_mode()
-    def _permute_gate_up_rows(self, order: torch.Tensor) -> None:
-        """Every layer's gate_up weight (and bias) rows: row i <- row order[i]."""
-        rows = order.to(self.device)
-        for layer in self.layers:
-            for t in (layer.gate_up_proj.weight, layer.gate_up_proj.bias):
-                if t is not None:
-                    t.copy_(t.index_select(0, rows))
 
     def _unpair_rotary_rows(self) -> bool:
         """Undo pair_rotary_rows; returns whether the rows were paired."""
@@ -643,14 +634,19 @@ class LlamaForCausalLM(nn.Module):
             layer.rope_paired_rows = False
         return True
 
-    @torch.inference_mode()
     def _permute_qk_rows(self, order: torch.Tensor) -> None:
         """Every layer's qkv rows of each query and key head h: rows h * D + order (values untouched)."""
         cfg = self.config
-        rows = qk_head_rows(order, cfg.num_attention_heads, cfg.num_key_value_heads,
-                            self.layers[0].qkv_proj.weight.shape[0]).to(self.device)
+        self._permute_rows("qkv_proj", qk_head_rows(order, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                    self.layers[0].qkv_proj.weight.shape[0]))
+
+    @torch.inference_mode()
+    def _permute_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Every layer's projection `name` (weight and bias): row i <- row rows[i] (int64 [out_features])."""
+        rows = rows.to(self.device)
         for layer in self.layers:
-            for t in (layer.qkv_proj.weight, layer.qkv_proj.bias):
+            proj = getattr(layer, name)
+            for t in (proj.weight, proj.bias):
                 if t is not None:
                     t.copy_(t.index_select(0, rows))
 
