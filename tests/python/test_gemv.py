@@ -559,6 +559,15 @@ def test_gemv_float32_out_is_the_rounded_product(gen, dtype, m):
 ROPE_SHAPES = [(32, 8, 128, 64, False), (14, 2, 64, 32, True), (4, 2, 128, 16, False)]  # Hq, Hkv, D, half, bias
 
 
+def _rope_reference(y, m, hq, hkv, d, positions, cos, sin, qo, kc, vc, slots):
+    """rotary_embedding_and_cache of a standard-order qkv output y [m, (hq + 2 hkv) * d] into copies
+    of qo, kc and vc: the (query_out, key_cache, value_cache) a fused rope epilogue must give."""
+    q, k, v = y.view(m, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    ref_qo, ref_kc, ref_vc = qo.clone(), kc.clone(), vc.clone()
+    ops.rotary_embedding_and_cache(positions, q, k, v, cos, sin, ref_qo, ref_kc, ref_vc, slots)
+    return ref_qo, ref_kc, ref_vc
+
+
 def _rope_case(gen, dtype, m, hq, hkv, d, half, bias, num_blocks=16, block_size=16, max_pos=64):
     """Random inputs of a qkv GEMV with its rope epilogue; caches and query_out filled with NaN."""
     k = 512
@@ -598,9 +607,7 @@ def test_gemv_rope_epilogue_equals_gemv_then_rotary(gen, dtype, m, shape, cfg, n
     x, w, b, cos, sin, positions, slots, (kc, vc), qo = _rope_case(gen, dtype, m, hq, hkv, d, half, bias)
     pro = {"norm_weight": rand((x.shape[1],), dtype, gen), "eps": 1e-5} if norm else {}
     ref_y = ops.gemv(x, w, b, config=cfg, **pro)
-    q, kk, v = ref_y.view(m, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
-    ref_kc, ref_vc, ref_qo = kc.clone(), vc.clone(), qo.clone()
-    ops.rotary_embedding_and_cache(positions, q, kk, v, cos, sin, ref_qo, ref_kc, ref_vc, slots)
+    ref_qo, ref_kc, ref_vc = _rope_reference(ref_y, m, hq, hkv, d, positions, cos, sin, qo, kc, vc, slots)
     counters = torch.zeros(hq + 2 * hkv + 3, dtype=torch.int32, device="cuda")
     y = ops.gemv(x, w, b, config=cfg, rope=ops.GemvRope(hq, hkv, positions, cos, sin, qo, kc, vc, slots, counters),
                  **pro)
@@ -638,9 +645,7 @@ def test_gemv_rope_epilogue_in_a_cuda_graph(gen, pdl):
         graph.replay()
         torch.cuda.synchronize()
         ref_y = ops.gemv(ops.rms_norm(torch.empty_like(h), h, norm_w, 1e-5), w, b)
-        q, kk, v = ref_y.view(m, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
-        ref_kc, ref_vc, ref_qo = kc.clone(), vc.clone(), torch.empty_like(qo)
-        ops.rotary_embedding_and_cache(positions, q, kk, v, cos, sin, ref_qo, ref_kc, ref_vc, slots)
+        ref_qo, ref_kc, ref_vc = _rope_reference(ref_y, m, hq, hkv, d, positions, cos, sin, qo, kc, vc, slots)
         torch.cuda.synchronize()
         assert torch.equal(_bits(y), _bits(ref_y)) and torch.equal(_bits(qo), _bits(ref_qo))
         assert torch.equal(_bits(kc), _bits(ref_kc)) and torch.equal(_bits(vc), _bits(ref_vc))

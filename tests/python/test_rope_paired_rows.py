@@ -26,7 +26,7 @@ import torch
 import pagedllm.ops as ops
 from pagedllm import _C
 
-from test_gemv import DTYPES, _bits, _rope_case, dtype_id, needs_cuda, rand
+from test_gemv import DTYPES, _bits, _rope_case, _rope_reference, dtype_id, needs_cuda, rand
 from graph_capture import capture_graph
 from tiny_models import PagedHarness
 
@@ -106,9 +106,7 @@ def test_paired_rope_epilogue_equals_standard_order(gen, dtype, m, shape, cfg, n
     rows = qk_rows(hq, hkv, d, w.shape[0]).cuda()
     pro = {"norm_weight": rand((x.shape[1],), dtype, gen), "eps": 1e-5} if norm else {}
     ref_y = ops.gemv(x, w, b, config=cfg, **pro)
-    q, k, v = ref_y.view(m, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
-    ref_kc, ref_vc, ref_qo = kc.clone(), vc.clone(), qo.clone()
-    ops.rotary_embedding_and_cache(positions, q, k, v, cos, sin, ref_qo, ref_kc, ref_vc, slots)
+    ref_qo, ref_kc, ref_vc = _rope_reference(ref_y, m, hq, hkv, d, positions, cos, sin, qo, kc, vc, slots)
 
     wp, bp = w.index_select(0, rows), None if b is None else b.index_select(0, rows)
     y = ops.gemv(x, wp, bp, config=cfg, rope=ops.GemvRope(hq, hkv, positions, cos, sin, qo, kc, vc, slots,
@@ -153,9 +151,7 @@ def test_paired_rope_epilogue_in_a_cuda_graph(gen, pdl):
         graph.replay()
         torch.cuda.synchronize()
         ref_y = ops.gemv(ops.rms_norm(torch.empty_like(h), h, norm_w, 1e-5), w, b)
-        q, k, v = ref_y.view(m, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
-        ref_kc, ref_vc, ref_qo = kc.clone(), vc.clone(), torch.empty_like(qo)
-        ops.rotary_embedding_and_cache(positions, q, k, v, cos, sin, ref_qo, ref_kc, ref_vc, slots)
+        ref_qo, ref_kc, ref_vc = _rope_reference(ref_y, m, hq, hkv, d, positions, cos, sin, qo, kc, vc, slots)
         torch.cuda.synchronize()
         assert torch.equal(_bits(qo), _bits(ref_qo))
         assert torch.equal(_bits(kc), _bits(ref_kc)) and torch.equal(_bits(vc), _bits(ref_vc))
