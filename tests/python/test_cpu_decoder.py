@@ -148,16 +148,17 @@ def test_native_stack_with_the_engine_gives_the_same_tokens(tiny, monkeypatch):
 
 
 def test_greedy_argmax_in_the_lm_head_gives_the_sampler_tokens(tiny, monkeypatch):
-    """Plain greedy steps take the argmax inside the AMX LM head (AmxLinear.argmax, no logits
+    """Plain greedy steps take the argmax inside the AMX LM head (AmxLinearMethod.argmax, no logits
     written); the tokens equal those the sampler picks from the logits (the same requests asking
     for logprobs, which need the logits), and a batch mixing both kinds takes the logits path."""
     amx_or_skip()
     from pagedllm import LLM, SamplingParams
-    from pagedllm.model_executor.models.llama import AmxLinear
+    from pagedllm.model_executor.layers.cpu_linear_methods import AmxLinearMethod
 
     calls = []
-    original = AmxLinear.argmax
-    monkeypatch.setattr(AmxLinear, "argmax", lambda self, x, vocab: calls.append(x.shape[0]) or original(self, x, vocab))
+    original = AmxLinearMethod.argmax
+    monkeypatch.setattr(AmxLinearMethod, "argmax",
+                        lambda self, layer, x, vocab: calls.append(x.shape[0]) or original(self, layer, x, vocab))
     g = torch.Generator().manual_seed(9)
     prompts = [{"prompt_token_ids": torch.randint(3, 1024, (n,), generator=g).tolist()} for n in (7, 40, 23)]
     llm = LLM(str(tiny("llama")), dtype="bfloat16", kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False,
@@ -178,13 +179,13 @@ def test_greedy_argmax_in_the_lm_head_gives_the_sampler_tokens(tiny, monkeypatch
 
 def test_no_native_stack_without_amx(tiny, monkeypatch):
     """Where the projections are not AMX-packed (no AMX, or float32) the Python layers run."""
-    from pagedllm.model_executor.models.llama import AmxLinear
+    from pagedllm.model_executor.layers.cpu_linear_methods import AmxLinearMethod
 
-    monkeypatch.setattr(AmxLinear, "applies", staticmethod(lambda weight: False))
+    monkeypatch.setattr(AmxLinearMethod, "applies", staticmethod(lambda weight: False))
     folder = tiny("llama")
     for dtype in (torch.bfloat16, torch.float32):
         model = load_pagedllm(folder, dtype)
-        model.pack_weights()  # oneDNN's PackedLinear (bfloat16, where oneDNN has it) or nothing
+        model.pack_weights()  # oneDNN's PackedLinearMethod (bfloat16, where oneDNN has it) or nothing
         assert not model._native_applies
         assert model._native_stack([None] * len(model.layers), 4) is None
 

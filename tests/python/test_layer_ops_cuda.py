@@ -212,7 +212,7 @@ def test_rotary_matches_model_tables_and_the_cpu_kernel(gen):
     kernel's (ops.rotary_embedding on the cos_sin_cache) bit for bit, and the model's PyTorch CUDA
     path (addcmul: one rounding fewer) to an ulp."""
     from pagedllm.model_executor.config import RopeConfig
-    from pagedllm.model_executor.rotary import RotaryEmbedding
+    from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
     rope = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=64)

@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.model_executor.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig, resolve_dtype
 from pagedllm.model_executor.loader import DEFAULT_MODEL, resolve_model
-from pagedllm.model_executor.rotary import inverse_frequencies
+from pagedllm.model_executor.layers.rotary_embedding import inverse_frequencies
 
 BASE = dict(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=100)

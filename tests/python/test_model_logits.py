@@ -135,17 +135,17 @@ def test_missing_tensor_is_named(tiny, tmp_path):
 
 def test_packed_bf16_projections_give_identical_logits(tiny, monkeypatch):
     """oneDNN's packed layout (the fallback where AMX is missing) is bit-identical to F.linear."""
-    from pagedllm.model_executor.models.llama import AmxLinear, PackedLinear, can_pack_linear
+    from pagedllm.model_executor.layers.cpu_linear_methods import AmxLinearMethod, PackedLinearMethod, can_pack_linear
 
-    monkeypatch.setattr(AmxLinear, "applies", staticmethod(lambda weight: False))
+    monkeypatch.setattr(AmxLinearMethod, "applies", staticmethod(lambda weight: False))
     _, folder = tiny("qwen2")  # has q/k/v biases
     model = load_pagedllm(folder, torch.bfloat16)
     seq = torch.randint(3, 1024, (30,), generator=torch.Generator().manual_seed(9)).tolist()
     plain = PagedHarness(model, 1, 32).step([(0, seq)])
     packed = model.pack_weights()
     assert packed == can_pack_linear(torch.bfloat16, torch.device("cpu"))
-    assert isinstance(model.layers[0].qkv_proj, PackedLinear) == packed
-    assert isinstance(model.packed_lm_head, PackedLinear) == packed
+    assert isinstance(model.layers[0].qkv_proj.quant_method, PackedLinearMethod) == packed
+    assert isinstance(model.lm_head.quant_method, PackedLinearMethod) == packed
     again = PagedHarness(model, 1, 32).step([(0, seq)])
     assert torch.equal(plain, again)
     assert not load_pagedllm(folder, torch.float32).pack_weights()  # fp32 stays on F.linear
@@ -158,15 +158,16 @@ def test_amx_bf16_projections_close_to_f_linear_and_hf(tiny, arch):
     few bfloat16 roundings, and are as close to HF as those; a step above MAX_TOKENS takes
     oneDNN's path and is bit-identical to F.linear."""
     from pagedllm import ops
-    from pagedllm.model_executor.models.llama import AmxLinear
+    from pagedllm.model_executor.layers.cpu_linear_methods import AmxLinearMethod
 
     if not ops.amx_linear_supported():
         pytest.skip("no AMX-BF16 here: pack_weights uses oneDNN (test above)")
     hf, folder = tiny(arch)
     plain_model, model = load_pagedllm(folder, torch.bfloat16), load_pagedllm(folder, torch.bfloat16)
     assert model.pack_weights()
-    assert isinstance(model.layers[0].qkv_proj, AmxLinear) and isinstance(model.layers[1].down_proj, AmxLinear)
-    assert isinstance(model.packed_lm_head, AmxLinear)
+    assert isinstance(model.layers[0].qkv_proj.quant_method, AmxLinearMethod)
+    assert isinstance(model.layers[1].down_proj.quant_method, AmxLinearMethod)
+    assert isinstance(model.lm_head.quant_method, AmxLinearMethod)
     g = torch.Generator().manual_seed(11)
     seq = torch.randint(3, 1024, (37,), generator=g).tolist()
     next_token = int(torch.randint(3, 1024, (1,), generator=g))
@@ -191,6 +192,6 @@ def test_amx_bf16_projections_close_to_f_linear_and_hf(tiny, arch):
     # bf16 logits of magnitude ~5 agree with HF to a few 1e-2; AMX's error is of F.linear's size
     assert (ours - ref).abs().max().item() <= 1.5 * (unpacked - ref).abs().max().item() + 0.02
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
-    long_seq = torch.randint(3, 1024, (AmxLinear.MAX_TOKENS + 22,), generator=g).tolist()
+    long_seq = torch.randint(3, 1024, (AmxLinearMethod.MAX_TOKENS + 22,), generator=g).tolist()
     assert torch.equal(PagedHarness(model, 1, len(long_seq)).step([(0, long_seq)]),
                        PagedHarness(plain_model, 1, len(long_seq)).step([(0, long_seq)]))

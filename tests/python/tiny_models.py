@@ -103,14 +103,15 @@ class PagedHarness:
         g = torch.Generator().manual_seed(seed)
         perm = torch.randperm(num_blocks, generator=g)[: num_seqs * self.blocks_per_seq]
         self.block_tables = perm.view(num_seqs, self.blocks_per_seq).to(torch.int32)
+        kv_heads = model.num_kv_heads_per_rank  # this tensor-parallel rank's (all of them on one rank)
         self.kv_caches = [
-            ops.allocate_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device)
+            ops.allocate_kv_cache(num_blocks, block_size, kv_heads, cfg.head_dim, model.dtype, model.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         self.lens = [0] * num_seqs
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
-        from pagedllm.model_executor.attention import AttentionMetadata
+        from pagedllm.model_executor.layers.attention import AttentionMetadata
 
         ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         for s, toks in chunks:

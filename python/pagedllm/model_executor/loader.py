@@ -13,7 +13,9 @@ folder (config.json + safetensors + tokenizer files):
   (``local_files_only``); a miss raises ValueError saying where it looked.
 
 `load_safetensors(folder)` yields ``(name, tensor)`` for every tensor of ``model.safetensors``,
-of the shards listed in ``model.safetensors.index.json``, or of every ``*.safetensors`` file.
+of the shards listed in ``model.safetensors.index.json``, or of every ``*.safetensors`` file;
+with ``lazy=True`` each tensor is a `CheckpointTensor` of which a tensor-parallel rank reads only
+its slice.
 """
 
 from __future__ import annotations
@@ -202,11 +204,33 @@ def safetensors_files(folder: str | os.PathLike) -> list[Path]:
     return files
 
 
-def load_safetensors(folder: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of the checkpoint in `folder` (CPU, stored dtype)."""
+class CheckpointTensor:
+    """A tensor of a safetensors file read on demand: ``shape``, and ``narrow(dim, start, length)``
+    returning that slice as a CPU torch.Tensor (stored dtype) while reading only its bytes (the
+    file is memory-mapped), so that a tensor-parallel rank reads only its shard. Valid while the
+    generator that yielded it has not moved on (the file stays open until then)."""
+
+    __slots__ = ("_slice", "shape")
+
+    def __init__(self, slice_) -> None:
+        self._slice = slice_
+        self.shape = torch.Size(slice_.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def full(self) -> torch.Tensor:
+        return self._slice[tuple(slice(None) for _ in self.shape)] if self.shape else self._slice[...]
+
+
+def load_safetensors(folder: str | os.PathLike, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of the checkpoint in `folder` (CPU, stored dtype);
+    lazy=True yields CheckpointTensors instead (nothing read until sliced)."""
     from safetensors import safe_open
 
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (CheckpointTensor(f.get_slice(name)) if lazy else f.get_tensor(name))

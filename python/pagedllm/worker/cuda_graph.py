@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from pagedllm import _C, ops
-from pagedllm.model_executor.attention import AttentionMetadata
+from pagedllm.model_executor.layers.attention import AttentionMetadata
 
 logger = logging.getLogger("pagedllm")
 

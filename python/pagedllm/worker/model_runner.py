@@ -7,6 +7,9 @@ execute_model(SchedulerOutput) -> ModelRunnerOutput:
      from the previous step's sampled ids, still on the device (ops.fill_placeholder_ids);
   4. the model runs over all T tokens; logits are computed only for the sampled rows
      (logits_indices, R of them) and for prompt-logprob rows when a request asked for them.
+Under tensor parallelism every rank runs execute_model on the same step (its SchedulerOutput, or
+the flat arrays of it that reach a worker process: executor/step_message.py); the previous
+step's sampled ids reach the other ranks by a broadcast from rank 0.
 
 KV pool size: kv_cache_memory_bytes (default 4 GiB on CPU), else on CUDA (as vLLM's
 determine_num_available_blocks): a profiling forward pass of max_num_batched_tokens tokens with
@@ -35,7 +38,8 @@ import numpy as np
 import torch
 
 from pagedllm import ops
-from pagedllm.model_executor.attention import AttentionMetadata
+from pagedllm.distributed.parallel_state import GroupCoordinator
+from pagedllm.model_executor.layers.attention import AttentionMetadata
 from pagedllm.model_executor.config import ModelConfig
 from pagedllm.model_executor.dummy import LOAD_FORMATS, init_dummy_weights
 from pagedllm.model_executor.loader import load_safetensors
@@ -61,7 +65,12 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    """Loads `model_path` (a HF folder) with `model_config`, allocates the KV caches and runs steps."""
+    """Loads `model_path` (a HF folder) with `model_config`, allocates the KV caches and runs steps.
+
+    tp_group: this rank's tensor-parallel group (default: one rank). Every rank of a group runs
+    the same steps in the same order (the collectives inside the model pair up): the ranks' KV
+    pools hold their own heads of the same block ids (num_blocks is the smallest any rank can
+    afford), and every rank computes the same logits (rank 0's are sampled)."""
 
     def __init__(
         self,
@@ -81,6 +90,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 8192,
         enforce_eager: bool = False,
         seed: int = 0,
+        tp_group: Optional[GroupCoordinator] = None,
     ):
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not supported: use one of {list(LOAD_FORMATS)}")
@@ -94,35 +104,42 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.phase_seconds: dict[str, float] = {}
         self.graphs: DecodeGraphRunner | None = None
+        self.tp = tp_group if tp_group is not None else GroupCoordinator.single(device)
+        tp_size = self.tp.world_size
         if device.type == "cpu":
             tune_glibc_malloc()
         start = time.perf_counter()
-        self.model = LlamaForCausalLM(model_config, dtype, device, max_positions=max_model_len)
+        self.model = LlamaForCausalLM(model_config, dtype, device, max_positions=max_model_len, tp_group=self.tp)
         if load_format == "dummy":
-            init_dummy_weights(self.model, seed)
-        else:
-            self.model.load_weights(load_safetensors(model_path))
+            init_dummy_weights(self.model, seed + self.tp.rank)
+        else:  # under tensor parallelism each rank reads only its slices
+            self.model.load_weights(load_safetensors(model_path, lazy=tp_size > 1))
         self.model.eval()
+        #: bytes of this rank's weights as loaded (before any CPU packing)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.model.pack_weights():
-            kind = type(self.model.layers[0].qkv_proj).__name__ if self.model.layers else "PackedLinear"
+            kind = type(self.model.lm_head.quant_method).__name__
             logger.info("projections pre-packed (bfloat16 on CPU): %s", {
-                "AmxLinear": "AMX kernel for steps of <= 128 tokens, oneDNN above",
-                "PackedLinear": "oneDNN"}.get(kind, kind))
+                "AmxLinearMethod": "AMX kernel for steps of <= 128 tokens, oneDNN above",
+                "PackedLinearMethod": "oneDNN"}.get(kind, kind))
         if self.model.pair_rotary_rows():
             logger.info("qkv rows in the paired rotary order: the qkv GEMV rotates in registers")
         if self.model.pair_gate_up_rows():
             logger.info("gate_up rows in the paired gate/up order: the gate_up GEMV writes SiLU(gate) * up")
         self._synchronize()
         self.phase_seconds["load_weights"] = time.perf_counter() - start
-        logger.info("loaded %s (%s, %s, load_format=%s) in %.1f s", model_path, model_config.architecture, dtype,
-                    load_format, self.phase_seconds["load_weights"])
+        logger.info("loaded %s (%s, %s, load_format=%s) in %.1f s%s", model_path, model_config.architecture, dtype,
+                    load_format, self.phase_seconds["load_weights"], self._rank_note())
         elem = torch.empty((), dtype=dtype).element_size()
+        #: this rank's KV heads (all of them on one rank; a share, or one replicated head, under TP)
+        self.num_kv_heads = self.model.num_kv_heads_per_rank
         self.bytes_per_block = (2 * model_config.num_hidden_layers * block_size
-                                * model_config.num_key_value_heads * model_config.head_dim * elem)
+                                * self.num_kv_heads * model_config.head_dim * elem)
         use_graphs = device.type == "cuda" and not enforce_eager
         if num_blocks is None:
             budget = self._kv_budget(kv_cache_memory_bytes, gpu_memory_utilization, use_graphs)
             num_blocks = budget // self.bytes_per_block
+        num_blocks = self.tp.all_reduce_min(num_blocks)  # block ids mean the same on every rank
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes leaves room for 0 KV blocks (one block of {block_size} tokens "
@@ -131,16 +148,15 @@ class ModelRunner:
         self.num_blocks = int(num_blocks)
         start = time.perf_counter()
         self.kv_caches = [
-            ops.allocate_kv_cache(self.num_blocks, block_size, model_config.num_key_value_heads,
-                                  model_config.head_dim, dtype, device)
+            ops.allocate_kv_cache(self.num_blocks, block_size, self.num_kv_heads, model_config.head_dim, dtype, device)
             for _ in range(model_config.num_hidden_layers)
         ]
         self._synchronize()
         self.phase_seconds["allocate_kv_cache"] = time.perf_counter() - start
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s) in %.2f s",
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s) in %.2f s%s",
                     self.num_blocks, block_size, self.num_blocks * block_size,
                     self.num_blocks * self.bytes_per_block / 2**30, dtype, device,
-                    self.phase_seconds["allocate_kv_cache"])
+                    self.phase_seconds["allocate_kv_cache"], self._rank_note())
         if use_graphs:
             start = time.perf_counter()
             self.graphs = DecodeGraphRunner(self.model, self.kv_caches, max_num_seqs,
@@ -148,6 +164,12 @@ class ModelRunner:
             self.phase_seconds["capture_cuda_graphs"] = time.perf_counter() - start
             logger.info("captured %d CUDA graphs for decode batches %s in %.1f s", len(self.graphs.sizes),
                         self.graphs.sizes, self.phase_seconds["capture_cuda_graphs"])
+
+    def _rank_note(self) -> str:
+        if self.tp.world_size == 1:
+            return ""
+        return (f" [tensor-parallel rank {self.tp.rank}/{self.tp.world_size}: weights {self.weight_bytes / 2**30:.3f} "
+                f"GiB, {self.model.num_heads_per_rank} query / {self.model.num_kv_heads_per_rank} KV heads]")
 
     @property
     def num_graph_replays(self) -> int:
@@ -209,8 +231,7 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-        scratch = ops.allocate_kv_cache(num_seqs * blocks_per_seq, bs, cfg.num_key_value_heads, cfg.head_dim,
-                                        self.dtype, dev)
+        scratch = ops.allocate_kv_cache(num_seqs * blocks_per_seq, bs, self.num_kv_heads, cfg.head_dim, self.dtype, dev)
         scratch_bytes = torch.cuda.memory_allocated(dev) - base
         tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=dev).view(num_seqs, blocks_per_seq)
         positions = torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in lens])
@@ -234,7 +255,7 @@ class ModelRunner:
         t = torch.from_numpy(array)
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
-    def argmax_applies(self, num_sampled: int) -> bool:
+    def argmax_applies(self, num_sampled: int) -> bool:  # (never under tensor parallelism)
         """Whether execute_model can return the greedy ids of num_sampled rows itself (greedy_vocab)."""
         return self.model.argmax_applies(num_sampled)
 
@@ -245,10 +266,13 @@ class ModelRunner:
         greedy_vocab > 0 (the sampler's argmax_suffices): where the model can, it returns the
         argmax over the first greedy_vocab logits of each sampled row instead (sampled_ids), the
         logits never written. prev_sampled: int64 [R'] on the device, the previous step's sampled
-        ids (required when sched.num_placeholders > 0; ValueError without)."""
+        ids (required when sched.num_placeholders > 0; ValueError without; on tensor-parallel ranks
+        other than 0 a buffer of that shape that receives rank 0's ids)."""
         num_placeholders = int(sched.num_placeholders)
         if num_placeholders and prev_sampled is None:
             raise ValueError(f"step {sched.step_id} has {num_placeholders} placeholder tokens but no prev_sampled ids")
+        if num_placeholders and self.tp.world_size > 1:  # rank 0's samples (the others pass a buffer)
+            prev_sampled = self.tp.broadcast(prev_sampled.to(self.device), src=0)
         copy_orders = sched.copy_orders
         if len(copy_orders):
             keys = [k for k, _ in self.kv_caches]

@@ -16,24 +16,29 @@ PyTorch modules do. On CUDA the model runner also permutes each qkv weight's que
 (pair_rotary_rows) so that the qkv GEMV's rope epilogue rotates in registers, and each gate_up
 weight's rows (pair_gate_up_rows) so that the gate_up GEMV writes SiLU(gate) * up itself.
 
-On CUDA in bfloat16/float16, steps with at most `gemv_max_tokens` tokens (decode at small batch;
-the crossover against cuBLAS measured by bench/gemv.py) run every projection and the LM head
-through pagedllm.ops.gemv, a bandwidth-bound GEMV (launched as a programmatic dependent: it
-starts streaming its weight while the kernel before it finishes); larger steps use F.linear. Such
-steps can also fuse the layer's elementwise ops into the GEMVs (PAGEDLLM_GEMV_FUSE=1 or 2, see
-_gemv_fusion; off by default: measured slower on the H200): the input / post-attention / final
-RMSNorm into the qkv / gate_up / LM-head GEMV's prologue, the residual adds into the o / down
-GEMVs' epilogue (the residual stream updated in place), optionally SiLU-and-mul into the down
-GEMV — per layer [norm+qkv] -> rotary/cache -> attention -> [o+residual] -> [norm+gate_up] ->
+The projections are the parallel linear layers of model_executor/layers/linear.py (qkv and
+gate_up column-parallel, o and down row-parallel), the embedding and LM head vocabulary-parallel
+(layers/vocab_parallel_embedding.py); how each computes is its linear method
+(layers/linear_method.py, layers/cpu_linear_methods.py). With tensor parallelism (tp_group of
+world size N) each rank holds num_attention_heads / N query heads and their KV heads, 1 / N of the
+MLP and of the vocabulary; the hidden state is replicated and summed after o and down.
+
+On CUDA in bfloat16/float16, steps of at most `gemv_max_tokens` tokens run every projection and
+the LM head through the GEMV (UnquantizedLinearMethod), which can also take the layer's
+element-wise work: the qkv GEMV's rotary + KV-cache epilogue (gemv_rope_applies), the gate_up
+GEMV's SiLU epilogue (pair_gate_up_rows), and with PAGEDLLM_GEMV_FUSE=1 or 2 (one rank only; off
+by default: measured slower on the H200) the norms as prologues and the residual adds as
+epilogues — per layer [norm+qkv] -> rotary/cache -> attention -> [o+residual] -> [norm+gate_up] ->
 (silu) -> [down+residual], with forward()'s roundings (the norms up to one ulp on near ties). On
-the CPU in bfloat16, pack_weights() (called by the model runner) swaps the projections for
-AmxLinear (steps of at most 128 tokens through pagedllm.ops.amx_linear, larger ones through
-oneDNN's packed weight) or, without AMX, for PackedLinear; float32 uses F.linear. Every path
+the CPU in bfloat16, pack_weights() (called by the model runner) switches the projections to
+AmxLinearMethod (steps of at most 128 tokens through pagedllm.ops.amx_linear, larger ones through
+oneDNN's packed weight) or, without AMX, to PackedLinearMethod; float32 uses F.linear. Every path
 accumulates in fp32 and rounds once, so results agree with F.linear within the dtype's rounding.
-When every projection is an AmxLinear, steps of at most CPU_DECODER_MAX_TOKENS tokens run all
-their layers in one native call (pagedllm._C.CpuDecoderStack, cpp/src/cpu_decoder.cpp): the same
-kernels in the same order, bit-identical results, without ~12 interpreted calls per layer
-(PAGEDLLM_CPU_NATIVE_DECODER=0 keeps the Python layers).
+When every projection takes the AMX kernel (one rank), steps of at most CPU_DECODER_MAX_TOKENS
+tokens run all their layers in one native call (pagedllm._C.CpuDecoderStack,
+cpp/src/cpu_decoder.cpp): the same kernels in the same order, bit-identical results, without ~12
+interpreted calls per layer (PAGEDLLM_CPU_NATIVE_DECODER=0 keeps the Python layers). Under tensor
+parallelism it steps aside: its layers have no all-reduce.
 
 Numerics follow Hugging Face transformers' modeling_llama / modeling_qwen2 / modeling_qwen3
 (RMSNorm in float32, weight multiplied in the model dtype), so fp32 logits agree with HF to
@@ -44,142 +49,27 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import _C, ops
-from pagedllm.model_executor.attention import Attention, AttentionMetadata
+from pagedllm.distributed.parallel_state import GroupCoordinator
 from pagedllm.model_executor.config import ModelConfig
-from pagedllm.model_executor.rotary import RotaryEmbedding
+from pagedllm.model_executor.layers.attention import Attention, AttentionMetadata
+from pagedllm.model_executor.layers.cpu_linear_methods import AmxLinearMethod, PackedLinearMethod, can_pack_linear
+from pagedllm.model_executor.layers.layernorm import RMSNorm
+from pagedllm.model_executor.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
+                                                   RowParallelLinear)
+from pagedllm.model_executor.layers.linear_method import (GEMV_CROSSOVER_TOKENS, UnquantizedLinearMethod,
+                                                          gemv_max_tokens)
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
+__all__ = ["LlamaForCausalLM", "DecoderLayer", "GEMV_CROSSOVER_TOKENS", "gemv_max_tokens", "qk_head_rows"]
 
-class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, computed in float32
-    and cast back before the weight multiply (as HF's LlamaRMSNorm). x [..., N] -> [..., N].
-    Where pagedllm.ops has the fused layer ops (CPU: float32, bfloat16; CUDA: also float16) one
-    kernel does it, with the same roundings."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
-        self.eps = eps
-        self.fused = ops.layer_ops_supported(device, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            rows = x.reshape(-1, x.shape[-1])
-            if rows.is_cuda and not rows.is_contiguous():  # the CUDA kernel takes contiguous rows
-                rows = rows.contiguous()
-            return ops.rms_norm(torch.empty(rows.shape, dtype=x.dtype, device=x.device), rows, self.weight,
-                                self.eps).view(x.shape)
-        dtype = x.dtype
-        h = x.float()
-        if h.is_cuda:  # one fused kernel instead of five (fewer nodes in a decode CUDA graph)
-            h = F.rms_norm(h, (h.shape[-1],), eps=self.eps)
-        else:
-            variance = h.pow(2).mean(-1, keepdim=True)
-            h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(dtype)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + x), residual + x) for x, residual [T, N]; the fused op works in place
-        (x and residual are overwritten), HF's order of roundings either way."""
-        if self.fused:
-            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
-        residual = residual + x
-        return self.forward(residual), residual
-
-
-class PackedLinear(nn.Module):
-    """y = x W^T + b with W pre-packed once into oneDNN's blocked layout (CPU, bfloat16): plain
-    F.linear re-lays the weight out on every call, which costs as much as the product itself at
-    decode batch sizes. Results are bit-identical to F.linear. x [..., in] -> [..., out]."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64):
-        super().__init__()
-        self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-        self.bias = None if bias is None else bias.detach().clone()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-class AmxLinear(nn.Module):
-    """y = x W^T + b on the CPU in bfloat16. Decode-sized batches (at most MAX_TOKENS rows) run
-    pagedllm's AMX kernel (pagedllm.ops.amx_linear: W packed once into AMX tiles and streamed once
-    per call, no oneDNN dispatch); larger ones (prefill) oneDNN's PackedLinear, which measured
-    faster there. Needs in/out features that are multiples of 32. x [T, in] (contiguous rows) ->
-    [T, out]. Holds both packings (twice the weight's memory), so pack_weights uses it only when
-    all the model's projections take at most MAX_WEIGHT_BYTES (held twice: up to 2x that), as for
-    the small models run on a CPU."""
-
-    MAX_TOKENS = 128
-    MAX_WEIGHT_BYTES = 2 << 30
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features = weight.shape[0]
-        self.packed = ops.amx_pack_linear_weight(weight.detach())
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.prefill = PackedLinear(weight, bias)
-        # the static operands' native views, made once (a view costs ~2 us per call)
-        self._packed_view = ops._view(self.packed)
-        self._bias_view = None if self.bias is None else ops._view(self.bias)
-
-    @staticmethod
-    def applies(weight: torch.Tensor) -> bool:
-        return weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and ops.amx_linear_supported()
-
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """out_dtype float32: the bfloat16-rounded result widened, as .float() of the bfloat16 one
-        (in one pass where the AMX kernel runs: the LM head's logits)."""
-        if x.shape[0] > self.MAX_TOKENS:
-            y = self.prefill(x)
-            return y if out_dtype in (None, y.dtype) else y.to(out_dtype)
-        out = torch.empty((x.shape[0], self.out_features), dtype=out_dtype or x.dtype)
-        _C.amx_linear(ops._view(out), ops._view(x), self._packed_view, self._bias_view)
-        return out
-
-    def argmax(self, x: torch.Tensor, vocab: int) -> torch.Tensor:
-        """int64 [T]: per row of x (at most MAX_TOKENS rows), the column of the largest of the first
-        `vocab` outputs (ops.amx_linear_argmax: the same ids as argmax_rows of forward's float32
-        output, the outputs never written)."""
-        out = torch.empty((x.shape[0],), dtype=torch.int64)
-        _C.amx_linear_argmax(ops._view(out), ops._view(x), self._packed_view, int(vocab), self._bias_view)
-        return out
-
-
-def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether PackedLinear applies: bfloat16 on a CPU whose oneDNN build supports it."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def _linear(rows: int, cols: int, bias: bool, dtype, device) -> nn.Linear:
-    # skip_init: no random initialisation (seconds for a real model), load_weights fills it
-    layer = torch.nn.utils.skip_init(nn.Linear, cols, rows, bias=bias, dtype=dtype, device=device)
-    layer.requires_grad_(False)
-    return layer
-
-
-def gemv_max_tokens(device: torch.device, dtype: torch.dtype) -> int:
-    """Largest step (tokens) whose projections run through ops.gemv: 0 where the GEMV does not
-    apply (CPU, float32), else the measured crossover against cuBLAS (bench/gemv.py on the H200),
-    overridable with the environment variable PAGEDLLM_GEMV_MAX_TOKENS (0 turns it off)."""
-    if not ops.gemv_supported(device, dtype):
-        return 0
-    env = os.environ.get("PAGEDLLM_GEMV_MAX_TOKENS")
-    limit = int(env) if env not in (None, "") else GEMV_CROSSOVER_TOKENS
-    return max(0, min(limit, ops.GEMV_MAX_TOKENS))
-
-
-#: Steps of up to this many tokens use the GEMV (bench/gemv.py, H200, Llama-3-8B shapes).
-GEMV_CROSSOVER_TOKENS = 8
 
 #: GEMV fusion level for such steps (LlamaForCausalLM._gemv_fusion): 0 = none, 1 = norms and
 #: residual adds in the GEMVs, 2 = also SiLU-and-mul in the down GEMV. Off: on the H200 both fused
@@ -216,21 +106,22 @@ def qk_head_rows(order: torch.Tensor, num_heads: int, num_kv_heads: int, out_fea
     return rows
 
 
-def _project(layer: nn.Linear, x: torch.Tensor, gemv: bool) -> torch.Tensor:
-    return ops.gemv(x, layer.weight, layer.bias) if gemv else layer(x)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device):
+    """One decoder layer over this rank's heads and intermediate features (tp: the tensor-parallel
+    group; attention heads and the MLP split across ranks, the hidden state replicated)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
+                 tp: Optional[GroupCoordinator] = None):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        tp = tp if tp is not None else GroupCoordinator.single(device)
         self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.qkv_proj = _linear(self.q_size + 2 * self.kv_size, cfg.hidden_size, cfg.attention_bias, dtype, device)
-        self.o_proj = _linear(cfg.hidden_size, self.q_size, False, dtype, device)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.attention_bias, dtype, device, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, dtype, device,
+                                        tp)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -238,11 +129,11 @@ class DecoderLayer(nn.Module):
         window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else 0
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = _linear(2 * cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
+                                                       dtype, device, tp)
+        self.intermediate_size = self.gate_up_proj.output_size_per_partition // 2  # this rank's
         self.fused = ops.layer_ops_supported(device, dtype)
-        self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
-        self.gemv_max_tokens = gemv_max_tokens(device, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device, tp)
         #: int32 arrival counters of the qkv GEMV's rope epilogue (shared by the layers; set by
         #: LlamaForCausalLM where it applies), None: a separate rotary kernel
         self.rope_counters: torch.Tensor | None = None
@@ -271,7 +162,7 @@ class DecoderLayer(nn.Module):
         before it); residual None for the first layer. The stream after the layer is their sum,
         added by the next norm (HF's `hidden = residual + hidden`, same rounding)."""
         T = hidden.shape[0]
-        gemv = 0 < T <= self.gemv_max_tokens
+        gemv = self.qkv_proj.fusions_apply(T)  # a GEMV-sized step: epilogues can be fused
         if residual is None:
             residual = hidden
             h = self.input_layernorm(hidden)
@@ -280,21 +171,19 @@ class DecoderLayer(nn.Module):
         if gemv and self.rope_counters is not None and cos_sin is None:
             attn = self._qkv_rope_attention(h, positions, rotary, kv_cache, meta)
         else:
-            qkv = _project(self.qkv_proj, h, gemv)
+            qkv = self.qkv_proj(h)
             attn = self._attention(qkv, positions, cos_sin, rotary, kv_cache, meta)
-        hidden = _project(self.o_proj, attn, gemv)
+        hidden = self.o_proj(attn)
         h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         if self.gate_up_paired_rows and gemv:  # SiLU(gate) * up in the GEMV's epilogue: no kernel
-            act = ops.gemv(h, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_paired_rows=True,
-                           config=self.gate_up_gemv_config)
+            act = self.gate_up_proj(h, silu_paired_rows=True, config=self.gate_up_gemv_config)
         elif self.fused:
             act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device),
-                                   _project(self.gate_up_proj, h, gemv), paired_rows=self.gate_up_paired_rows)
+                                   self.gate_up_proj(h), paired_rows=self.gate_up_paired_rows)
         else:
-            gate, up = _project(self.gate_up_proj, h, gemv).split([self.intermediate_size, self.intermediate_size],
-                                                                  dim=-1)
+            gate, up = self.gate_up_proj(h).split([self.intermediate_size, self.intermediate_size], dim=-1)
             act = F.silu(gate) * up
-        return _project(self.down_proj, act, gemv), residual
+        return self.down_proj(act), residual
 
     def forward_gemv_fused(self, stream: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                            kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -308,23 +197,21 @@ class DecoderLayer(nn.Module):
         up to one ulp on near ties: ops.gemv)."""
         T = stream.shape[0]
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = ops.gemv(stream, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=n1.weight, eps=n1.eps)
+        qkv = self.qkv_proj(stream, norm_weight=n1.weight, eps=n1.eps)
         attn = self._attention(qkv, positions, None, rotary, kv_cache, meta)
-        ops.gemv(attn, self.o_proj.weight, self.o_proj.bias, out=stream, residual=stream)
+        self.o_proj(attn, out=stream, residual=stream)
         if self.gate_up_paired_rows:
-            act = ops.gemv(stream, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=n2.weight,
-                           eps=n2.eps, silu_paired_rows=True, config=self.gate_up_gemv_config)
-            ops.gemv(act, self.down_proj.weight, self.down_proj.bias, out=stream, residual=stream)
+            act = self.gate_up_proj(stream, norm_weight=n2.weight, eps=n2.eps, silu_paired_rows=True,
+                                    config=self.gate_up_gemv_config)
+            self.down_proj(act, out=stream, residual=stream)
             return
-        gate_up = ops.gemv(stream, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=n2.weight,
-                           eps=n2.eps)
+        gate_up = self.gate_up_proj(stream, norm_weight=n2.weight, eps=n2.eps)
         if silu_in_down:
             act = gate_up
         else:
             act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=stream.dtype, device=stream.device),
                                    gate_up)
-        ops.gemv(act, self.down_proj.weight, self.down_proj.bias, out=stream, residual=stream,
-                 silu_and_mul=silu_in_down)
+        self.down_proj(act, out=stream, residual=stream, silu_and_mul=silu_in_down)
 
     def _qkv_rope_attention(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                             kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -333,7 +220,7 @@ class DecoderLayer(nn.Module):
         T = h.shape[0]
         query = torch.empty((T, self.num_heads, self.head_dim), dtype=h.dtype, device=h.device)
         key_cache, value_cache = kv_cache
-        ops.gemv(h, self.qkv_proj.weight, self.qkv_proj.bias, rope=ops.GemvRope(
+        self.qkv_proj(h, rope=ops.GemvRope(
             self.num_heads, self.num_kv_heads, positions, rotary.cos, rotary.sin, query, key_cache, value_cache,
             meta.slot_mapping, None if self.rope_paired_rows else self.rope_counters, self.rope_paired_rows),
             config=self.qkv_gemv_config)
@@ -372,46 +259,62 @@ class DecoderLayer(nn.Module):
         return attn.view(T, self.q_size)
 
 
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 class LlamaForCausalLM(nn.Module):
     """The whole decoder. forward(input_ids int [T], positions int64 [T], kv_caches (one (k, v) per
-    layer), meta, logits_indices int64 [R]) -> float32 logits [R, vocab_size]."""
+    layer), meta, logits_indices int64 [R]) -> float32 logits [R, vocab_size].
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None = None):
+    tp_group: this rank's tensor-parallel group (default: one rank). Each rank holds its heads
+    (KV caches of num_kv_heads_per_rank heads), its share of the MLP and of the vocabulary; every
+    rank computes the same replicated hidden state and the same gathered logits."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
+                 tp_group: Optional[GroupCoordinator] = None):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
         self.device = device
-        self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype,
-                                                     device=device)
-        self.embed_tokens.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.tp = tp_group if tp_group is not None else GroupCoordinator.single(device)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, self.tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, self.tp) for i in range(cfg.num_hidden_layers))
+        qkv = self.layers[0].qkv_proj if self.layers else None
+        #: heads of this rank (the KV cache holds num_kv_heads_per_rank heads)
+        self.num_heads_per_rank = qkv.num_heads if qkv is not None else cfg.num_attention_heads
+        self.num_kv_heads_per_rank = qkv.num_kv_heads if qkv is not None else cfg.num_key_value_heads
         if device.type == "cuda":  # one decode split-K scratch for every layer (they run in turn)
             workspace = torch.empty(ATTN_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             for layer in self.layers:
                 layer.attn.workspace = workspace
         if gemv_rope_applies(cfg, device, dtype):  # the layers run in turn: one set of counters
-            counters = torch.zeros(cfg.num_attention_heads + 2 * cfg.num_key_value_heads, dtype=torch.int32,
+            counters = torch.zeros(self.num_heads_per_rank + 2 * self.num_kv_heads_per_rank, dtype=torch.int32,
                                    device=device)
             for layer in self.layers:
                 layer.rope_counters = counters
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        if cfg.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
-            self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
-            self.lm_head_weight = self.lm_head.weight
-        self.packed_lm_head: nn.Module | None = None  # AmxLinear or PackedLinear, set by pack_weights()
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, self.tp,
+                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
         #: GemvConfig override of the LM head's GEMV (None: automatic), for benchmarks
         self.lm_head_gemv_config: dict | None = None
         self.fused = ops.layer_ops_supported(device, dtype)
         self.gemv_max_tokens = gemv_max_tokens(device, dtype)
         self._fusion_fits: dict[int, tuple[bool, bool]] = {}
-        self._native_applies = False  # set by pack_weights(): every projection is an AmxLinear
+        self._native_applies = False  # set by pack_weights(): every projection takes the AMX kernel
         self._native: _C.CpuDecoderStack | None = None
         self._native_key: tuple | None = None
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
         )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """This rank's LM head rows [vocab_per_rank, hidden] (the embedding's when tied)."""
+        return self.lm_head.weight
+
+    def projections(self) -> list[LinearBase]:
+        """Every decoder layer's linear layers (qkv, o, gate_up, down per layer)."""
+        return [getattr(layer, name) for layer in self.layers for name in _PROJECTIONS]
 
     @torch.inference_mode()
     def forward(
@@ -470,8 +373,8 @@ class LlamaForCausalLM(nn.Module):
         PAGEDLLM_CPU_NATIVE_DECODER not "0". Built on first use for these KV caches (it holds views
         of the weights and caches; rebuilt when a cache's address, shape, strides or dtype change, and
         dropped by pack_weights)."""
-        # both limits: above AmxLinear.MAX_TOKENS the Python path takes oneDNN, whose sums differ
-        limit = min(_C.CPU_DECODER_MAX_TOKENS, AmxLinear.MAX_TOKENS)
+        # both limits: above AmxLinearMethod.MAX_TOKENS the Python path takes oneDNN, whose sums differ
+        limit = min(_C.CPU_DECODER_MAX_TOKENS, AmxLinearMethod.MAX_TOKENS)
         if not (self._native_applies and 0 < tokens <= limit and len(kv_caches) == len(self.layers)):
             return None
         if os.environ.get("PAGEDLLM_CPU_NATIVE_DECODER", "1") == "0":
@@ -514,8 +417,9 @@ class LlamaForCausalLM(nn.Module):
         hidden, residual, _ = state
         pick = (lambda t: t) if logits_indices is None else (lambda t: t.index_select(0, logits_indices))
         if self.layers and self._gemv_fusion(hidden.shape[0]):  # the final norm in the LM head's GEMV
-            return self._store(ops.gemv(pick(hidden), self.lm_head_weight, norm_weight=self.norm.weight,
-                                        eps=self.norm.eps).float(), out)
+            head = self.lm_head
+            return self._store(head.quant_method.apply(head, pick(hidden), norm_weight=self.norm.weight,
+                                                       eps=self.norm.eps).float(), out)
         if residual is None:  # no layers
             return self._store(self.compute_logits(pick(hidden)), out)
         normed, _ = self.norm.add_and_norm(pick(hidden), pick(residual))
@@ -527,7 +431,8 @@ class LlamaForCausalLM(nn.Module):
 
     def argmax_applies(self, rows: int) -> bool:
         """Whether greedy_ids (the LM head and the argmax in one AMX pass) runs for `rows` rows."""
-        return isinstance(self.packed_lm_head, AmxLinear) and 0 < rows <= AmxLinear.MAX_TOKENS and bool(self.layers)
+        return (isinstance(self.lm_head.quant_method, AmxLinearMethod) and 0 < rows <= AmxLinearMethod.MAX_TOKENS
+                and bool(self.layers) and self.tp.world_size == 1)
 
     def greedy_ids(self, state: tuple, logits_indices: torch.Tensor, vocab: int) -> torch.Tensor:
         """int64 [R]: the argmax over the first `vocab` columns of logits(state, logits_indices),
@@ -536,14 +441,16 @@ class LlamaForCausalLM(nn.Module):
         hidden, residual, _ = state
         normed, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
                                            residual.index_select(0, logits_indices))
-        return self.packed_lm_head.argmax(normed, vocab)
+        return self.lm_head.quant_method.argmax(self.lm_head, normed, vocab)
 
     def _gemv_fusion(self, tokens: int) -> int:
         """For a step of `tokens` tokens: 0 (no GEMV fusion), 1 (norms and residual adds fused into
         the GEMVs: DecoderLayer.forward_gemv_fused) or 2 (also SiLU-and-mul into the down GEMV).
         Needs the fused CUDA layer ops, a GEMV-sized step and prologues that fit the device's shared
-        memory; the level is PAGEDLLM_GEMV_FUSE (default GEMV_FUSE_DEFAULT, 0 turns it off)."""
-        if not (self.fused and self.packed_lm_head is None and 0 < tokens <= self.gemv_max_tokens):
+        memory, and one rank (the residual adds need the all-reduced sums); the level is
+        PAGEDLLM_GEMV_FUSE (default GEMV_FUSE_DEFAULT, 0 turns it off)."""
+        if not (self.fused and self._lm_head_unpacked() and 0 < tokens <= self.gemv_max_tokens
+                and self.tp.world_size == 1):
             return 0
         env = os.environ.get("PAGEDLLM_GEMV_FUSE")
         level = max(0, min(2, int(env) if env not in (None, "") else GEMV_FUSE_DEFAULT))
@@ -561,17 +468,12 @@ class LlamaForCausalLM(nn.Module):
         return self._lm_head(self.norm(hidden))
 
     def _lm_head(self, normed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """normed [R, hidden] -> float32 logits [R, vocab] (into `out` when given)."""
-        if isinstance(self.packed_lm_head, AmxLinear):
-            return self._store(self.packed_lm_head(normed, out_dtype=torch.float32), out)  # = .float() of bf16
-        if self.packed_lm_head is not None:
-            return self._store(self.packed_lm_head(normed).float(), out)
-        if 0 < normed.shape[0] <= self.gemv_max_tokens:  # float32 straight from the GEMV: no .float() kernel
-            if out is None:
-                out = torch.empty((normed.shape[0], self.lm_head_weight.shape[0]), dtype=torch.float32,
-                                  device=normed.device)
-            return ops.gemv(normed, self.lm_head_weight, out=out, config=self.lm_head_gemv_config)
-        return self._store(F.linear(normed, self.lm_head_weight).float(), out)
+        """normed [R, hidden] -> float32 logits [R, vocab] (into `out` when given; the GEMV and
+        the AMX kernel write float32 themselves: no .float() kernel)."""
+        return self.lm_head.compute_logits(normed, out, config=self.lm_head_gemv_config)
+
+    def _lm_head_unpacked(self) -> bool:
+        return isinstance(self.lm_head.quant_method, UnquantizedLinearMethod)
 
     def pair_rotary_rows(self) -> bool:
         """Where the qkv GEMV's rope epilogue applies (gemv_rope_applies) with full rotary
@@ -607,11 +509,11 @@ class LlamaForCausalLM(nn.Module):
         load_weights keeps the order. Returns whether the rows are paired now (idempotent)."""
         if any(layer.gate_up_paired_rows for layer in self.layers):
             return True
-        cfg = self.config
-        if (not self.layers or not self.fused or self.gemv_max_tokens == 0 or self.packed_lm_head is not None
-                or cfg.intermediate_size % 8 or os.environ.get("PAGEDLLM_GATE_UP_PAIRED", "1") == "0"):
+        inter = self.layers[0].intermediate_size if self.layers else 0  # this rank's
+        if (not self.layers or not self.fused or self.gemv_max_tokens == 0 or not self._lm_head_unpacked()
+                or inter % 8 or os.environ.get("PAGEDLLM_GATE_UP_PAIRED", "1") == "0"):
             return False
-        self._permute_rows("gate_up_proj", ops.gate_up_paired_order(cfg.intermediate_size))
+        self._permute_rows("gate_up_proj", ops.gate_up_paired_order(inter))
         for layer in self.layers:
             layer.gate_up_paired_rows = True
         return True
@@ -620,7 +522,7 @@ class LlamaForCausalLM(nn.Module):
         """Undo pair_gate_up_rows; returns whether the rows were paired."""
         if not any(layer.gate_up_paired_rows for layer in self.layers):
             return False
-        self._permute_rows("gate_up_proj", torch.argsort(ops.gate_up_paired_order(self.config.intermediate_size)))
+        self._permute_rows("gate_up_proj", torch.argsort(ops.gate_up_paired_order(self.layers[0].intermediate_size)))
         for layer in self.layers:
             layer.gate_up_paired_rows = False
         return True
@@ -636,45 +538,37 @@ class LlamaForCausalLM(nn.Module):
 
     def _permute_qk_rows(self, order: torch.Tensor) -> None:
         """Every layer's qkv rows of each query and key head h: rows h * D + order (values untouched)."""
-        cfg = self.config
-        self._permute_rows("qkv_proj", qk_head_rows(order, cfg.num_attention_heads, cfg.num_key_value_heads,
+        self._permute_rows("qkv_proj", qk_head_rows(order, self.num_heads_per_rank, self.num_kv_heads_per_rank,
                                                     self.layers[0].qkv_proj.weight.shape[0]))
 
-    @torch.inference_mode()
     def _permute_rows(self, name: str, rows: torch.Tensor) -> None:
         """Every layer's projection `name` (weight and bias): row i <- row rows[i] (int64 [out_features])."""
-        rows = rows.to(self.device)
         for layer in self.layers:
-            proj = getattr(layer, name)
-            for t in (proj.weight, proj.bias):
-                if t is not None:
-                    t.copy_(t.index_select(0, rows))
+            getattr(layer, name).permute_rows(rows)
 
     def pack_weights(self) -> bool:
-        """After load_weights: on CPU in bfloat16, replace every projection (and the LM head) by an
-        AmxLinear (pagedllm's AMX kernel for decode batches, oneDNN for prefill) where the machine
-        has AMX, the shapes allow (multiples of 32) and all projections take at most
-        AmxLinear.MAX_WEIGHT_BYTES (they are then held twice), else by a
-        PackedLinear (oneDNN blocked layout, same results as F.linear). Returns whether it did."""
+        """After load_weights: on CPU in bfloat16, switch every projection (and the LM head) to
+        AmxLinearMethod (pagedllm's AMX kernel for decode batches, oneDNN for prefill) where the
+        machine has AMX, the shapes allow (multiples of 32) and all projections take at most
+        AmxLinearMethod.MAX_WEIGHT_BYTES (they are then held twice), else to PackedLinearMethod
+        (oneDNN blocked layout, same results as F.linear). Returns whether the weights are packed
+        (idempotent)."""
         if not can_pack_linear(self.dtype, self.device):
             return False
-        projections = [getattr(layer, name).weight for layer in self.layers
-                       for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + [self.lm_head_weight]
-        small = sum(w.numel() * w.element_size() for w in projections) <= AmxLinear.MAX_WEIGHT_BYTES
+        if not self._lm_head_unpacked():
+            return True
+        weights = [p.weight for p in self.projections()] + [self.lm_head_weight]
+        small = sum(w.numel() * w.element_size() for w in weights) <= AmxLinearMethod.MAX_WEIGHT_BYTES
 
-        def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-            if small and AmxLinear.applies(weight):
-                return AmxLinear(weight, bias)
-            return PackedLinear(weight, bias)
+        def method(weight: torch.Tensor):
+            return AmxLinearMethod() if small and AmxLinearMethod.applies(weight) else PackedLinearMethod()
 
-        for layer in self.layers:
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                lin = getattr(layer, name)
-                setattr(layer, name, pack(lin.weight, lin.bias))
-        self.packed_lm_head = pack(self.lm_head_weight, None)
-        self._native_applies = self.fused and all(
-            isinstance(getattr(layer, name), AmxLinear)
-            for layer in self.layers for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        for proj in self.projections():
+            proj.set_quant_method(method(proj.weight))
+        # the head keeps its plain weight: the embedding's table when tied
+        self.lm_head.set_quant_method(method(self.lm_head_weight), keep_weight=True)
+        self._native_applies = self.fused and self.tp.world_size == 1 and all(
+            isinstance(p.quant_method, AmxLinearMethod) for p in self.projections())
         self._native = self._native_key = None
         return True
 
@@ -705,6 +599,8 @@ class LlamaForCausalLM(nn.Module):
                 self.pair_rotary_rows()
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Each tensor (a torch.Tensor or a loader.CheckpointTensor, read lazily) goes through its
+        parameter's owner's weight_loader, which copies this rank's slice; norms are copied whole."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -714,18 +610,22 @@ class LlamaForCausalLM(nn.Module):
                 name = name[len("model."):]
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            dest, offset = self._map(name)
+            dest, shard = self._map(name)
             if dest not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
             param = params[dest]
-            target = param.data if offset is None else self._shard(param.data, dest, offset)
-            if target.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            target.copy_(tensor)
-            loaded.add(dest if offset is None else f"{dest}#{offset}")
+            owner = self.get_submodule(dest.rpartition(".")[0])
+            try:
+                if hasattr(owner, "weight_loader"):
+                    owner.weight_loader(param, tensor, shard)
+                else:  # replicated (norms): the whole tensor
+                    _copy_whole(param, tensor)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
+            loaded.add(dest if shard is None else f"{dest}#{shard}")
         expected: set[str] = set()
         for dest in params:
-            if dest == "lm_head_weight":
+            if dest == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if ".qkv_proj." in dest:
                 expected |= {f"{dest}#{i}" for i in range(3)}
@@ -746,12 +646,8 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(hf, ours), None
         return name, None
 
-    def _shard(self, full: torch.Tensor, dest: str, shard: int) -> torch.Tensor:
-        if ".qkv_proj." in dest:
-            cfg = self.config
-            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            start, size = [(0, q), (q, kv), (q + kv, kv)][shard]
-        else:
-            size = self.config.intermediate_size
-            start = shard * size
-        return full.narrow(0, start, size)
+
+def _copy_whole(param: nn.Parameter, tensor) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"the tensor has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.full())
