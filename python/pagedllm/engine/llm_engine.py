@@ -2,7 +2,7 @@
 detokenization and stop strings -> RequestOutputs.
 
     out = core.schedule()                       # flat batch buffers (C++), zero-copy numpy views
-    logits = runner.execute_model(out)          # embeddings ... paged attention ... logits rows
+    logits = executor.execute_model(out)        # embeddings ... paged attention ... logits rows
     ids = sampler(logits, out.sample_seq_ids)   # next tokens (+ logprobs)
     result = core.update_from_output(out, ids)  # append, EOS/stop ids/max_tokens, free finished
     core.release(out)
@@ -24,7 +24,7 @@ device. Then the host waits for step N's ids, applies them (update_from_output, 
 stop strings) and launches step N + 1's sampling — all while the device runs step N + 1:
 
     sched = core.schedule()                         # N + 1, with placeholders for N's samples
-    run = runner.execute_model(sched, prev_sampled=pending.device_ids)   # launched, not waited
+    run = executor.execute_model(sched, prev_sampled=pending.device_ids)   # launched, not waited
     ids = pending.result()                          # N's ids (copied behind N's sampling)
     core.update_from_output(pending_sched, ids); outputs of N; stop strings; core.release(...)
     pending = sampler.sample_async(run.logits, sched.sample_seq_ids)      # N + 1's, on the device
@@ -32,6 +32,10 @@ stop strings) and launches step N + 1's sampling — all while the device runs s
 A sequence that step N ends (EOS, a stop id or string) has a wasted row in step N + 1, which the
 engine does not sample and the scheduler ignores. Sampling sees every earlier token (penalties,
 min_tokens): step N + 1 is sampled after step N's update. step() returns step N's outputs.
+
+The executor (pagedllm.executor) runs the forward pass on one device, or under tensor parallelism
+(tensor_parallel_size > 1) on rank 0 here while worker processes run the other ranks on the same
+step; sampling, the scheduler and detokenization stay here either way.
 
 The LLM class (offline API) and AsyncLLM (server) both drive this object from one thread.
 """
@@ -56,7 +60,8 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sample import Sampler, compute_prompt_logprobs
 from pagedllm.sample.sampler import PendingSample
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.executor import EXECUTOR_BACKENDS, ExecutorConfig, make_executor
+from pagedllm.model_executor.layers.linear import partition_heads
 
 logger = logging.getLogger("pagedllm")
 
@@ -83,6 +88,8 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    #: how ranks run under tensor parallelism (vLLM's name): "mp" (worker processes), "uni" (one rank)
+    distributed_executor_backend: Optional[str] = None
     device: str = "auto"
     num_gpu_blocks_override: Optional[int] = None
     load_format: str = "auto"
@@ -97,8 +104,12 @@ class LLMEngine:
     tokenizer. Not thread-safe: one thread calls add_request / abort_request / step."""
 
     def __init__(self, args: EngineArgs):
-        if args.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: pagedllm runs on one device (use 1)")
+        tp = args.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if args.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"distributed_executor_backend={args.distributed_executor_backend!r} is not supported: use "
+                             f"one of {list(EXECUTOR_BACKENDS)}")
         if args.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
         if args.block_size not in ops.SUPPORTED_BLOCK_SIZES:
@@ -115,6 +126,8 @@ class LLMEngine:
         if cfg.head_dim not in ops.SUPPORTED_HEAD_SIZES:
             raise ValueError(f"head_dim={cfg.head_dim} is not supported by the attention kernels: "
                              f"{list(ops.SUPPORTED_HEAD_SIZES)}")
+        if tp > 1:  # before any process starts
+            _check_tensor_parallel(cfg, tp, self.device)
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
         self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
@@ -123,19 +136,26 @@ class LLMEngine:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer") as pool:
             tokenizer = pool.submit(_load_tokenizer, args.tokenizer or self.model_path, cfg.vocab_size,
                                     args.load_format == "dummy")
-            self.runner = ModelRunner(
+            self.executor = make_executor(ExecutorConfig(
                 self.model_path, cfg, dtype=self.dtype, device=self.device, block_size=args.block_size,
                 max_model_len=self.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
                 load_format=args.load_format, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=args.seed,
-                async_scheduling=self.async_scheduling,
-            )
-            self.tokenizer = tokenizer.result()
+                async_scheduling=self.async_scheduling, tensor_parallel_size=tp,
+                distributed_executor_backend=args.distributed_executor_backend,
+            ))
+            #: rank 0's ModelRunner (in this process)
+            self.runner = self.executor.driver_runner
+            try:
+                self.tokenizer = tokenizer.result()
+            except BaseException:
+                self.executor.shutdown()  # no worker process outlives a failed start
+                raise
         self.eos_token_ids = _eos_token_ids(self.model_path, cfg, self.tokenizer)
         self.generation_defaults = _generation_defaults(self.model_path)
         ec = _C.EngineConfig()
-        ec.num_blocks = self.runner.num_blocks
+        ec.num_blocks = self.executor.num_blocks
         ec.block_size = args.block_size
         ec.max_num_seqs = args.max_num_seqs
         ec.max_num_batched_tokens = self.max_num_batched_tokens
@@ -249,9 +269,9 @@ class LLMEngine:
             self.histograms["iteration_num_seqs"].observe(int(sched.num_seqs))
             # a plain greedy step on a model that can take the argmax in its LM head (the CPU's AMX
             # head) gets the ids without logits; the check costs host time, so only there
-            greedy = (self.runner.argmax_applies(len(sched.sample_seq_ids))
+            greedy = (self.executor.argmax_applies(len(sched.sample_seq_ids))
                       and self.sampler.argmax_suffices(sched.sample_seq_ids))
-            run = self.runner.execute_model(sched, greedy_vocab=self.sampler.vocab_size if greedy else 0)
+            run = self.executor.execute_model(sched, greedy_vocab=self.sampler.vocab_size if greedy else 0)
             # the previous step's output processing, while the GPU runs this step's forward pass
             stops += self._flush_pending()
             if run.sampled_ids is not None:  # the model took the argmax itself (no logits written)
@@ -291,9 +311,9 @@ class LLMEngine:
                         raise RuntimeError(f"step {sched.step_id} has placeholders but the step in flight is "
                                            f"{None if prev is None else prev.sched.step_id}")
                     prev_sampled = prev.sample.device_ids
-                greedy = (self.runner.argmax_applies(len(sched.sample_seq_ids))
+                greedy = (self.executor.argmax_applies(len(sched.sample_seq_ids))
                           and self.sampler.argmax_suffices(sched.sample_seq_ids))
-                run = self.runner.execute_model(sched, greedy_vocab=self.sampler.vocab_size if greedy else 0,
+                run = self.executor.execute_model(sched, greedy_vocab=self.sampler.vocab_size if greedy else 0,
                                                 prev_sampled=prev_sampled)
             if prev is not None:  # step N's tokens, while the device runs step N + 1
                 stops = self._finish_step(prev)
@@ -386,7 +406,7 @@ class LLMEngine:
     # ---- observability / lifecycle --------------------------------------------------------
     def get_metrics(self) -> list[Metric]:
         metrics = metrics_from_stats(self.core.stats(), self.model_name, self.histograms)
-        replays = self.runner.num_graph_replays if self.runner is not None else 0
+        replays = self.executor.num_graph_replays if self.executor is not None else 0
         labels = {"model_name": self.model_name} if self.model_name else {}
         metrics.append(Counter("pagedllm:cuda_graph_replays", labels, int(replays)))
         return metrics
@@ -396,9 +416,10 @@ class LLMEngine:
         if self.core is not None:
             for request_id in list(self.output_processor.requests):
                 self.abort_request(request_id)
-        if getattr(self, "runner", None) is not None:
-            self.runner.shutdown()
-            self.runner = None
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
+            self.executor = None
+        self.runner = None
         self.core = None
 
 
@@ -433,6 +454,17 @@ def _tri_state(name: str, value) -> Any:
     if value is True or value is False:
         return value
     raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
+
+
+def _check_tensor_parallel(cfg: ModelConfig, tp: int, device: torch.device) -> None:
+    """ValueError, naming both numbers, when the model cannot be split over tp ranks of `device`."""
+    partition_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's intermediate_size="
+                         f"{cfg.intermediate_size}")
+    if device.type == "cuda" and torch.cuda.device_count() < tp:
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, but torch sees "
+                         f"{torch.cuda.device_count()}")
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:

@@ -28,7 +28,7 @@ _IGNORED_ARGS = {
     "quantization", "swap_space", "cpu_offload_gb", "disable_custom_all_reduce", "disable_log_stats",
     "max_seq_len_to_capture", "compilation_config", "hf_overrides",
     "mm_processor_kwargs", "allowed_local_media_path", "download_dir",
-    "pipeline_parallel_size", "distributed_executor_backend", "enable_lora", "max_logprobs", "kv_cache_dtype",
+    "pipeline_parallel_size", "enable_lora", "max_logprobs", "kv_cache_dtype",
 }
 
 
@@ -46,7 +46,11 @@ class LLM:
       detokenization runs while the GPU computes the next step unless this is True (vLLM's flag;
       see pagedllm.engine.llm_engine). async_scheduling: schedule and launch step N + 1 before step
       N's tokens reach the host (vLLM's flag; None = on for CUDA, off on the CPU where it gains
-      nothing). device: "auto" (CUDA when present), "cuda", "cpu".
+      nothing). device: "auto" (CUDA when present), "cuda", "cpu". tensor_parallel_size: split the
+      model over this many ranks of this host (heads, MLP and vocabulary; CUDA: one GPU each, NCCL;
+      CPU: processes sharing the cores); rank 0 runs here, the others in worker processes
+      (distributed_executor_backend "mp", the default then), so a script that builds an LLM at
+      module level needs an ``if __name__ == "__main__":`` guard.
     Errors: ValueError naming the bad argument.
     """
 
@@ -67,6 +71,7 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        distributed_executor_backend: Optional[str] = None,
         device: str = "auto",
         num_gpu_blocks_override: Optional[int] = None,
         load_format: str = "auto",
@@ -86,7 +91,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=scheduling_policy, seed=seed, enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size, device=device,
+            tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend,
+            device=device,
             num_gpu_blocks_override=num_gpu_blocks_override, load_format=load_format,
             async_output_processing=False if disable_async_output_proc else "auto",
             async_scheduling="auto" if async_scheduling is None else async_scheduling,

@@ -23,10 +23,15 @@ _HELP = {
     "scheduling_policy": "fcfs | priority",
     "seed": "seed of requests without their own seed",
     "device": "auto | cpu | cuda",
+    "tensor_parallel_size": "split the model over this many ranks of this host (CUDA: GPUs; CPU: processes)",
+    "distributed_executor_backend": "mp (worker processes; the default with more than one rank) | uni (one rank)",
     "async_output_processing": "auto | true | false: a step's detokenization during the next step's forward pass",
     "async_scheduling": "auto | true | false: schedule and launch step N + 1 before step N's tokens are known "
                         "(auto: on CUDA)",
 }
+
+#: vLLM's short flags
+_ALIASES = {"-tp": "tensor_parallel_size"}
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -54,16 +59,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument("--model", default=None, help="model (same as the positional MODEL)")
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = [flag] + [alias for alias, name in _ALIASES.items() if name == f.name]
         tp = _base_type(hints[f.name])
         help_text = _HELP.get(f.name, f.name.replace("_", " ")) + f" (default: {f.default})"
         if tp is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         elif f.name.endswith("_bytes"):
-            group.add_argument(flag, type=parse_bytes, default=f.default, help=help_text)
+            group.add_argument(*flags, type=parse_bytes, default=f.default, help=help_text)
         elif tp in (int, float):
-            group.add_argument(flag, type=tp, default=f.default, help=help_text)
+            group.add_argument(*flags, type=tp, default=f.default, help=help_text)
         else:
-            group.add_argument(flag, type=str, default=f.default, help=help_text)
+            group.add_argument(*flags, type=str, default=f.default, help=help_text)
 
 
 def engine_args_from(args: argparse.Namespace, cls=EngineArgs):

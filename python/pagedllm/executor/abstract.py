@@ -1,0 +1,80 @@
+"""The Executor: what the engine calls to run a step's forward pass, on one device or several.
+
+    executor = make_executor(config)              # executor/__init__.py
+    run = executor.execute_model(sched, greedy_vocab, prev_sampled)   # ModelRunnerOutput (rank 0's)
+    executor.shutdown()                           # frees the weights and KV caches, stops workers
+
+Implementations: UniprocExecutor (one ModelRunner in this process) and MultiprocExecutor
+(tensor parallelism: rank 0 in this process, ranks 1..N-1 in worker processes). The engine's
+scheduler, KV manager, sampler and detokenizer stay in this process either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pagedllm.model_executor.config import ModelConfig
+from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+
+@dataclasses.dataclass
+class ExecutorConfig:
+    """What every rank needs to build its ModelRunner (picklable: it reaches worker processes)."""
+
+    model_path: Path
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int
+    max_model_len: int
+    kv_cache_memory_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    num_blocks: Optional[int] = None
+    load_format: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enforce_eager: bool = False
+    seed: int = 0
+    async_scheduling: bool = False
+    tensor_parallel_size: int = 1
+    #: "mp" (or None) under tensor parallelism; "uni" for one rank
+    distributed_executor_backend: Optional[str] = None
+
+    def runner_kwargs(self) -> dict:
+        return dict(dtype=self.dtype, block_size=self.block_size, max_model_len=self.max_model_len,
+                    kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                    gpu_memory_utilization=self.gpu_memory_utilization, num_blocks=self.num_blocks,
+                    load_format=self.load_format, max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=self.enforce_eager,
+                    seed=self.seed, async_scheduling=self.async_scheduling)
+
+
+class Executor:
+    """The interface (module docstring). driver_runner: the ModelRunner in this process (rank 0)."""
+
+    driver_runner: Optional[ModelRunner]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.driver_runner.num_blocks
+
+    @property
+    def num_graph_replays(self) -> int:
+        return 0 if self.driver_runner is None else self.driver_runner.num_graph_replays
+
+    def argmax_applies(self, num_sampled: int) -> bool:
+        return self.driver_runner.argmax_applies(num_sampled)
+
+    def execute_model(self, sched, greedy_vocab: int = 0,
+                      prev_sampled: Optional[torch.Tensor] = None) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise RuntimeError when a rank has stopped."""
+
+    def shutdown(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,271 @@
+"""MultiprocExecutor: tensor parallelism over N ranks of one host (distributed_executor_backend="mp").
+
+Rank 0 runs in this (the driver's) process, beside the engine core, the sampler and the
+detokenizer; ranks 1..N-1 run in worker processes started with torch.multiprocessing's "spawn"
+(worker/worker_process.py; a script that builds an LLM at module level needs the usual
+``if __name__ == "__main__":`` guard, as with vLLM). Rank 0 being in-process keeps every
+single-rank feature unchanged: the sampler reads rank 0's logits where they are, async
+scheduling's placeholder ids stay on rank 0's device (and reach the others by a broadcast).
+
+Each step: the driver publishes the SchedulerOutput's flat arrays on a shared-memory message
+queue (distributed/shm_broadcast.py, no pickle: executor/step_message.py), then runs rank 0's
+forward pass; the workers run theirs on the same step, and the collectives inside the model pair
+the ranks up. Collectives: NCCL on CUDA; on the CPU pagedllm's shared-memory communicator ("shm",
+the default) or gloo (PAGEDLLM_CPU_TP_BACKEND=gloo). On the CPU each rank gets
+cores // N threads (the driver's own torch thread count is restored at shutdown).
+
+Failures: a monitor thread watches the workers. When one dies (or reports an error) the group is
+aborted, which releases rank 0 from a collective that will never complete (shm: the wait raises;
+gloo: the peer's socket closes; NCCL: the communicator is aborted), and the next (or current)
+execute_model raises RuntimeError naming the rank, its exit code and its traceback. An error in
+rank 0 (including KeyboardInterrupt) aborts the group too, so the workers exit. shutdown() (also
+run at interpreter exit) stops every worker: a shutdown message, then terminate, then kill.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import time
+import weakref
+from typing import Optional
+
+import torch
+
+from pagedllm import ops
+from pagedllm.distributed.parallel_state import GroupCoordinator, default_backend, free_port
+from pagedllm.distributed.shm_broadcast import MessageQueue
+from pagedllm.executor.abstract import Executor, ExecutorConfig
+from pagedllm.executor.step_message import encode_step, max_step_bytes, shutdown_message
+from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedllm.worker.worker_process import worker_main
+
+logger = logging.getLogger("pagedllm")
+
+#: seconds a worker may take from spawn to "ready" (imports, loading its shard, graph capture)
+STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDLLM_WORKER_STARTUP_TIMEOUT", "900"))
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    """Threads of each CPU rank: the cores this process may use, divided among the ranks."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+def _stop_processes(procs: list, timeout: float = 5.0) -> None:
+    """Terminate, then kill, whatever of `procs` still runs (the finalizer and shutdown's end)."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+
+
+class MultiprocExecutor(Executor):
+    """See the module docstring. config.tensor_parallel_size >= 2."""
+
+    def __init__(self, config: ExecutorConfig):
+        self.config = config
+        tp = config.tensor_parallel_size
+        device = config.device
+        if device.type == "cuda":
+            device = torch.device("cuda", 0)
+        self.device = device
+        self.backend = default_backend(device)
+        self.driver_runner: Optional[ModelRunner] = None
+        self.group: Optional[GroupCoordinator] = None
+        self._procs: list = []
+        self._conns: list = []
+        self._messages: dict[int, dict[str, object]] = {r: {} for r in range(1, tp)}
+        self._cond = threading.Condition()
+        self._dead: Optional[str] = None  # why the group stopped (a worker died, or rank 0 failed)
+        self._closing = False
+        self._threads_before = None
+        self.worker_info: list[dict] = []
+        ctx = multiprocessing.get_context("spawn")
+        port, shm_handle = None, None
+        if self.backend == "shm":  # rank 0 creates the region; workers attach by name
+            self.group = GroupCoordinator.init(0, tp, device, "shm")
+            shm_handle = self.group.shm.handle()
+        else:
+            port = free_port()
+        width = -(-config.max_model_len // config.block_size)
+        self.queue = MessageQueue(tp - 1, max_step_bytes(config.max_num_batched_tokens, config.max_num_seqs, width),
+                                  ctx)
+        threads = cpu_threads_per_rank(tp)
+        for rank in range(1, tp):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
+                               args=(rank, config, self.backend, port, shm_handle, self.queue.reader(rank - 1), send,
+                                     threads))
+            proc.start()
+            send.close()
+            self._procs.append(proc)
+            self._conns.append(recv)
+        self._finalizer = weakref.finalize(self, _stop_processes, list(self._procs))
+        self._monitor = threading.Thread(target=self._watch, name="pagedllm-tp-monitor", daemon=True)
+        self._monitor.start()
+        try:
+            if device.type == "cpu":
+                self._threads_before = (torch.get_num_threads(), ops.get_num_threads())
+                torch.set_num_threads(threads)
+                ops.set_num_threads(threads)
+            if self.backend != "shm":
+                self._wait_for("joining")
+                self.group = GroupCoordinator.init(0, tp, device, self.backend, port=port)
+            self.driver_runner = ModelRunner(config.model_path, config.model_config, device=device,
+                                             tp_group=self.group, **config.runner_kwargs())
+            self.worker_info = [self._wait_for("ready")[r] for r in range(1, tp)]
+        except BaseException as exc:
+            self._raise_failure(exc, during="start-up")
+        r0 = self.driver_runner
+        logger.info("tensor parallelism: %d ranks (%s, backend %s%s); rank 0 (pid %d): weights %.3f GiB, %d KV blocks "
+                    "(%.2f GiB)", tp, device.type, self.backend,
+                    f", {threads} threads per rank" if device.type == "cpu" else "", os.getpid(),
+                    r0.weight_bytes / 2**30, r0.num_blocks, r0.num_blocks * r0.bytes_per_block / 2**30)
+        for info in self.worker_info:
+            logger.info("tensor-parallel rank %d (pid %d): weights %.3f GiB, %d KV blocks (%.2f GiB, %d KV heads)",
+                        info["rank"], info["pid"], info["weight_bytes"] / 2**30, info["num_blocks"],
+                        info["kv_bytes"] / 2**30, info["num_kv_heads"])
+
+    # ---- the monitor ----------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Reads the workers' messages; on a worker's death records why and aborts the group."""
+        live = {p.sentinel: r for r, p in enumerate(self._procs, start=1)}
+        conns = {c: r for r, c in enumerate(self._conns, start=1)}
+        while live and not self._closing:
+            ready = multiprocessing.connection.wait(list(live) + list(conns), timeout=0.5)
+            for w in ready:
+                if w in conns:
+                    self._receive(conns, w)
+                elif w in live:
+                    rank = live.pop(w)
+                    conn = self._conns[rank - 1]
+                    while conn in conns and conn.poll():  # its last words (an error report)
+                        self._receive(conns, conn)
+                    if not self._closing:
+                        proc = self._procs[rank - 1]
+                        error = self._messages[rank].get("error")
+                        self._stop(f"tensor-parallel worker rank {rank} (pid {proc.pid}) stopped with exit code "
+                                   f"{proc.exitcode}" + (f":\n{error}" if error else ""))
+
+    def _receive(self, conns: dict, conn) -> None:
+        rank = conns[conn]
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            conns.pop(conn)
+            return
+        with self._cond:
+            self._messages[rank][kind] = payload
+            self._cond.notify_all()
+        if kind == "error" and not self._closing:
+            self._stop(f"tensor-parallel worker rank {rank} failed:\n{payload}")
+
+    def _stop(self, why: str) -> None:
+        """Mark the group dead and release every rank from its collectives."""
+        with self._cond:
+            if self._dead is None:
+                self._dead = why
+                logger.error("%s", why)
+            self._cond.notify_all()
+        if self.group is not None:
+            self.group.abort()
+
+    def _wait_for(self, kind: str) -> dict[int, object]:
+        """Every worker's `kind` message (rank -> payload); RuntimeError when one dies first."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with self._cond:
+            while True:
+                if self._dead is not None:
+                    raise RuntimeError(self._dead)
+                if all(kind in m for m in self._messages.values()):
+                    return {r: m[kind] for r, m in self._messages.items()}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"tensor-parallel workers did not report {kind!r} within {STARTUP_TIMEOUT_S:.0f} "
+                                       "s (PAGEDLLM_WORKER_STARTUP_TIMEOUT)")
+                self._cond.wait(min(left, 0.5))
+
+    def _raise_failure(self, exc: BaseException, during: str):
+        """After rank 0 failed: abort the group, give a worker's death (often the cause) a moment
+        to be noticed, then raise — the worker's story if there is one, else exc itself."""
+        self._stop(f"tensor-parallel rank 0 failed during {during}: {type(exc).__name__}: {exc}")
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not any(m.get("error") for m in self._messages.values()) \
+                and all(p.is_alive() for p in self._procs):
+            time.sleep(0.05)
+        worker_errors = [f"rank {r}:\n{m['error']}" for r, m in self._messages.items() if m.get("error")]
+        dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
+        if during == "start-up":
+            self.shutdown()
+        if worker_errors or (dead and not isinstance(exc, KeyboardInterrupt)):
+            detail = "\n".join(worker_errors) or ", ".join(dead) + " stopped"
+            raise RuntimeError(f"tensor-parallel worker failed during {during}: {detail}") from exc
+        raise exc
+
+    # ---- the executor interface -----------------------------------------------------------
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise RuntimeError(f"the tensor-parallel engine has stopped: {self._dead}")
+
+    def execute_model(self, sched, greedy_vocab: int = 0,
+                      prev_sampled: Optional[torch.Tensor] = None) -> ModelRunnerOutput:
+        self.check_health()
+        prev_n = int(prev_sampled.shape[0]) if sched.num_placeholders and prev_sampled is not None else 0
+        self.queue.put(encode_step(sched, prev_n), alive=self.check_health)
+        try:
+            return self.driver_runner.execute_model(sched, greedy_vocab=0, prev_sampled=prev_sampled)
+        except BaseException as exc:
+            self._raise_failure(exc, during=f"step {sched.step_id}")
+
+    def argmax_applies(self, num_sampled: int) -> bool:
+        return False  # the LM head's logits are split across ranks
+
+    @property
+    def num_workers_alive(self) -> int:
+        return sum(p.is_alive() for p in self._procs)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def shutdown(self) -> None:
+        """Stop the workers (a shutdown message, then terminate / kill), free rank 0's weights and
+        caches, leave the group. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._dead is None and any(p.is_alive() for p in self._procs):
+            try:
+                self.queue.put(shutdown_message(), alive=self.check_health)
+            except Exception:  # noqa: BLE001 (a worker died meanwhile: terminate below)
+                pass
+        _stop_processes(self._procs, timeout=10.0)
+        self._finalizer.detach()
+        self._monitor.join(2.0)
+        if self.driver_runner is not None:
+            self.driver_runner.shutdown()
+            self.driver_runner = None
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        self.queue.close()
+        for conn in self._conns:
+            conn.close()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before[0])
+            ops.set_num_threads(self._threads_before[1])
+            self._threads_before = None

@@ -1,0 +1,92 @@
+"""The process of one tensor-parallel rank > 0 (started by executor/multiproc_executor.py).
+
+worker_main joins the group, builds its ModelRunner (its shard of the weights and of every KV
+block), reports ("ready", info) to the driver, then runs every step that arrives on the message
+queue — the same steps, in the same order, as rank 0 — until a shutdown message or the queue's
+close. It returns nothing per step: rank 0 samples.
+
+Lifecycle: SIGINT is ignored (Ctrl-C reaches the whole process group; the driver decides), a
+thread ends the process when the driver process is gone, and any error is sent to the driver as
+("error", traceback) after aborting the group (so that rank 0 is not left waiting in a
+collective); the process then exits with status 1.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import traceback
+from typing import Optional
+
+import torch
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)  # the driver is gone: nothing else will stop this process
+
+    threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()
+
+
+def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle, reader, conn,
+                threads: int) -> None:
+    """Entry point of rank `rank` (see the module docstring). config: executor.abstract.ExecutorConfig."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
+
+    from pagedllm import ops
+    from pagedllm.distributed.parallel_state import GroupCoordinator
+    from pagedllm.distributed.shm_broadcast import QueueClosed
+    from pagedllm.executor.step_message import SHUTDOWN, decode_step, message_kind
+    from pagedllm.worker.model_runner import ModelRunner
+
+    group = runner = None
+    status = 0
+    try:
+        device = torch.device("cuda", rank) if config.device.type == "cuda" else torch.device("cpu")
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+            ops.set_num_threads(threads)
+        conn.send(("joining", rank))
+        group = GroupCoordinator.init(rank, config.tensor_parallel_size, device, backend, port=port,
+                                      shm_handle=shm_handle)
+        runner = ModelRunner(config.model_path, config.model_config, device=device, tp_group=group,
+                             **config.runner_kwargs())
+        conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weight_bytes": runner.weight_bytes,
+                             "num_blocks": runner.num_blocks, "kv_bytes": runner.num_blocks * runner.bytes_per_block,
+                             "num_kv_heads": runner.num_kv_heads}))
+        while True:
+            message = reader.get()
+            if message_kind(message) == SHUTDOWN:
+                break
+            step = decode_step(message)
+            prev = None
+            if step.num_placeholders:  # receives rank 0's sampled ids by broadcast
+                prev = torch.empty(step.prev_num_sampled, dtype=torch.int64, device=device)
+            runner.execute_model(step, prev_sampled=prev)
+    except QueueClosed:
+        pass
+    except BaseException:  # noqa: BLE001 (reported to the driver, then the process ends)
+        status = 1
+        if group is not None:
+            group.abort()
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (OSError, EOFError):
+            pass
+    finally:
+        if status:
+            os._exit(status)  # no teardown: the group may be wedged
+        if runner is not None:
+            runner.shutdown()
+        if group is not None:
+            group.destroy()
+        reader.close()
