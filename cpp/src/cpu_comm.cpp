@@ -111,8 +111,8 @@ void ShmCommunicator::all_reduce(const TensorView& x) {
   PAGEDLLM_CHECK(x.device == DeviceType::kCPU, "all_reduce: x is on ", device_name(x.device), "; expected cpu");
   PAGEDLLM_CHECK(x.dtype == DType::kFloat32 || x.dtype == DType::kBFloat16, "all_reduce: x has dtype ",
                  dtype_name(x.dtype), "; expected float32 or bfloat16");
+  if (x.numel() == 0 || world_size_ == 1) return;  // (every rank has the same shape: none communicates)
   PAGEDLLM_CHECK(x.is_contiguous(), "all_reduce: x must be contiguous");
-  if (world_size_ == 1) return;
   const std::size_t elem = dtype_size(x.dtype);
   const std::int64_t per_round = static_cast<std::int64_t>(buffer_bytes_ / elem);
   const std::int64_t n = x.numel();
@@ -137,9 +137,10 @@ void ShmCommunicator::all_gather(const TensorView& out, const TensorView& in) {
                  "all_gather: tensors must be on the cpu");
   PAGEDLLM_CHECK(out.dtype == in.dtype, "all_gather: out has dtype ", dtype_name(out.dtype), " but in has ",
                  dtype_name(in.dtype));
-  PAGEDLLM_CHECK(out.is_contiguous() && in.is_contiguous(), "all_gather: out and in must be contiguous");
   PAGEDLLM_CHECK(out.numel() == in.numel() * world_size_, "all_gather: out has ", out.numel(),
                  " elements; expected world_size x in = ", world_size_, " x ", in.numel());
+  if (in.numel() == 0) return;
+  PAGEDLLM_CHECK(out.is_contiguous() && in.is_contiguous(), "all_gather: out and in must be contiguous");
   const std::size_t bytes = static_cast<std::size_t>(in.numel()) * dtype_size(in.dtype);
   auto* dst = static_cast<unsigned char*>(out.data);
   const auto* mine = static_cast<const unsigned char*>(in.data);

@@ -97,8 +97,9 @@ class GroupCoordinator:
 
     # ---- collectives ----------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of x over the ranks, in place (x contiguous on this rank's device); returns x."""
-        if self.world_size == 1:
+        """Sum of x over the ranks, in place (x contiguous on this rank's device); returns x. (An
+        empty x is empty on every rank — the shapes agree — so no rank communicates.)"""
+        if self.world_size == 1 or x.numel() == 0:
             return x
         if self.shm is not None:
             return self.shm.all_reduce(x)
@@ -112,6 +113,10 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         x = x.contiguous()
+        if x.numel() == 0:
+            shape = list(x.shape)
+            shape[dim % x.dim()] *= self.world_size
+            return x.new_empty(shape)
         if self.shm is not None:
             stacked = self.shm.all_gather(x)
         else:

@@ -58,6 +58,16 @@ def cpu_threads_per_rank(world_size: int) -> int:
     return max(1, cores // world_size)
 
 
+def _finalize(procs: list, closing: threading.Event, queue: MessageQueue, group_box: list) -> None:
+    """At garbage collection or interpreter exit without shutdown(): stop the workers, release
+    the shared memory."""
+    closing.set()
+    _stop_processes(procs)
+    queue.close()
+    for group in group_box:
+        group.destroy()
+
+
 def _stop_processes(procs: list, timeout: float = 5.0) -> None:
     """Terminate, then kill, whatever of `procs` still runs (the finalizer and shutdown's end)."""
     deadline = time.monotonic() + timeout
@@ -91,13 +101,16 @@ class MultiprocExecutor(Executor):
         self._messages: dict[int, dict[str, object]] = {r: {} for r in range(1, tp)}
         self._cond = threading.Condition()
         self._dead: Optional[str] = None  # why the group stopped (a worker died, or rank 0 failed)
-        self._closing = False
+        self._worker_failure: Optional[str] = None  # a worker's death or error report
+        self._closing = threading.Event()  # set by shutdown (and the finalizer): deaths are expected
+        self._group_box: list = []  # the group, for the finalizer (which must not hold self)
         self._threads_before = None
         self.worker_info: list[dict] = []
         ctx = multiprocessing.get_context("spawn")
         port, shm_handle = None, None
         if self.backend == "shm":  # rank 0 creates the region; workers attach by name
             self.group = GroupCoordinator.init(0, tp, device, "shm")
+            self._group_box.append(self.group)
             shm_handle = self.group.shm.handle()
         else:
             port = free_port()
@@ -114,7 +127,7 @@ class MultiprocExecutor(Executor):
             send.close()
             self._procs.append(proc)
             self._conns.append(recv)
-        self._finalizer = weakref.finalize(self, _stop_processes, list(self._procs))
+        self._finalizer = weakref.finalize(self, _finalize, list(self._procs), self._closing, self.queue, self._group_box)
         self._monitor = threading.Thread(target=self._watch, name="pagedllm-tp-monitor", daemon=True)
         self._monitor.start()
         try:
@@ -125,6 +138,7 @@ class MultiprocExecutor(Executor):
             if self.backend != "shm":
                 self._wait_for("joining")
                 self.group = GroupCoordinator.init(0, tp, device, self.backend, port=port)
+                self._group_box.append(self.group)
             self.driver_runner = ModelRunner(config.model_path, config.model_config, device=device,
                                              tp_group=self.group, **config.runner_kwargs())
             self.worker_info = [self._wait_for("ready")[r] for r in range(1, tp)]
@@ -145,7 +159,7 @@ class MultiprocExecutor(Executor):
         """Reads the workers' messages; on a worker's death records why and aborts the group."""
         live = {p.sentinel: r for r, p in enumerate(self._procs, start=1)}
         conns = {c: r for r, c in enumerate(self._conns, start=1)}
-        while live and not self._closing:
+        while live and not self._closing.is_set():
             ready = multiprocessing.connection.wait(list(live) + list(conns), timeout=0.5)
             for w in ready:
                 if w in conns:
@@ -155,8 +169,9 @@ class MultiprocExecutor(Executor):
                     conn = self._conns[rank - 1]
                     while conn in conns and conn.poll():  # its last words (an error report)
                         self._receive(conns, conn)
-                    if not self._closing:
-                        proc = self._procs[rank - 1]
+                    proc = self._procs[rank - 1]
+                    proc.join(1.0)  # reap it: its exit code
+                    if not self._closing.is_set():
                         error = self._messages[rank].get("error")
                         self._stop(f"tensor-parallel worker rank {rank} (pid {proc.pid}) stopped with exit code "
                                    f"{proc.exitcode}" + (f":\n{error}" if error else ""))
@@ -171,12 +186,15 @@ class MultiprocExecutor(Executor):
         with self._cond:
             self._messages[rank][kind] = payload
             self._cond.notify_all()
-        if kind == "error" and not self._closing:
+        if kind == "error" and not self._closing.is_set():
             self._stop(f"tensor-parallel worker rank {rank} failed:\n{payload}")
 
-    def _stop(self, why: str) -> None:
-        """Mark the group dead and release every rank from its collectives."""
+    def _stop(self, why: str, worker: bool = True) -> None:
+        """Mark the group dead (worker: a worker's failure, which explains rank 0's) and release
+        every rank from its collectives."""
         with self._cond:
+            if worker and self._worker_failure is None:
+                self._worker_failure = why
             if self._dead is None:
                 self._dead = why
                 logger.error("%s", why)
@@ -190,7 +208,7 @@ class MultiprocExecutor(Executor):
         with self._cond:
             while True:
                 if self._dead is not None:
-                    raise RuntimeError(self._dead)
+                    raise RuntimeError(self._worker_failure or self._dead)
                 if all(kind in m for m in self._messages.values()):
                     return {r: m[kind] for r, m in self._messages.items()}
                 left = deadline - time.monotonic()
@@ -200,20 +218,21 @@ class MultiprocExecutor(Executor):
                 self._cond.wait(min(left, 0.5))
 
     def _raise_failure(self, exc: BaseException, during: str):
-        """After rank 0 failed: abort the group, give a worker's death (often the cause) a moment
-        to be noticed, then raise — the worker's story if there is one, else exc itself."""
-        self._stop(f"tensor-parallel rank 0 failed during {during}: {type(exc).__name__}: {exc}")
+        """After rank 0 failed: abort the group, give a worker's failure (often the cause: rank 0's
+        collective was aborted because of it) a moment to be noticed, then raise it — or exc."""
+        self._stop(f"tensor-parallel rank 0 failed during {during}: {type(exc).__name__}: {exc}", worker=False)
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and not any(m.get("error") for m in self._messages.values()) \
-                and all(p.is_alive() for p in self._procs):
-            time.sleep(0.05)
-        worker_errors = [f"rank {r}:\n{m['error']}" for r, m in self._messages.items() if m.get("error")]
-        dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
+        with self._cond:
+            while self._worker_failure is None and not isinstance(exc, KeyboardInterrupt):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.1))
+            cause = self._worker_failure
         if during == "start-up":
             self.shutdown()
-        if worker_errors or (dead and not isinstance(exc, KeyboardInterrupt)):
-            detail = "\n".join(worker_errors) or ", ".join(dead) + " stopped"
-            raise RuntimeError(f"tensor-parallel worker failed during {during}: {detail}") from exc
+        if cause is not None:
+            raise RuntimeError(cause) from exc
         raise exc
 
     # ---- the executor interface -----------------------------------------------------------
@@ -245,9 +264,9 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Stop the workers (a shutdown message, then terminate / kill), free rank 0's weights and
         caches, leave the group. Idempotent."""
-        if self._closing:
+        if self._closing.is_set():
             return
-        self._closing = True
+        self._closing.set()
         if self._dead is None and any(p.is_alive() for p in self._procs):
             try:
                 self.queue.put(shutdown_message(), alive=self.check_health)
@@ -262,6 +281,7 @@ class MultiprocExecutor(Executor):
         if self.group is not None:
             self.group.destroy()
             self.group = None
+        self._group_box.clear()
         self.queue.close()
         for conn in self._conns:
             conn.close()

@@ -1,0 +1,495 @@
+"""Tensor parallelism on the CPU (pagedllm's shared-memory communicator, and gloo): every result
+against the same model on one rank.
+
+- The parallel layers: the model's logits split over 2 and 4 ranks (threads over one shared-memory
+  group, in this process) equal the one-rank logits within 1e-4 for Llama, Mistral (one KV head:
+  fewer KV heads than ranks, replicated), Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Llama 3
+  RoPE; every rank computes the same bits.
+- The engine (worker processes): greedy tokens identical to tensor_parallel_size=1 in fp32,
+  logprobs within 1e-4, for those architectures at TP 2; the bundled SmolLM2 (9 heads, 3 KV
+  heads) at TP 3 over 16 prompts; prefix caching, chunked prefill, preemption, n > 1, seeded
+  sampling, prompt logprobs and async scheduling at TP 2 equal TP 1; gloo as the backend.
+- Errors before any process starts (head counts), a killed worker (the engine raises, naming
+  it; no child survives), shutdown, a killed driver and Ctrl-C leave no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import PagedHarness, build_tiny_engine_folder, build_tiny_model
+
+TOL = 1e-4
+HERE = Path(__file__).resolve().parent
+
+
+# ---------------------------------------------------------------- helpers
+def run_ranks(world: int, fn):
+    """fn(group) on `world` ranks of one shared-memory group, each in a thread of this process;
+    returns the results in rank order (the first error is raised after all ranks stopped)."""
+    from pagedllm.distributed.parallel_state import GroupCoordinator
+
+    cpu = torch.device("cpu")
+    first = GroupCoordinator.init(0, world, cpu, "shm")
+    groups = [first] + [GroupCoordinator.init(r, world, cpu, "shm", shm_handle=first.shm.handle())
+                        for r in range(1, world)]
+    results, errors = [None] * world, []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(groups[rank])
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            errors.append(exc)
+            groups[rank].abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for g in reversed(groups):
+        g.destroy()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def shard_logits(folder: Path, group=None) -> torch.Tensor:
+    """Logits of a prefill of two sequences and one decode step, on this rank's shard."""
+    from pagedllm.model_executor.config import ModelConfig
+    from pagedllm.model_executor.loader import load_safetensors
+    from pagedllm.model_executor.models import LlamaForCausalLM
+
+    model = LlamaForCausalLM(ModelConfig.from_pretrained(folder), torch.float32, torch.device("cpu"), tp_group=group)
+    model.load_weights(load_safetensors(folder, lazy=group is not None))
+    harness = PagedHarness(model, 2, 64)
+    prefill = harness.step([(0, list(range(5, 40))), (1, list(range(100, 117)))])
+    decode = harness.step([(0, [7]), (1, [9])])
+    return torch.cat([prefill, decode])
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Engine folders (weights + synthetic tokenizer) of the tiny architectures, built once."""
+    built = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_tiny_engine_folder(name, tmp_path_factory.mktemp(f"tp-{name}"))
+        return built[name]
+
+    return get
+
+
+def engine(folder, tp: int, **kwargs):
+    from pagedllm import LLM
+
+    kwargs.setdefault("num_gpu_blocks_override", 256)  # the same block count whatever the ranks
+    return LLM(str(folder), device="cpu", dtype="float32", tensor_parallel_size=tp, **kwargs)
+
+
+def generate(llm, prompts, params):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def assert_same_outputs(a, b, tol: float = TOL) -> None:
+    """Token ids equal; sample logprobs (and prompt logprobs) within tol."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert len(x.outputs) == len(y.outputs)
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert cx.token_ids == cy.token_ids, (x.request_id, cx.token_ids, cy.token_ids)
+            if cx.logprobs is not None:
+                for lx, ly in zip(cx.logprobs, cy.logprobs):
+                    assert lx.keys() == ly.keys()
+                    for t in lx:
+                        assert abs(lx[t].logprob - ly[t].logprob) <= tol
+        if x.prompt_logprobs is not None:
+            for lx, ly in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
+                for t in lx.keys() & ly.keys():
+                    assert abs(lx[t].logprob - ly[t].logprob) <= tol
+
+
+def random_prompts(n: int, seed: int, lo: int = 5, hi: int = 40) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(3, 1024, (int(torch.randint(lo, hi, (1,), generator=g)),),
+                                               generator=g).tolist()} for _ in range(n)]
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, which no one reaped yet, has stopped)."""
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state
+
+
+def wait_gone(pids, timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+# ---------------------------------------------------------------- layers and the model
+def test_partition_heads_and_errors_name_both_numbers():
+    from pagedllm.model_executor.layers.linear import partition_heads
+
+    assert partition_heads(32, 8, 4) == (8, 2, 1)
+    assert partition_heads(32, 8, 8) == (4, 1, 1)
+    assert partition_heads(32, 2, 8) == (4, 1, 4)  # 2 KV heads over 8 ranks: each held by 4 ranks
+    assert partition_heads(9, 3, 3) == (3, 1, 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's num_attention_heads=9"):
+        partition_heads(9, 3, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 and the model's num_key_value_heads=6"):
+        partition_heads(12, 6, 4)
+
+
+def test_group_collectives_over_shared_memory(gen):
+    """all_reduce sums (the same bits on every rank), all_gather concatenates along any dim,
+    broadcast copies rank 0's tensor, all_reduce_min agrees."""
+    data = [torch.randn(3, 5, generator=gen) for _ in range(3)]
+
+    def body(g):
+        x = data[g.rank].clone()
+        g.all_reduce(x)
+        y = torch.full((2, 2), float(g.rank))
+        cat0, cat1 = g.all_gather(data[g.rank], dim=0), g.all_gather(data[g.rank], dim=1)
+        b = data[g.rank].clone()
+        g.broadcast(b, src=0)
+        return x, cat0, cat1, b, g.all_reduce_min(10 - g.rank), g.all_gather(y, dim=-1)
+
+    outs = run_ranks(3, body)
+    ref = data[0].double() + data[1].double() + data[2].double()
+    for x, cat0, cat1, b, lo, y in outs:
+        assert torch.equal(x, outs[0][0]) and (x.double() - ref).abs().max() < 1e-6
+        assert torch.equal(cat0, torch.cat(data, 0)) and torch.equal(cat1, torch.cat(data, 1))
+        assert torch.equal(b, data[0]) and lo == 8
+        assert torch.equal(y[:, 2:4], torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama3"])
+def test_sharded_model_logits_equal_one_rank(arch, tmp_path):
+    """The parallel layers over 2 and 4 ranks give the one-rank logits (fp32, within 1e-4;
+    greedy ids identical), the same on every rank. mistral has 1 KV head (replicated), llama3 8
+    query heads over 2 KV heads."""
+    build_tiny_model(arch, tmp_path)
+    ref = shard_logits(tmp_path)
+    for world in (2, 4):
+        outs = run_ranks(world, lambda g: shard_logits(tmp_path, g))
+        for out in outs:
+            assert torch.equal(out, outs[0])
+        assert (outs[0] - ref).abs().max().item() < TOL
+        assert torch.equal(outs[0].argmax(-1), ref.argmax(-1))
+
+
+def test_each_rank_loads_only_its_slices(tmp_path):
+    """Rank r of 2 holds rows / columns of the checkpoint's tensors: q and k/v heads, gate and up
+    halves, o and down columns, its vocabulary rows (zero padding past the vocabulary)."""
+    from safetensors.torch import load_file
+
+    hf = build_tiny_model("qwen2", tmp_path, vocab_size=1000)  # 1000 rows: 500 per rank, padded to 512
+    state = {k.removeprefix("model."): v for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
+
+    def body(g):
+        from pagedllm.model_executor.config import ModelConfig
+        from pagedllm.model_executor.loader import load_safetensors
+        from pagedllm.model_executor.models import LlamaForCausalLM
+
+        m = LlamaForCausalLM(ModelConfig.from_pretrained(tmp_path), torch.float32, torch.device("cpu"), tp_group=g)
+        m.load_weights(load_safetensors(tmp_path, lazy=True))
+        return m
+
+    ranks = run_ranks(2, body)
+    D = 64
+    for r, m in enumerate(ranks):
+        layer = m.layers[1]
+        qkv = layer.qkv_proj.weight
+        assert torch.equal(qkv[: 2 * D], state["layers.1.self_attn.q_proj.weight"][r * 2 * D: (r + 1) * 2 * D])
+        assert torch.equal(qkv[2 * D: 3 * D], state["layers.1.self_attn.k_proj.weight"][r * D: (r + 1) * D])
+        assert torch.equal(layer.qkv_proj.bias[3 * D:], state["layers.1.self_attn.v_proj.bias"][r * D: (r + 1) * D])
+        gate_up = layer.gate_up_proj.weight
+        assert torch.equal(gate_up[256:], state["layers.1.mlp.up_proj.weight"][r * 256: (r + 1) * 256])
+        assert torch.equal(layer.down_proj.weight, state["layers.1.mlp.down_proj.weight"][:, r * 256: (r + 1) * 256])
+        emb = m.embed_tokens.weight
+        assert emb.shape == (512, 256)  # ceil(1000 / 2) rounded up to a multiple of 64
+        rows = 512 if r == 0 else 488
+        assert torch.equal(emb[:rows], state["embed_tokens.weight"][r * 512: r * 512 + rows])
+        assert torch.equal(emb[rows:], torch.zeros(512 - rows, 256))  # ids 1000..1023 do not exist
+        assert m.lm_head.weight is m.embed_tokens.weight  # tied
+    del hf
+
+
+# ---------------------------------------------------------------- the engine
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_engine_tp2_greedy_and_logprobs_equal_tp1(folders, arch):
+    from pagedllm import SamplingParams
+
+    folder = folders(arch)
+    prompts = random_prompts(6, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    one = engine(folder, 1)
+    ref = generate(one, prompts, params)
+    one.shutdown()
+    two = engine(folder, 2)
+    try:
+        assert_same_outputs(generate(two, prompts, params), ref)
+    finally:
+        two.shutdown()
+
+
+@pytest.mark.slow
+def test_bundled_model_tp3_greedy_equals_tp1():
+    """SmolLM2-135M (9 heads, 3 KV heads, 30 layers): one KV head per rank at TP 3."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = [f"Question {i}: what is {i} plus {2 * i}? Answer:" for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=512)
+    one = LLM(**kw)
+    ref = generate(one, prompts, params)
+    one.shutdown()
+    three = LLM(tensor_parallel_size=3, **kw)
+    try:
+        assert three.llm_engine.executor.worker_info[0]["num_kv_heads"] == 1
+        assert_same_outputs(generate(three, prompts, params), ref, tol=float("inf"))
+    finally:
+        three.shutdown()
+
+
+def _feature_workload():
+    """(prompts, params): a shared 48-token prefix (prefix caching), a 150-token prompt (chunks of
+    32 tokens), n=2, a seeded sample, prompt logprobs — enough KV for preemption at 24 blocks."""
+    from pagedllm import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 1024, (48,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": prefix + torch.randint(3, 1024, (n,), generator=g).tolist()} for n in (5, 9, 14)]
+    prompts.append({"prompt_token_ids": torch.randint(3, 1024, (150,), generator=g).tolist()})
+    prompts += random_prompts(2, seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    params = [greedy, greedy, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True, logprobs=1),
+              greedy]
+    return prompts, params
+
+
+def _metric(llm, name: str) -> float:
+    return next(m.value for m in llm.get_metrics() if m.name == "pagedllm:" + name)
+
+
+@pytest.mark.slow
+def test_engine_features_under_tp2_equal_tp1(folders):
+    """Prefix caching, chunked prefill (32-token budget), preemption (24 blocks), n > 1, seeded
+    sampling and prompt logprobs: the same outputs, preemptions and prefix hits at TP 2 as at TP 1."""
+    folder = folders("llama")
+    prompts, params = _feature_workload()
+    kw = dict(num_gpu_blocks_override=24, max_num_batched_tokens=32, enable_chunked_prefill=True, max_model_len=256)
+    runs = {}
+    for tp in (1, 2):
+        llm = engine(folder, tp, **kw)
+        try:
+            outs = generate(llm, prompts[:3], params[:3])  # fills the prefix cache
+            outs += generate(llm, prompts, params)
+            runs[tp] = (outs, _metric(llm, "num_preemptions"), _metric(llm, "prefix_cache_hits"))
+        finally:
+            llm.shutdown()
+    assert_same_outputs(runs[2][0], runs[1][0])
+    assert runs[1][1] > 0 and runs[2][1] == runs[1][1]  # preemptions happened, alike
+    assert runs[1][2] > 0 and runs[2][2] == runs[1][2]  # prefix-cache hits, alike
+
+
+@pytest.mark.slow
+def test_async_scheduling_under_tp2_equals_tp1(folders):
+    """With async scheduling the placeholder ids reach rank 1 by a broadcast of rank 0's samples."""
+    from pagedllm import SamplingParams
+
+    folder = folders("qwen2")
+    prompts = random_prompts(5, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    one = engine(folder, 1)
+    ref = generate(one, prompts, params)
+    one.shutdown()
+    two = engine(folder, 2, async_scheduling=True)
+    try:
+        assert two.llm_engine.async_scheduling
+        assert_same_outputs(generate(two, prompts, params), ref)
+    finally:
+        two.shutdown()
+
+
+@pytest.mark.slow
+def test_gloo_backend_equals_tp1(folders, monkeypatch):
+    from pagedllm import SamplingParams
+
+    monkeypatch.setenv("PAGEDLLM_CPU_TP_BACKEND", "gloo")
+    folder = folders("qwen3")
+    prompts = random_prompts(3, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    one = engine(folder, 1)
+    ref = generate(one, prompts, params)
+    one.shutdown()
+    two = engine(folder, 2)
+    try:
+        assert two.llm_engine.executor.backend == "gloo"
+        assert_same_outputs(generate(two, prompts, params), ref)
+    finally:
+        two.shutdown()
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # shutdown left the group
+
+
+# ---------------------------------------------------------------- errors and process hygiene
+def test_bad_head_counts_fail_before_any_process_starts(folders, tmp_path):
+    import multiprocessing
+
+    from pagedllm import LLM
+
+    folder = build_tiny_engine_folder("llama", tmp_path, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=513)
+    before = set(p.pid for p in multiprocessing.active_children())
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 and the model's num_key_value_heads=2|"
+                                         "tensor_parallel_size=4 does not divide"):
+        LLM(str(folder), device="cpu", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's intermediate_size=513"):
+        LLM(str(folder), device="cpu", tensor_parallel_size=2)
+    assert set(p.pid for p in multiprocessing.active_children()) == before
+
+
+@pytest.mark.slow
+def test_killed_worker_stops_the_engine_and_no_child_survives(folders):
+    from pagedllm import SamplingParams
+
+    llm = engine(folders("llama"), 2)
+    executor = llm.llm_engine.executor
+    (pid,) = executor.worker_pids
+    assert alive(pid)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    threading.Timer(1.0, os.kill, args=(pid, signal.SIGKILL)).start()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) stopped with exit code -9"):
+        for _ in range(200):  # long enough that the kill lands mid-run
+            generate(llm, random_prompts(8, seed=9), params)
+    with pytest.raises(RuntimeError, match="tensor-parallel engine has stopped"):
+        generate(llm, random_prompts(1, seed=9), params)
+    llm.shutdown()
+    assert wait_gone([pid]) == []
+    assert executor.num_workers_alive == 0
+
+
+@pytest.mark.slow
+def test_shutdown_leaves_no_worker_and_a_second_engine_starts(folders):
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    pids = []
+    for _ in range(2):
+        llm = engine(folders("llama"), 2)
+        pids += llm.llm_engine.executor.worker_pids
+        assert len(generate(llm, random_prompts(2, seed=2), params)[0].outputs[0].token_ids) == 4
+        llm.shutdown()
+        llm.shutdown()  # idempotent
+    assert wait_gone(pids, timeout=5) == []
+
+
+_DRIVER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {here!r})
+    from pagedllm import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        llm = LLM({folder!r}, device="cpu", dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=256)
+        print("WORKERS", *llm.llm_engine.executor.worker_pids, flush=True)
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        while True:
+            llm.generate([{{"prompt_token_ids": [5, 6, 7]}}] * 4, params, use_tqdm=False)
+            print("STEP", flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+def test_driver_killed_or_interrupted_leaves_no_worker(folders, tmp_path, how):
+    """A driver killed outright (its workers notice their parent is gone) or interrupted by
+    Ctrl-C (SIGINT to the process group: workers ignore it, the driver's exit stops them)."""
+    from server_utils import package_root
+
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER.format(here=str(HERE), folder=str(folders("llama"))))
+    env = dict(os.environ, PYTHONPATH=package_root())
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        workers, lines = [], []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.startswith("WORKERS"):
+                workers = [int(p) for p in line.split()[1:]]
+            if line.startswith("STEP") and workers:
+                break
+            if not line and proc.poll() is not None:
+                break
+        assert workers, "".join(lines)
+        if how == "SIGKILL":
+            proc.kill()
+        else:
+            os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the whole process group
+        proc.wait(60)
+        assert wait_gone(workers) == [], "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+
+
+@pytest.mark.slow
+def test_server_with_tensor_parallel_size_2_answers_the_openai_client():
+    """`pagedllm serve --tensor-parallel-size 2`: the openai client gets the one-rank server's
+    greedy tokens (completions and chat, streamed too); stopping the server stops its worker."""
+    import re
+
+    from server_utils import DEFAULT_ARGS, RemoteServer, tiny_model_dir
+
+    def ask(server) -> tuple[list, str, str]:
+        client = server.client()
+        done = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=12,
+                                         temperature=0.0, extra_body={"return_token_ids": True})
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}],
+                                              max_tokens=10, temperature=0.0)
+        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}],
+                                                max_tokens=10, temperature=0.0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert streamed == chat.choices[0].message.content
+        return done.choices[0].token_ids, done.choices[0].text, chat.choices[0].message.content
+
+    results, workers = {}, []
+    for tp in ("1", "2"):
+        server = RemoteServer(str(tiny_model_dir()), DEFAULT_ARGS + ["--tensor-parallel-size", tp])
+        try:
+            results[tp] = ask(server)
+            if tp == "2":
+                workers = [int(p) for p in re.findall(r"tensor-parallel rank 1 \(pid (\d+)\)", server.read_log())]
+                assert len(workers) == 1, server.read_log()[-3000:]
+                assert alive(workers[0])
+        finally:
+            server.stop()
+    assert results["2"] == results["1"] and len(results["1"][0]) == 12
+    assert wait_gone(workers) == []
