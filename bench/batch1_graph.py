@@ -69,7 +69,7 @@ PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 def V(proj=(), config=None, pdl=True, attn="model", env=None, o_env=None, rope="model", qkv_config=None,
       split_k=None, early=True, gate_up="model", gate_up_config=None, lm_head_config=None):
     """proj: projections through ops.gemv(config=config) (those the layer calls through
-    llama._project: not the qkv with the rope epilogue nor the gate_up with paired rows, whose
+    their linear method without fusions: not the qkv with the rope epilogue nor the gate_up with paired rows, whose
     configs are qkv_config / gate_up_config); attn: model | none | copy | rotary |
     attend_prealloc | attend_copy; env: set around the capture; o_env: around the o GEMV call;
     rope: model (as the runner leaves it: paired qkv rows where they apply) | counters (the qkv
@@ -162,7 +162,7 @@ def log(msg: str) -> None:
 
 def build(args):
     from pagedllm import ops
-    from pagedllm.model_executor.attention import AttentionMetadata
+    from pagedllm.model_executor.layers.attention import AttentionMetadata
     from pagedllm.model_executor.config import ModelConfig
     from pagedllm.model_executor.dummy import init_dummy_weights
     from pagedllm.model_executor.models import LlamaForCausalLM
@@ -218,22 +218,27 @@ class Patched:
 
     def __enter__(self):
         ops, llama, spec = self.ops, self.llama, self.spec
-        self._project, self._attn, self._pdl = llama._project, llama.DecoderLayer._attention, ops.pdl_enabled()
-        orig, routes, hits = self._project, self.routes, self.hits
+        from pagedllm.model_executor.layers.linear_method import UnquantizedLinearMethod
+
+        self._method = UnquantizedLinearMethod
+        self._apply, self._attn, self._pdl = UnquantizedLinearMethod.apply, llama.DecoderLayer._attention, \
+            ops.pdl_enabled()
+        orig, routes, hits = self._apply, self.routes, self.hits
         config, proj, o_env = spec["config"], set(spec["proj"]), spec["o_env"]
 
-        def project(layer, x, gemv):
+        def apply(method, layer, x, out=None, **fusion):
             name = routes.get(id(layer))
-            if name is None or not gemv:
-                return orig(layer, x, gemv)
+            fused = out is not None or any(v is not None and v is not False for v in fusion.values())
+            if name is None or fused or not method.fusions_apply(layer, x.shape[0]):
+                return orig(method, layer, x, out=out, **fusion)
             hits[name] = hits.get(name, 0) + 1
             with Env(o_env if name == "o_proj" else {}):
                 if name in proj:
                     return ops.gemv(x, layer.weight, layer.bias, config=dict(config))
-                return orig(layer, x, gemv)
+                return orig(method, layer, x, out=out, **fusion)
 
         if routes:
-            llama._project = project
+            UnquantizedLinearMethod.apply = apply
         mode = spec["attn"]
         queries = self.queries
         if mode != "model":
@@ -276,7 +281,7 @@ class Patched:
             self.counters = [layer.rope_counters for layer in self.model.layers]
             for layer in self.model.layers:
                 layer.rope_counters = None
-        from pagedllm.model_executor import attention as attention_mod
+        from pagedllm.model_executor.layers import attention as attention_mod
 
         self.attention_mod, self._early = attention_mod, attention_mod.EARLY_CONTEXT_LOADS
         attention_mod.EARLY_CONTEXT_LOADS = spec["early"]
@@ -306,7 +311,7 @@ class Patched:
         if self.gate_up_was_paired:
             self.model.pair_gate_up_rows()
             self.gate_up_was_paired = False
-        self.llama._project = self._project
+        self._method.apply = self._apply
         self.llama.DecoderLayer._attention = self._attn
         self.ops.set_pdl_enabled(self._pdl)
         return False

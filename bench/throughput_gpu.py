@@ -136,7 +136,7 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
     t0 = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager,
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
               async_scheduling={"auto": None, "true": True, "false": False}[args.async_scheduling])
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.runner
@@ -260,6 +260,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=1024, help="vLLM v1's default on H100-class GPUs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="pagedllm's ranks, one GPU each (HF runs on one GPU; the roofline is one GPU's)")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "true", "false"],
                    help="schedule step N + 1 before step N's tokens are known (auto: on, CUDA)")
     p.add_argument("--skip-hf", action="store_true")
@@ -282,6 +284,7 @@ def main(argv=None) -> int:
               "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                            "hf_batch": args.hf_batch, "dtype": "bfloat16", "greedy": True, "ignore_eos": True,
                            "max_num_seqs": args.max_num_seqs, "enforce_eager": args.enforce_eager,
+                           "tensor_parallel_size": args.tensor_parallel_size,
                            "async_scheduling": args.async_scheduling},
               "shapes": {}}
     path = out_dir / f"{day}-{args.machine}-{args.name}.json"
