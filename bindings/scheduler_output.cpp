@@ -36,6 +36,8 @@ PAGEDLLM_BINDING(scheduler_output, m) {
       .def_readonly("max_blocks_per_seq", &SchedulerOutput::max_blocks_per_seq)
       .def_readonly("step_id", &SchedulerOutput::step_id)
       .def_readonly("num_placeholders", &SchedulerOutput::num_placeholders)
+      .def_readonly("max_row_blocks", &SchedulerOutput::max_row_blocks,
+                    "the most blocks a row of block_tables holds: columns from it on are 0")
       .def_property_readonly("num_copies", &SchedulerOutput::num_copies)
       .def_property_readonly("input_ids", [](py::object self) {
         auto& o = so(self); return view1d(o.input_ids, o.num_tokens, self); }, "int32 [T]")

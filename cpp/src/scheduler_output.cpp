@@ -32,7 +32,7 @@ SchedulerOutput::SchedulerOutput(int32_t max_tokens, int32_t max_seqs, int32_t m
 void SchedulerOutput::reset() {
   num_tokens = num_seqs = num_sampled = 0;
   num_decode_seqs = num_prefill_seqs = num_prefill_tokens = num_placeholders = 0;
-  max_query_len = max_seq_len = 0;
+  max_query_len = max_seq_len = max_row_blocks = 0;
   query_start_loc[0] = 0;
   copy_orders.clear();
   new_seqs.clear();
@@ -47,6 +47,7 @@ void SchedulerOutput::set_block_table_row(int32_t row, const int32_t* blocks, in
   std::memcpy(dst, blocks, sizeof(int32_t) * n);
   if (row_len_[row] > n) std::fill(dst + n, dst + row_len_[row], 0);
   row_len_[row] = n;
+  max_row_blocks = std::max(max_row_blocks, n);
 }
 
 }  // namespace pagedllm

@@ -182,6 +182,45 @@ def test_group_collectives_over_shared_memory(gen):
         assert torch.equal(y[:, 2:4], torch.ones(2, 2))
 
 
+def test_step_message_round_trips_real_scheduler_outputs():
+    """encode_step -> bytes -> decode_step gives every array a model runner reads, equal to the
+    SchedulerOutput's (block tables sent only up to max_row_blocks, rebuilt with zero columns),
+    over steps with prefill chunks, decodes, a fork (n=2: copy-on-write orders, repeated logits
+    rows) and prompt-logprob rows."""
+    import numpy as np
+
+    from pagedllm import _C
+    from pagedllm.executor.step_message import decode_step, encode_step, message_kind, STEP
+
+    core = _C.EngineCore(_C.EngineConfig(num_blocks=64, block_size=16, max_model_len=256,
+                                         max_num_batched_tokens=40, max_num_seqs=8))
+    core.add_request("a", np.arange(10, 60, dtype=np.int32), _C.RequestParams(max_tokens=20, n=2))
+    core.add_request("b", np.arange(3, 10, dtype=np.int32), _C.RequestParams(max_tokens=20, prompt_logprobs=1))
+    fields = ("positions", "slot_mapping", "logits_indices", "input_ids", "prev_sample_rows", "seq_lens",
+              "query_start_loc", "block_tables", "copy_orders")
+    seen = {"copies": 0, "prompt_rows": 0, "narrow": 0}
+    for _ in range(12):
+        out = core.schedule()
+        if out.num_tokens == 0:
+            core.release(out)
+            break
+        parts = encode_step(out, prev_num_sampled=0)
+        message = bytearray(b"".join(p.tobytes() for p in parts))
+        assert message_kind(message) == STEP
+        view = decode_step(message)
+        for name in fields:
+            assert np.array_equal(getattr(view, name), np.asarray(getattr(out, name))), name
+        assert [r[1:] for r in view.prompt_logprob_rows] == [tuple(r[1:]) for r in out.prompt_logprob_rows]
+        for name in ("step_id", "num_tokens", "num_seqs", "num_sampled", "max_query_len", "num_placeholders"):
+            assert getattr(view, name) == getattr(out, name), name
+        seen["copies"] += len(out.copy_orders)
+        seen["prompt_rows"] += len(out.prompt_logprob_rows)
+        seen["narrow"] += out.max_row_blocks < out.block_tables.shape[1]
+        core.update_from_output(out, np.full(out.num_sampled, 7, dtype=np.int32))
+        core.release(out)
+    assert seen["copies"] and seen["prompt_rows"] and seen["narrow"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama3"])
 def test_sharded_model_logits_equal_one_rank(arch, tmp_path):
     """The parallel layers over 2 and 4 ranks give the one-rank logits (fp32, within 1e-4;

@@ -101,6 +101,8 @@ class SchedulerOutput {
   int32_t max_seq_len = 0;
   int32_t max_blocks_per_seq = 0;
   int32_t num_placeholders = 0;  ///< tokens whose id is step step_id - 1's sample (prev_sample_rows)
+  /// The most blocks any row of this step's block_tables holds: every column from it on is 0.
+  int32_t max_row_blocks = 0;
   int64_t step_id = -1;  ///< 0, 1, 2... per schedule() call of the engine
   State state = State::kFree;
 

@@ -7,7 +7,7 @@ into the message). Layout (T tokens, S sequences, W block-table width, R sampled
 P prompt-logprob row ranges), int64 fields first so every array is aligned:
 
     header           int64 [16]  KIND, step_id, T, S, R, max_query_len, num_placeholders,
-                                 prev_num_sampled, W, C, P (rest 0)
+                                 prev_num_sampled, W, C, P, U (rest 0)
     positions        int64 [T]
     slot_mapping     int64 [T]
     logits_indices   int64 [R]
@@ -16,7 +16,9 @@ P prompt-logprob row ranges), int64 fields first so every array is aligned:
     prev_sample_rows int32 [T]
     seq_lens         int32 [S]
     query_start_loc  int32 [S + 1]
-    block_tables     int32 [S, W]
+    block_tables     int32 [S, U]  the first U = SchedulerOutput.max_row_blocks columns (every later
+                                   column is 0: rebuilt as zeros, so a long max_model_len costs
+                                   nothing until sequences are long)
     prompt_rows      int32 [P, 3]  (first_row, num_rows, first_position); request ids stay in the driver
 
 A shutdown is a header alone with KIND = SHUTDOWN.
@@ -69,12 +71,14 @@ def encode_step(sched, prev_num_sampled: int = 0) -> list[np.ndarray]:
     copies = np.asarray(sched.copy_orders, dtype=np.int64).reshape(-1, 2)
     prompt = [(int(first_row), int(num_rows), int(first_position))
               for _, first_row, num_rows, first_position in (getattr(sched, "prompt_logprob_rows", None) or [])]
+    W = tables.shape[1] if tables.ndim == 2 else 0
+    U = min(W, int(getattr(sched, "max_row_blocks", W)))
     header = np.zeros(_HEADER, dtype=np.int64)
-    header[:11] = (STEP, int(sched.step_id), T, S, R, int(sched.max_query_len), int(sched.num_placeholders),
-                   int(prev_num_sampled), tables.shape[1] if tables.ndim == 2 else 0, copies.shape[0], len(prompt))
+    header[:12] = (STEP, int(sched.step_id), T, S, R, int(sched.max_query_len), int(sched.num_placeholders),
+                   int(prev_num_sampled), W, copies.shape[0], len(prompt), U)
     return [header, sched.positions[:T], sched.slot_mapping[:T], sched.logits_indices[:R], copies,
             sched.input_ids[:T], sched.prev_sample_rows[:T], sched.seq_lens[:S], sched.query_start_loc[: S + 1],
-            tables[:S], np.asarray(prompt, dtype=np.int32).reshape(-1, 3)]
+            tables[:S, :U], np.asarray(prompt, dtype=np.int32).reshape(-1, 3)]
 
 
 def message_kind(message) -> int:
@@ -84,7 +88,7 @@ def message_kind(message) -> int:
 def decode_step(message: bytearray) -> StepView:
     """The StepView of a STEP message (views into `message`, which must stay alive and writable)."""
     header = np.frombuffer(message, dtype=np.int64, count=_HEADER)
-    kind, step_id, T, S, R, max_q, num_ph, prev_n, W, C, P = (int(x) for x in header[:11])
+    kind, step_id, T, S, R, max_q, num_ph, prev_n, W, C, P, U = (int(x) for x in header[:12])
     if kind != STEP:
         raise ValueError(f"not a step message (kind {kind})")
     offset = _HEADER * 8
@@ -99,7 +103,10 @@ def decode_step(message: bytearray) -> StepView:
     logits_indices, copy_orders = take(np.int64, R), take(np.int64, 2 * C, (C, 2))
     input_ids, prev_rows = take(np.int32, T), take(np.int32, T)
     seq_lens, qsl = take(np.int32, S), take(np.int32, S + 1)
-    tables = take(np.int32, S * W, (S, W))
+    used = take(np.int32, S * U, (S, U))
+    tables = used if U == W else np.zeros((S, W), dtype=np.int32)
+    if U != W:
+        tables[:, :U] = used
     prompt = take(np.int32, 3 * P, (P, 3))
     return StepView(step_id=step_id, num_tokens=T, num_seqs=S, num_sampled=R, max_query_len=max_q,
                     num_placeholders=num_ph, prev_num_sampled=prev_n, positions=positions, slot_mapping=slot_mapping,
@@ -108,8 +115,15 @@ def decode_step(message: bytearray) -> StepView:
                     prompt_logprob_rows=[("", int(a), int(b), int(c)) for a, b, c in prompt])
 
 
+#: The largest slot of the step queue: bigger messages (very long block tables) go by pipe, and the
+#: shared memory stays small (a container's /dev/shm is often 64 MiB).
+MAX_SLOT_BYTES = 4 << 20
+
+
 def max_step_bytes(max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> int:
-    """An upper bound of a step message without copy orders or prompt-logprob rows (those are few;
-    a larger message still goes through, by pipe)."""
+    """The slot size for steps of these limits: an upper bound of a message without copy orders or
+    prompt-logprob rows (those are few), at most MAX_SLOT_BYTES (a larger message still goes
+    through, by pipe)."""
     T, S = max_num_batched_tokens, max_num_seqs
-    return _HEADER * 8 + T * (8 + 8 + 4 + 4 + 8) + S * (8 + 4 + 4 + 4 * max_blocks_per_seq) + 4 + 4096
+    bound = _HEADER * 8 + T * (8 + 8 + 4 + 4 + 8) + S * (8 + 4 + 4 + 4 * max_blocks_per_seq) + 4 + 4096
+    return min(bound, MAX_SLOT_BYTES)

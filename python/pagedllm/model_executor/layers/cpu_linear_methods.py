@@ -59,7 +59,8 @@ class PackedLinearMethod(LinearMethodBase):
         _drop_weight(layer, keep_weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None, **fusion) -> torch.Tensor:
-        _refuse(layer, {k: v for k, v in fusion.items() if v}, "oneDNN's packed weight")
+        if fusion:
+            _refuse(layer, {k: v for k, v in fusion.items() if v}, "oneDNN's packed weight")
         return _store(_onednn_linear(x, layer.packed, layer.packed_bias), out)
 
 
@@ -90,7 +91,8 @@ class AmxLinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None, **fusion) -> torch.Tensor:
         """A float32 `out` gets the bfloat16-rounded result widened, as .float() of it (in one pass
         where the AMX kernel runs: the LM head's logits)."""
-        _refuse(layer, {k: v for k, v in fusion.items() if v}, "the AMX kernel")
+        if fusion:
+            _refuse(layer, {k: v for k, v in fusion.items() if v}, "the AMX kernel")
         if x.shape[0] > self.MAX_TOKENS:
             return _store(_onednn_linear(x, layer.packed, layer.packed_bias), out)
         if out is None:

@@ -81,11 +81,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return 0 < tokens <= self.gemv_max_tokens
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None, **fusion) -> torch.Tensor:
-        fusion = {k: v for k, v in fusion.items() if v is not None and v is not False}
+        if fusion:  # (None / False values: not asked for)
+            fusion = {k: v for k, v in fusion.items() if v is not None and v is not False}
         bias = layer.apply_bias()
         if 0 < x.shape[0] <= self.gemv_max_tokens:
             return ops.gemv(x, layer.weight, bias, out=out, **fusion)
-        _refuse(layer, fusion, f"a step of {x.shape[0]} rows runs F.linear; the GEMV takes 1 to "
-                               f"{self.gemv_max_tokens}")
+        if fusion:
+            _refuse(layer, fusion, f"a step of {x.shape[0]} rows runs F.linear; the GEMV takes 1 to "
+                                   f"{self.gemv_max_tokens}")
         y = F.linear(x, layer.weight, bias)
         return y if out is None else out.copy_(y)
