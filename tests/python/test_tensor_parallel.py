@@ -64,16 +64,21 @@ def run_ranks(world: int, fn):
     return results
 
 
-def shard_logits(folder: Path, group=None) -> torch.Tensor:
-    """Logits of a prefill of two sequences and one decode step, on this rank's shard."""
+def shard_logits(folder: Path, group=None, dtype=torch.float32, pack: bool = False) -> torch.Tensor:
+    """Logits of a prefill of two sequences and one decode step, on this rank's shard (pack: the
+    CPU's packed linear methods, as the model runner sets them up in bfloat16)."""
     from pagedllm.model_executor.config import ModelConfig
     from pagedllm.model_executor.loader import load_safetensors
     from pagedllm.model_executor.models import LlamaForCausalLM
 
-    model = LlamaForCausalLM(ModelConfig.from_pretrained(folder), torch.float32, torch.device("cpu"), tp_group=group)
+    cfg = ModelConfig.from_pretrained(folder)
+    model = LlamaForCausalLM(cfg, dtype, torch.device("cpu"), tp_group=group)
     model.load_weights(load_safetensors(folder, lazy=group is not None))
+    if pack:
+        model.pack_weights()
     harness = PagedHarness(model, 2, 64)
-    prefill = harness.step([(0, list(range(5, 40))), (1, list(range(100, 117)))])
+    ids = lambda lo, hi: [i % cfg.vocab_size for i in range(lo, hi)]  # noqa: E731
+    prefill = harness.step([(0, ids(5, 40)), (1, ids(100, 117))])
     decode = harness.step([(0, [7]), (1, [9])])
     return torch.cat([prefill, decode])
 
@@ -116,7 +121,8 @@ def assert_same_outputs(a, b, tol: float = TOL) -> None:
                         assert abs(lx[t].logprob - ly[t].logprob) <= tol
         if x.prompt_logprobs is not None:
             for lx, ly in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
-                for t in lx.keys() & ly.keys():
+                assert lx.keys() == ly.keys()
+                for t in lx:
                     assert abs(lx[t].logprob - ly[t].logprob) <= tol
 
 
@@ -221,12 +227,67 @@ def test_step_message_round_trips_real_scheduler_outputs():
     assert seen["copies"] and seen["prompt_rows"] and seen["narrow"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama3"])
+ARCH_VARIANTS = {  # name -> (TINY_CONFIGS name, overrides)
+    "llama": ("llama", {}), "mistral": ("mistral", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
+    "llama3": ("llama3", {}),
+    "llama-mlp-bias": ("llama", {"mlp_bias": True}),  # the down projection's bias: added by rank 0 only
+    "llama-vocab-100": ("llama", {"vocab_size": 100}),  # 4 ranks of 64 rows: ranks 2 and 3 hold padding only
+}
+
+
+def _queue_reader(reader, count: int, results) -> None:
+    """A MessageQueue reader process: checks each message's pattern, reports (index, ok)."""
+    import numpy as np
+
+    for i in range(count):
+        message = np.frombuffer(reader.get(), dtype=np.int64)
+        results.put((i, bool(message[0] == i and (message == i).all()), int(message.size)))
+    reader.close()
+
+
+def test_message_queue_delivers_every_message_to_every_reader_in_order():
+    """Two reader processes get 200 messages in order, among them payloads larger than a slot
+    (through the pipes) and larger than a pipe's buffer (1 MiB: the writer must not block before
+    the readers know of the message), with idle gaps (the readers fall asleep on the semaphore)."""
+    import multiprocessing
+
+    import numpy as np
+
+    from pagedllm.distributed.shm_broadcast import MessageQueue
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = MessageQueue(2, 4096, ctx, num_slots=3)
+    results = ctx.Queue()
+    count = 200
+    procs = [ctx.Process(target=_queue_reader, args=(queue.reader(r), count, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    sizes = []
+    try:
+        for i in range(count):
+            size = 131072 if i % 50 == 7 else (700 if i % 10 == 3 else 1 + i % 400)  # 1 MiB, 5.6 KB, small
+            sizes.append(size)
+            queue.put([np.full(size, i, dtype=np.int64)], alive=lambda: None)
+            if i % 60 == 0:
+                time.sleep(0.05)
+        got = [results.get(timeout=60) for _ in range(2 * count)]
+    finally:
+        for p in procs:
+            p.join(30)
+        queue.close()
+    assert all(p.exitcode == 0 for p in procs)
+    assert all(ok for _, ok, _ in got)
+    assert sorted(i for i, _, _ in got) == sorted(list(range(count)) * 2)
+    assert {(i, n) for i, _, n in got} == {(i, sizes[i]) for i in range(count)}
+
+
+@pytest.mark.parametrize("arch", list(ARCH_VARIANTS))
 def test_sharded_model_logits_equal_one_rank(arch, tmp_path):
     """The parallel layers over 2 and 4 ranks give the one-rank logits (fp32, within 1e-4;
     greedy ids identical), the same on every rank. mistral has 1 KV head (replicated), llama3 8
     query heads over 2 KV heads."""
-    build_tiny_model(arch, tmp_path)
+    name, overrides = ARCH_VARIANTS[arch]
+    build_tiny_model(name, tmp_path, **overrides)
     ref = shard_logits(tmp_path)
     for world in (2, 4):
         outs = run_ranks(world, lambda g: shard_logits(tmp_path, g))
@@ -234,6 +295,22 @@ def test_sharded_model_logits_equal_one_rank(arch, tmp_path):
             assert torch.equal(out, outs[0])
         assert (outs[0] - ref).abs().max().item() < TOL
         assert torch.equal(outs[0].argmax(-1), ref.argmax(-1))
+
+
+def test_sharded_packed_bf16_close_to_one_rank(tmp_path):
+    """bfloat16 on the CPU with the packed linear methods (oneDNN, or AMX where present) on each
+    of 2 ranks: within a few bfloat16 roundings of one rank (the partial sums are rounded before the
+    all-reduce), greedy ids mostly equal; the same bits on both ranks."""
+    from pagedllm.model_executor.layers.cpu_linear_methods import can_pack_linear
+
+    if not can_pack_linear(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU's oneDNN has no bfloat16 packing")
+    build_tiny_model("qwen2", tmp_path)
+    ref = shard_logits(tmp_path, dtype=torch.bfloat16, pack=True)
+    outs = run_ranks(2, lambda g: shard_logits(tmp_path, g, dtype=torch.bfloat16, pack=True))
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0] - ref).abs().max().item() < 0.15
+    assert (outs[0].argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
 
 
 def test_each_rank_loads_only_its_slices(tmp_path):
@@ -253,7 +330,24 @@ def test_each_rank_loads_only_its_slices(tmp_path):
         m.load_weights(load_safetensors(tmp_path, lazy=True))
         return m
 
-    ranks = run_ranks(2, body)
+    from pagedllm.model_executor.loader import CheckpointTensor
+
+    read: dict[int, int] = {}  # thread -> elements read from the checkpoint
+    narrow, full = CheckpointTensor.narrow, CheckpointTensor.full
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        ident = threading.get_ident()
+        read[ident] = read.get(ident, 0) + t.numel()
+        return t
+
+    CheckpointTensor.narrow = lambda self, *a: count(narrow(self, *a))
+    CheckpointTensor.full = lambda self: count(full(self))
+    try:
+        ranks = run_ranks(2, body)
+    finally:
+        CheckpointTensor.narrow, CheckpointTensor.full = narrow, full
+    total = sum(t.numel() for t in state.values())
+    assert len(read) == 2 and all(n < 0.55 * total for n in read.values()), (read, total)  # its half, and norms
     D = 64
     for r, m in enumerate(ranks):
         layer = m.layers[1]
@@ -410,6 +504,34 @@ def test_bad_head_counts_fail_before_any_process_starts(folders, tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's intermediate_size=513"):
         LLM(str(folder), device="cpu", tensor_parallel_size=2)
     assert set(p.pid for p in multiprocessing.active_children()) == before
+
+
+@pytest.mark.slow
+def test_rank0_error_at_start_up_is_raised_as_is_and_no_worker_survives(folders):
+    """A rank-0 error (no room for one KV block) is the ValueError one rank gives, not a worker's
+    report of the aborted group; the workers are gone."""
+    import multiprocessing
+
+    from pagedllm import LLM
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match="0 KV blocks"):
+        LLM(str(folders("llama")), device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=1)
+    started = [p.pid for p in multiprocessing.active_children() if p.pid not in before]
+    assert wait_gone(started) == []
+
+
+@pytest.mark.slow
+def test_dropped_engine_stops_its_workers_without_shutdown(folders):
+    """An LLM dropped without shutdown() (a notebook, an error after start-up): garbage
+    collection runs the executor's finalizer, which stops the workers."""
+    import gc
+
+    llm = engine(folders("llama"), 2)
+    (pid,) = llm.llm_engine.executor.worker_pids
+    del llm
+    gc.collect()
+    assert wait_gone([pid]) == []
 
 
 @pytest.mark.slow
@@ -612,8 +734,9 @@ def test_cuda_shards_equal_one_rank(tmp_path, arch, dtype):
         model = LlamaForCausalLM(cfg, dtype, torch.device("cuda"), tp_group=group)
         model.load_weights(load_safetensors(tmp_path, lazy=True))
         model.pack_weights()
-        model.pair_rotary_rows()
-        model.pair_gate_up_rows()
+        gemv = dtype != torch.float32  # the GEMV and its epilogues run in bf16 / fp16 only
+        assert model.pair_rotary_rows() == (gemv and not cfg.qk_norm)
+        assert model.pair_gate_up_rows() == gemv
         harness = PagedHarness(model, 3, 64)
         steps = [harness.step([(0, list(range(5, 40))), (1, list(range(100, 117))), (2, [9, 10, 11])])]
         for t in range(4):  # decode steps: GEMV-sized

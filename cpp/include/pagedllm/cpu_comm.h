@@ -18,7 +18,7 @@
 // need no second barrier. Messages longer than buffer_bytes go in several rounds.
 //
 // Results are bit-identical on every rank: all_reduce sums the ranks in rank order (float32
-// accumulation, one rounding for bfloat16 / float16).
+// accumulation, one rounding for bfloat16).
 //
 // Waiting spins (pause), then yields the core (sched_yield), so more ranks than cores still
 // progress. abort() (any process mapping the region) makes every current and later wait throw
@@ -42,7 +42,7 @@ class ShmCommunicator {
   /// world_size in [1, 64], buffer_bytes >= 64 and a multiple of 64. Throws InvalidArgument.
   ShmCommunicator(void* region, std::size_t region_bytes, int rank, int world_size, std::size_t buffer_bytes);
 
-  /// x (CPU, contiguous, float32 / bfloat16 / float16) <- the sum over ranks of x, in place.
+  /// x (CPU, contiguous, float32 / bfloat16; InvalidArgument otherwise) <- the sum over ranks of x, in place.
   void all_reduce(const TensorView& x);
 
   /// out [world_size, *in.shape] (CPU, contiguous, in's dtype) <- every rank's `in` (contiguous):

@@ -10,7 +10,9 @@ Region (POSIX shared memory, created by the writer, attached by name by the read
 Writer, message seq (1, 2, ...): waits until every reader has acked seq - num_slots (its slot is
 free), copies the parts back to back into slot seq % num_slots, stores nbytes, then seq (a reader
 trusts the data once it sees the seq), then releases each reader's semaphore. A message longer
-than slot_bytes goes through each reader's pipe instead (nbytes = -1 in the slot).
+than slot_bytes goes through each reader's pipe instead (nbytes = -1 in the slot), sent after the
+seq is published (a reader drains its pipe once it saw the message, so a payload larger than the
+pipe's buffer cannot block the writer for good).
 Reader: polls its next slot's seq for up to spin_s seconds (a step follows the last within
 microseconds under load), then blocks on its semaphore (idle engines burn no core); copies the
 message out into a bytearray it owns and acks.
@@ -87,24 +89,24 @@ class MessageQueue:
                 alive()
             time.sleep(0 if waited < 1000 else 1e-4)
         w = self._slot_seq(slot)
-        if nbytes <= self.slot_bytes:
+        overflow = nbytes > self.slot_bytes
+        if not overflow:
             base = slot * self.slot_bytes
             offset = 0
             for p in parts:
                 raw = np.ascontiguousarray(p).view(np.uint8).reshape(-1)
                 self._data[base + offset: base + offset + raw.size] = raw
                 offset += raw.size
-            self._words[w + 1] = nbytes
-        else:
-            payload = b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
-            for out in self._pipe_out:
-                out.send_bytes(payload)
-            self._words[w + 1] = -1
+        self._words[w + 1] = -1 if overflow else nbytes
         _fence()
         self._words[w] = seq
         self._seq = seq
         for sem in self._sems:
             sem.release()
+        if overflow:  # after the seq: a reader takes the pipe's bytes only once it saw the message
+            payload = b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+            for out in self._pipe_out:
+                out.send_bytes(payload)
 
     def close(self) -> None:
         """Mark the queue closed (readers' get() raises QueueClosed) and unlink the region."""

@@ -278,6 +278,7 @@ class LLMEngine:
                 sampled = self.sampler.from_argmax(run.sampled_ids)
             else:
                 sampled = self.sampler(run.logits, sched.sample_seq_ids)
+            self.executor.check_health()  # a rank that died during the step: its tokens are not used
             self._add_prompt_logprobs(run.prompt_logits)
             result = self.core.update_from_output(
                 sched, np.ascontiguousarray(sampled.sampled_token_ids, dtype=np.int32))
@@ -353,6 +354,7 @@ class LLMEngine:
         """Wait for a launched step's ids, update the native core, process its outputs into
         self._ready and release it; returns its stop-string finishes."""
         sampled = step.sample.result()
+        self.executor.check_health()  # a rank that died during the step: its tokens are not used
         self._add_prompt_logprobs(step.prompt_logits)
         result = self.core.update_from_output(step.sched, np.ascontiguousarray(sampled.sampled_token_ids))
         outputs, stops = self.output_processor.on_update(result, step.logprob_seq_ids, sampled)

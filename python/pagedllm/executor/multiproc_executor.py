@@ -62,8 +62,8 @@ def _finalize(procs: list, closing: threading.Event, queue: MessageQueue, group_
     """At garbage collection or interpreter exit without shutdown(): stop the workers, release
     the shared memory."""
     closing.set()
-    _stop_processes(procs)
-    queue.close()
+    queue.close()  # waiting workers see the close and exit at once
+    _stop_processes(procs, timeout=2.0)
     for group in group_box:
         group.destroy()
 
@@ -81,6 +81,38 @@ def _stop_processes(procs: list, timeout: float = 5.0) -> None:
         if p.is_alive():
             p.kill()
             p.join(2.0)
+
+
+def _monitor(ref, procs: list, conns: list, closing: threading.Event) -> None:
+    """The monitor thread: reads the workers' messages and notices their deaths, calling into the
+    executor (held weakly, so that dropping it runs its finalizer) until it closes or is gone."""
+    live = {p.sentinel: r for r, p in enumerate(procs, start=1)}
+    readers = {c: r for r, c in enumerate(conns, start=1)}
+    while live and not closing.is_set():
+        ready = multiprocessing.connection.wait(list(live) + list(readers), timeout=0.5)
+        executor = ref()
+        if executor is None:
+            return
+        for w in ready:
+            if w in readers:
+                executor._receive(readers, w)
+            elif w in live:
+                rank = live.pop(w)
+                conn = conns[rank - 1]
+                while conn in readers and conn.poll():  # its last words (an error report)
+                    executor._receive(readers, conn)
+                executor._on_death(rank)
+        del executor
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    """Whether rank 0's exception is a collective that was aborted or lost a peer (shm: aborted;
+    gloo: a closed connection; NCCL: an aborted communicator), i.e. a symptom of another rank."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(k in text for k in ("aborted", "connection closed", "connection reset", "broken pipe", "nccl",
+                                   "gloo", "the tensor-parallel engine has stopped"))
 
 
 class MultiprocExecutor(Executor):
@@ -106,6 +138,26 @@ class MultiprocExecutor(Executor):
         self._group_box: list = []  # the group, for the finalizer (which must not hold self)
         self._threads_before = None
         self.worker_info: list[dict] = []
+        self._finalizer = None
+        self._monitor: Optional[threading.Thread] = None
+        self.queue: Optional[MessageQueue] = None
+        try:
+            self._start(config, tp, device)
+        except BaseException as exc:
+            self._raise_failure(exc, during="start-up")
+        r0 = self.driver_runner
+        logger.info("tensor parallelism: %d ranks (%s, backend %s%s); rank 0 (pid %d): weights %.3f GiB, %d KV blocks "
+                    "(%.2f GiB)", tp, device.type, self.backend,
+                    f", {cpu_threads_per_rank(tp)} threads per rank" if device.type == "cpu" else "", os.getpid(),
+                    r0.weight_bytes / 2**30, r0.num_blocks, r0.num_blocks * r0.bytes_per_block / 2**30)
+        for info in self.worker_info:
+            logger.info("tensor-parallel rank %d (pid %d): weights %.3f GiB, %d KV blocks (%.2f GiB, %d KV heads)",
+                        info["rank"], info["pid"], info["weight_bytes"] / 2**30, info["num_blocks"],
+                        info["kv_bytes"] / 2**30, info["num_kv_heads"])
+
+    def _start(self, config: ExecutorConfig, tp: int, device: torch.device) -> None:
+        """Create the group's shared state, spawn the workers, build rank 0, wait for every rank's
+        "ready" (on any failure __init__ shuts everything down)."""
         ctx = multiprocessing.get_context("spawn")
         port, shm_handle = None, None
         if self.backend == "shm":  # rank 0 creates the region; workers attach by name
@@ -117,6 +169,9 @@ class MultiprocExecutor(Executor):
         width = -(-config.max_model_len // config.block_size)
         self.queue = MessageQueue(tp - 1, max_step_bytes(config.max_num_batched_tokens, config.max_num_seqs, width),
                                   ctx)
+        # at garbage collection or interpreter exit without shutdown(): the workers stop (the
+        # monitor thread holds this object only weakly)
+        self._finalizer = weakref.finalize(self, _finalize, self._procs, self._closing, self.queue, self._group_box)
         threads = cpu_threads_per_rank(tp)
         for rank in range(1, tp):
             recv, send = ctx.Pipe(duplex=False)
@@ -127,54 +182,30 @@ class MultiprocExecutor(Executor):
             send.close()
             self._procs.append(proc)
             self._conns.append(recv)
-        self._finalizer = weakref.finalize(self, _finalize, list(self._procs), self._closing, self.queue, self._group_box)
-        self._monitor = threading.Thread(target=self._watch, name="pagedllm-tp-monitor", daemon=True)
+        self._monitor = threading.Thread(target=_monitor, args=(weakref.ref(self), list(self._procs),
+                                                                list(self._conns), self._closing),
+                                         name="pagedllm-tp-monitor", daemon=True)
         self._monitor.start()
-        try:
-            if device.type == "cpu":
-                self._threads_before = (torch.get_num_threads(), ops.get_num_threads())
-                torch.set_num_threads(threads)
-                ops.set_num_threads(threads)
-            if self.backend != "shm":
-                self._wait_for("joining")
-                self.group = GroupCoordinator.init(0, tp, device, self.backend, port=port)
-                self._group_box.append(self.group)
-            self.driver_runner = ModelRunner(config.model_path, config.model_config, device=device,
-                                             tp_group=self.group, **config.runner_kwargs())
-            self.worker_info = [self._wait_for("ready")[r] for r in range(1, tp)]
-        except BaseException as exc:
-            self._raise_failure(exc, during="start-up")
-        r0 = self.driver_runner
-        logger.info("tensor parallelism: %d ranks (%s, backend %s%s); rank 0 (pid %d): weights %.3f GiB, %d KV blocks "
-                    "(%.2f GiB)", tp, device.type, self.backend,
-                    f", {threads} threads per rank" if device.type == "cpu" else "", os.getpid(),
-                    r0.weight_bytes / 2**30, r0.num_blocks, r0.num_blocks * r0.bytes_per_block / 2**30)
-        for info in self.worker_info:
-            logger.info("tensor-parallel rank %d (pid %d): weights %.3f GiB, %d KV blocks (%.2f GiB, %d KV heads)",
-                        info["rank"], info["pid"], info["weight_bytes"] / 2**30, info["num_blocks"],
-                        info["kv_bytes"] / 2**30, info["num_kv_heads"])
+        if device.type == "cpu":
+            self._threads_before = (torch.get_num_threads(), ops.get_num_threads())
+            torch.set_num_threads(threads)
+            ops.set_num_threads(threads)
+        if self.backend != "shm":
+            self._wait_for("joining")
+            self.group = GroupCoordinator.init(0, tp, device, self.backend, port=port)
+            self._group_box.append(self.group)
+        self.driver_runner = ModelRunner(config.model_path, config.model_config, device=device,
+                                         tp_group=self.group, **config.runner_kwargs())
+        self.worker_info = [self._wait_for("ready")[r] for r in range(1, tp)]
 
     # ---- the monitor ----------------------------------------------------------------------
-    def _watch(self) -> None:
-        """Reads the workers' messages; on a worker's death records why and aborts the group."""
-        live = {p.sentinel: r for r, p in enumerate(self._procs, start=1)}
-        conns = {c: r for r, c in enumerate(self._conns, start=1)}
-        while live and not self._closing.is_set():
-            ready = multiprocessing.connection.wait(list(live) + list(conns), timeout=0.5)
-            for w in ready:
-                if w in conns:
-                    self._receive(conns, w)
-                elif w in live:
-                    rank = live.pop(w)
-                    conn = self._conns[rank - 1]
-                    while conn in conns and conn.poll():  # its last words (an error report)
-                        self._receive(conns, conn)
-                    proc = self._procs[rank - 1]
-                    proc.join(1.0)  # reap it: its exit code
-                    if not self._closing.is_set():
-                        error = self._messages[rank].get("error")
-                        self._stop(f"tensor-parallel worker rank {rank} (pid {proc.pid}) stopped with exit code "
-                                   f"{proc.exitcode}" + (f":\n{error}" if error else ""))
+    def _on_death(self, rank: int) -> None:
+        proc = self._procs[rank - 1]
+        proc.join(1.0)  # reap it: its exit code
+        if not self._closing.is_set():
+            error = self._messages[rank].get("error")
+            self._stop(f"tensor-parallel worker rank {rank} (pid {proc.pid}) stopped with exit code "
+                       f"{proc.exitcode}" + (f":\n{error}" if error else ""))
 
     def _receive(self, conns: dict, conn) -> None:
         rank = conns[conn]
@@ -218,17 +249,19 @@ class MultiprocExecutor(Executor):
                 self._cond.wait(min(left, 0.5))
 
     def _raise_failure(self, exc: BaseException, during: str):
-        """After rank 0 failed: abort the group, give a worker's failure (often the cause: rank 0's
-        collective was aborted because of it) a moment to be noticed, then raise it — or exc."""
+        """After rank 0 failed: abort the group (the workers must not wait for it), then raise.
+        A worker's failure is the cause when it was recorded first, or when rank 0's error is a
+        collective that was aborted or lost its peer (then it is given 2 s to be noticed);
+        otherwise rank 0's own exception is raised unchanged (a ValueError stays one)."""
+        earlier = self._worker_failure
         self._stop(f"tensor-parallel rank 0 failed during {during}: {type(exc).__name__}: {exc}", worker=False)
-        deadline = time.monotonic() + 2.0
-        with self._cond:
-            while self._worker_failure is None and not isinstance(exc, KeyboardInterrupt):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(min(left, 0.1))
-            cause = self._worker_failure
+        cause = earlier
+        if cause is None and _is_collective_failure(exc):
+            deadline = time.monotonic() + 2.0
+            with self._cond:
+                while self._worker_failure is None and time.monotonic() < deadline:
+                    self._cond.wait(0.1)
+                cause = self._worker_failure
         if during == "start-up":
             self.shutdown()
         if cause is not None:
@@ -273,8 +306,10 @@ class MultiprocExecutor(Executor):
             except Exception:  # noqa: BLE001 (a worker died meanwhile: terminate below)
                 pass
         _stop_processes(self._procs, timeout=10.0)
-        self._finalizer.detach()
-        self._monitor.join(2.0)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._monitor is not None:
+            self._monitor.join(2.0)
         if self.driver_runner is not None:
             self.driver_runner.shutdown()
             self.driver_runner = None
@@ -282,7 +317,8 @@ class MultiprocExecutor(Executor):
             self.group.destroy()
             self.group = None
         self._group_box.clear()
-        self.queue.close()
+        if self.queue is not None:
+            self.queue.close()
         for conn in self._conns:
             conn.close()
         if self._threads_before is not None:

@@ -60,7 +60,7 @@ class PackedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None, **fusion) -> torch.Tensor:
         if fusion:
-            _refuse(layer, {k: v for k, v in fusion.items() if v}, "oneDNN's packed weight")
+            _refuse(layer, fusion, "oneDNN's packed weight")
         return _store(_onednn_linear(x, layer.packed, layer.packed_bias), out)
 
 
@@ -70,6 +70,9 @@ class AmxLinearMethod(LinearMethodBase):
 
     MAX_TOKENS = 128
     MAX_WEIGHT_BYTES = 2 << 30
+
+    def writes_float32(self, layer: nn.Module, tokens: int) -> bool:
+        return 0 < tokens <= self.MAX_TOKENS
 
     @staticmethod
     def applies(weight: torch.Tensor) -> bool:
@@ -92,7 +95,7 @@ class AmxLinearMethod(LinearMethodBase):
         """A float32 `out` gets the bfloat16-rounded result widened, as .float() of it (in one pass
         where the AMX kernel runs: the LM head's logits)."""
         if fusion:
-            _refuse(layer, {k: v for k, v in fusion.items() if v}, "the AMX kernel")
+            _refuse(layer, fusion, "the AMX kernel")
         if x.shape[0] > self.MAX_TOKENS:
             return _store(_onednn_linear(x, layer.packed, layer.packed_bias), out)
         if out is None:

@@ -56,14 +56,23 @@ class LinearMethodBase:
         """Whether apply() takes fusion keyword arguments for a step of `tokens` rows."""
         return False
 
+    def writes_float32(self, layer: nn.Module, tokens: int) -> bool:
+        """Whether apply() fills a float32 `out` in the same pass for `tokens` rows (else a float32
+        out is a widening copy of the model-dtype product)."""
+        return False
+
     def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None,
               **fusion) -> torch.Tensor:
         """x [T, in] -> y [T, out] in x's dtype, or written into `out` (which may be float32: the
-        x-dtype result widened, as .float() of it) and returned."""
+        x-dtype result widened, as .float() of it) and returned. ``config`` (the GEMV's tuning
+        overrides, for benchmarks) is ignored where no GEMV runs."""
         raise NotImplementedError
 
 
 def _refuse(layer: nn.Module, fusion: dict, why: str) -> None:
+    """ValueError for fusion keywords this method cannot apply (None / False values and the GEMV's
+    tuning `config` are not fusions)."""
+    fusion = {k: v for k, v in fusion.items() if v is not None and v is not False and k != "config"}
     if fusion:
         raise ValueError(f"{type(layer).__name__}: fused {sorted(fusion)} cannot be applied here ({why})")
 
@@ -78,6 +87,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self.gemv_max_tokens = int(gemv_max_tokens)
 
     def fusions_apply(self, layer: nn.Module, tokens: int) -> bool:
+        return 0 < tokens <= self.gemv_max_tokens
+
+    def writes_float32(self, layer: nn.Module, tokens: int) -> bool:
         return 0 < tokens <= self.gemv_max_tokens
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None, **fusion) -> torch.Tensor:

@@ -46,7 +46,8 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp_group if tp_group is not None else GroupCoordinator.single(device)
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         self.num_embeddings_per_partition = vocab_partition(self.num_embeddings, self.tp.world_size)
-        self.vocab_start_index = self.tp.rank * self.num_embeddings_per_partition
+        # (with a small vocabulary the last ranks may hold padding only: start == end == V)
+        self.vocab_start_index = min(self.num_embeddings, self.tp.rank * self.num_embeddings_per_partition)
         self.vocab_end_index = min(self.num_embeddings, self.vocab_start_index + self.num_embeddings_per_partition)
         if tied_to is not None:  # share the table (tie_word_embeddings): same partition on every rank
             self.weight = tied_to.weight
@@ -107,11 +108,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         (written into `out` when given): each element the model-dtype product widened, as
         .float() of it."""
         rows = hidden.shape[0]
+        local = out if self.tp.world_size == 1 else None
+        if local is None and self.quant_method.writes_float32(self, rows):  # float32 in the same pass
+            local = torch.empty((rows, self.num_embeddings_per_partition), dtype=torch.float32, device=hidden.device)
+        if local is not None:
+            local = self.quant_method.apply(self, hidden, out=local, **fusion)
+        else:
+            local = self.quant_method.apply(self, hidden, **fusion).float()
         if self.tp.world_size == 1:
-            if out is None:
-                out = torch.empty((rows, self.num_embeddings), dtype=torch.float32, device=hidden.device)
-            return self.quant_method.apply(self, hidden, out=out, **fusion)
-        local = torch.empty((rows, self.num_embeddings_per_partition), dtype=torch.float32, device=hidden.device)
-        self.quant_method.apply(self, hidden, out=local, **fusion)
+            return local
         logits = self.tp.all_gather(local, dim=-1)[:, : self.num_embeddings]
         return logits.contiguous() if out is None else out.copy_(logits)
