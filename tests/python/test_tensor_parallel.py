@@ -8,7 +8,7 @@ against the same model on one rank.
 - The engine (worker processes): greedy tokens identical to tensor_parallel_size=1 in fp32,
   logprobs within 1e-4, for those architectures at TP 2; the bundled SmolLM2 (9 heads, 3 KV
   heads) at TP 3 over 16 prompts; prefix caching, chunked prefill, preemption, n > 1, seeded
-  sampling, prompt logprobs and async scheduling at TP 2 equal TP 1; gloo as the backend.
+  sampling, prompt logprobs and async scheduling at TP 2 equal TP 1; both CPU backends (shm, gloo).
 - Errors before any process starts (head counts), a killed worker (the engine raises, naming
   it; no child survives), shutdown, a killed driver and Ctrl-C leave no process behind.
 """
@@ -369,10 +369,13 @@ def test_each_rank_loads_only_its_slices(tmp_path):
 
 # ---------------------------------------------------------------- the engine
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_engine_tp2_greedy_and_logprobs_equal_tp1(folders, arch):
+def test_engine_tp2_greedy_and_logprobs_equal_tp1(folders, arch, backend, monkeypatch):
+    """Through the engine's worker processes, with either CPU backend."""
     from pagedllm import SamplingParams
 
+    monkeypatch.setenv("PAGEDLLM_CPU_TP_BACKEND", backend)
     folder = folders(arch)
     prompts = random_prompts(6, seed=1)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
@@ -381,9 +384,13 @@ def test_engine_tp2_greedy_and_logprobs_equal_tp1(folders, arch):
     one.shutdown()
     two = engine(folder, 2)
     try:
+        assert two.llm_engine.executor.backend == backend
         assert_same_outputs(generate(two, prompts, params), ref)
     finally:
         two.shutdown()
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # gloo: shutdown left torch.distributed's group
 
 
 @pytest.mark.slow
@@ -465,28 +472,6 @@ def test_async_scheduling_under_tp2_equals_tp1(folders):
         assert_same_outputs(generate(two, prompts, params), ref)
     finally:
         two.shutdown()
-
-
-@pytest.mark.slow
-def test_gloo_backend_equals_tp1(folders, monkeypatch):
-    from pagedllm import SamplingParams
-
-    monkeypatch.setenv("PAGEDLLM_CPU_TP_BACKEND", "gloo")
-    folder = folders("qwen3")
-    prompts = random_prompts(3, seed=4)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    one = engine(folder, 1)
-    ref = generate(one, prompts, params)
-    one.shutdown()
-    two = engine(folder, 2)
-    try:
-        assert two.llm_engine.executor.backend == "gloo"
-        assert_same_outputs(generate(two, prompts, params), ref)
-    finally:
-        two.shutdown()
-    import torch.distributed as dist
-
-    assert not dist.is_initialized()  # shutdown left the group
 
 
 # ---------------------------------------------------------------- errors and process hygiene
