@@ -42,6 +42,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool size in bytes")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch and the kernels (0: leave as is)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks of this host (CUDA: GPUs; CPU: processes)")
 
 
 def _sampling_options(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -121,6 +123,7 @@ def make_llm(args: argparse.Namespace):
     return LLM(
         args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
