@@ -10,8 +10,9 @@ DType parse_dtype(const std::string& raw) {
   if (name == "int32" || name == "int") return DType::kInt32;
   if (name == "int64" || name == "long") return DType::kInt64;
   if (name == "uint8") return DType::kUInt8;
+  if (name == "int8") return DType::kInt8;
   throw InvalidArgument("unknown dtype '" + raw +
-                        "'; expected one of float32, float16, bfloat16, int32, int64, uint8");
+                        "'; expected one of float32, float16, bfloat16, int32, int64, uint8, int8");
 }
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,

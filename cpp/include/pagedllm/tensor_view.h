@@ -14,7 +14,7 @@
 
 namespace pagedllm {
 
-enum class DType : int8_t { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8 };
+enum class DType : int8_t { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8, kInt8 };
 enum class DeviceType : int8_t { kCPU, kCUDA };
 
 /// Size in bytes of one element of `dtype`.
@@ -26,6 +26,7 @@ inline std::size_t dtype_size(DType dtype) {
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
     case DType::kUInt8: return 1;
+    case DType::kInt8: return 1;
   }
   return 0;
 }
@@ -39,11 +40,12 @@ inline const char* dtype_name(DType dtype) {
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
     case DType::kUInt8: return "uint8";
+    case DType::kInt8: return "int8";
   }
   return "unknown";
 }
 
-/// Parse a dtype name ("float32"/"float", "float16"/"half", "bfloat16", "int32", "int64", "uint8");
+/// Parse a dtype name ("float32"/"float", "float16"/"half", "bfloat16", "int32", "int64", "uint8", "int8");
 /// a "torch." prefix is accepted. Throws InvalidArgument naming an unknown name.
 DType parse_dtype(const std::string& name);
 

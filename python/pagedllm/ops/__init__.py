@@ -48,6 +48,10 @@ __all__ = [
     "amx_linear",
     "amx_linear_silu_mul",
     "amx_linear_argmax",
+    "int8_linear_vnni",
+    "int8_quantize_weight",
+    "int8_pack_linear_weight",
+    "int8_linear",
     "GEMV_MAX_TOKENS",
     "gemv",
     "GemvRope",
@@ -69,12 +73,12 @@ def supported_cache_dtypes(device: str | torch.device = "cpu") -> tuple[torch.dt
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+                torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8", torch.int8: "int8"}
 
 
 # pagedllm::DType codes (cpp/include/pagedllm/tensor_view.h), for TensorView.from_parts
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4,
-                torch.uint8: 5}
+                torch.uint8: 5, torch.int8: 6}
 
 
 def _view(t: torch.Tensor) -> "_C.TensorView":
@@ -236,6 +240,12 @@ from pagedllm.ops.cpu_linear import (  # noqa: E402
     amx_linear_silu_mul,
     amx_linear_supported,
     amx_pack_linear_weight,
+)
+from pagedllm.ops.quant_linear import (  # noqa: E402
+    int8_linear,
+    int8_linear_vnni,
+    int8_pack_linear_weight,
+    int8_quantize_weight,
 )
 from pagedllm.ops.gemv import (  # noqa: E402
     GEMV_MAX_TOKENS,

@@ -1,0 +1,103 @@
+"""The CPU int8 projection (pagedllm.ops.int8_linear, W8A8 with per-token activation scales) against
+a float64 reference on fresh random inputs: the same per-token quantization of x (round half to
+even of x / s_x in float32), the exact integer sums, then the scales — within float32 rounding.
+Shapes with tails (one 16-column block in the last unit, row counts that are not multiples of 8,
+K = 4), strided x rows, bias (float32 / bfloat16), float32 and bfloat16 x and out, zero rows, and
+the argument errors. Also the weight quantization itself (per-channel round to nearest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import ops
+
+
+def reference(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor, bias) -> torch.Tensor:
+    """float64 [M, N]: the module docstring's formula."""
+    xf = x.float()
+    s = xf.abs().amax(-1) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(xf / s[:, None]).clamp(-127, 127).double()
+    acc = q @ codes.double().T  # exact: |acc| < 2^53
+    y = acc * s.double()[:, None] * w_scale.double()[None, :]
+    return y if bias is None else y + bias.double()[None, :]
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).abs() / (ref.abs() + 1.0)).max().item()
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 4), (1, 64, 36), (7, 48, 128), (8, 32, 64), (13, 576, 576),
+                                   (64, 1536, 576), (130, 80, 256)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x32", "xbf16"])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=["nobias", "b32", "bbf16"])
+def test_int8_linear_matches_float64_reference(gen, shape, x_dtype, bias_dtype):
+    M, N, K = shape
+    w = torch.randn(N, K, generator=gen, dtype=torch.float64).float()
+    codes, w_scale = ops.int8_quantize_weight(w)
+    packed, comp = ops.int8_pack_linear_weight(codes)
+    x = (torch.randn(M, K + 7, generator=gen) * 3)[:, 3:3 + K].to(x_dtype)  # strided rows
+    if M > 2:
+        x[1] = 0  # a zero row: scale 1, codes 0
+    bias = None if bias_dtype is None else torch.randn(N, generator=gen).to(bias_dtype)
+    ref = reference(x, codes, w_scale, bias)
+    out32 = ops.int8_linear(x, packed, comp, w_scale, bias, out_dtype=torch.float32)
+    assert rel_err(out32, ref) < 1e-6  # float32 scaling of exact integer sums
+    out16 = ops.int8_linear(x, packed, comp, w_scale, bias, out_dtype=torch.bfloat16)
+    assert torch.equal(out16, out32.to(torch.bfloat16))  # one rounding of the same float32 values
+
+
+def test_portable_loop_gives_the_vnni_kernel_bits(gen, monkeypatch):
+    """PAGEDLLM_INT8_PORTABLE=1 runs the portable loop (what a build without AVX-512 VNNI runs):
+    the same integer sums, so the same bits."""
+    codes, w_scale = ops.int8_quantize_weight(torch.randn(48, 68, generator=gen))
+    packed, comp = ops.int8_pack_linear_weight(codes)
+    x = torch.randn(11, 68, generator=gen).bfloat16()
+    fast = ops.int8_linear(x, packed, comp, w_scale, out_dtype=torch.float32)
+    monkeypatch.setenv("PAGEDLLM_INT8_PORTABLE", "1")
+    slow = ops.int8_linear(x, packed, comp, w_scale, out_dtype=torch.float32)
+    assert torch.equal(fast, slow)
+    assert rel_err(slow, reference(x, codes, w_scale, None)) < 1e-6
+
+
+def test_weight_quantization_is_per_channel_round_to_nearest(gen):
+    w = torch.randn(32, 20, generator=gen) * torch.linspace(0.1, 5, 32)[:, None]
+    w[3] = 0
+    codes, scale = ops.int8_quantize_weight(w)
+    assert codes.dtype == torch.int8 and scale.dtype == torch.float32
+    assert scale[3] == 1 and (codes[3] == 0).all()
+    rows = [r for r in range(32) if r != 3]
+    assert torch.allclose(scale[rows], w[rows].abs().amax(1) / 127)
+    assert (codes[rows].abs().amax(1) == 127).all()  # each row's largest magnitude maps to 127
+    err = (codes.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()  # round to nearest: at most half a step
+
+
+def test_packed_layout_and_compensation(gen):
+    codes = torch.randint(-127, 128, (32, 8), generator=gen, dtype=torch.int8)
+    packed, comp = ops.int8_pack_linear_weight(codes)
+    assert packed.shape == (2, 2, 16, 4)
+    for nb in range(2):
+        for g in range(2):
+            assert torch.equal(packed[nb, g], codes[16 * nb:16 * nb + 16, 4 * g:4 * g + 4])
+    assert torch.equal(comp, 128 * codes.int().sum(1))
+
+
+def test_argument_errors_name_the_value():
+    codes = torch.zeros(32, 8, dtype=torch.int8)
+    packed, comp = ops.int8_pack_linear_weight(codes)
+    scale = torch.ones(32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.int8_pack_linear_weight(torch.zeros(20, 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="int8"):
+        ops.int8_pack_linear_weight(torch.zeros(32, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="in_features, must match packed"):
+        ops.int8_linear(torch.zeros(2, 12), packed, comp, scale)
+    with pytest.raises(ValueError, match="x must be bfloat16 or float32"):
+        ops.int8_linear(torch.zeros(2, 8, dtype=torch.float16), packed, comp, scale, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="w_scale"):
+        ops.int8_linear(torch.zeros(2, 8), packed, comp, torch.ones(16))
+    with pytest.raises(ValueError, match="bias"):
+        ops.int8_linear(torch.zeros(2, 8), packed, comp, scale, torch.ones(31))
+    assert ops.int8_linear(torch.zeros(0, 8), packed, comp, scale).shape == (0, 32)
