@@ -1,6 +1,7 @@
-"""The CPU int8 projection (pagedllm.ops.int8_linear, W8A8 with per-token activation scales) against
-a float64 reference on fresh random inputs: the same per-token quantization of x (round half to
-even of x / s_x in float32), the exact integer sums, then the scales — within float32 rounding.
+"""The CPU int8 projection (pagedllm.ops.int8_linear, W8A8 with activation scales per token and
+per group of 64-256 inputs) against a float64 reference on fresh random inputs: the same quantization of x (round half
+to even of x / s_x in float32), the exact integer sums per group, then the scales — within float32
+rounding of the sum over groups.
 Shapes with tails (one 16-column block in the last unit, row counts that are not multiples of 8,
 K = 4), strided x rows, bias (float32 / bfloat16), float32 and bfloat16 x and out, zero rows, and
 the argument errors. Also the weight quantization itself (per-channel round to nearest)."""
@@ -13,23 +14,34 @@ import torch
 from pagedllm import ops
 
 
-def reference(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor, bias) -> torch.Tensor:
-    """float64 [M, N]: the module docstring's formula."""
-    xf = x.float()
+def reference(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 [M, N] of the module docstring's formula, float64 [M, N] bound of the float32
+    rounding: the sum of the groups' magnitudes)."""
+    M, K = x.shape
+    group = ops.int8_activation_group(K)
+    xf = x.float().view(M, K // group, group)
     s = xf.abs().amax(-1) / 127.0
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.round(xf / s[:, None]).clamp(-127, 127).double()
-    acc = q @ codes.double().T  # exact: |acc| < 2^53
-    y = acc * s.double()[:, None] * w_scale.double()[None, :]
-    return y if bias is None else y + bias.double()[None, :]
+    s = torch.where(s > 0, s, torch.ones_like(s))  # [M, G]
+    q = torch.round(xf / s[:, :, None]).clamp(-127, 127).double()  # [M, G, group]
+    c = codes.double().view(codes.shape[0], K // group, group)  # [N, G, group]
+    per_group = torch.einsum("mgk,ngk->mng", q, c) * s.double()[:, None, :]  # exact ints times scales
+    y = per_group.sum(-1) * w_scale.double()[None, :]
+    mag = per_group.abs().sum(-1) * w_scale.double()[None, :]
+    if bias is not None:
+        y = y + bias.double()[None, :]
+        mag = mag + bias.double().abs()[None, :]
+    return y, mag
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref).abs() / (ref.abs() + 1.0)).max().item()
+def rel_err(got: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """The largest error relative to the magnitudes summed (float32 sums over groups)."""
+    y, mag = ref
+    return ((got.double() - y).abs() / (mag + 1e-30)).max().item()
 
 
 @pytest.mark.parametrize("shape", [(1, 16, 4), (1, 64, 36), (7, 48, 128), (8, 32, 64), (13, 576, 576),
-                                   (64, 1536, 576), (130, 80, 256)], ids=lambda s: "x".join(map(str, s)))
+                                   (64, 1536, 576), (130, 80, 256), (5, 32, 1000), (3, 32, 320)],
+                         ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x32", "xbf16"])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=["nobias", "b32", "bbf16"])
 def test_int8_linear_matches_float64_reference(gen, shape, x_dtype, bias_dtype):
@@ -43,22 +55,28 @@ def test_int8_linear_matches_float64_reference(gen, shape, x_dtype, bias_dtype):
     bias = None if bias_dtype is None else torch.randn(N, generator=gen).to(bias_dtype)
     ref = reference(x, codes, w_scale, bias)
     out32 = ops.int8_linear(x, packed, comp, w_scale, bias, out_dtype=torch.float32)
-    assert rel_err(out32, ref) < 1e-6  # float32 scaling of exact integer sums
+    assert rel_err(out32, ref) < 1e-6  # float32 sums over groups of exact integer sums
     out16 = ops.int8_linear(x, packed, comp, w_scale, bias, out_dtype=torch.bfloat16)
     assert torch.equal(out16, out32.to(torch.bfloat16))  # one rounding of the same float32 values
 
 
-def test_portable_loop_gives_the_vnni_kernel_bits(gen, monkeypatch):
-    """PAGEDLLM_INT8_PORTABLE=1 runs the portable loop (what a build without AVX-512 VNNI runs):
-    the same integer sums, so the same bits."""
-    codes, w_scale = ops.int8_quantize_weight(torch.randn(48, 68, generator=gen))
+@pytest.mark.parametrize("K", [68, 192, 576], ids=lambda k: f"k{k}")  # one group of 68 (scalar quantization), 192, 3 x 192
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x32", "xbf16"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["o32", "obf16"])
+def test_portable_loop_gives_the_vnni_kernel_bits(gen, monkeypatch, K, x_dtype, out_dtype):
+    """PAGEDLLM_INT8_PORTABLE=1 runs the portable loops (what a build without AVX-512 VNNI runs:
+    scalar quantization of x, sums and epilogue): the same bits as the vector paths."""
+    codes, w_scale = ops.int8_quantize_weight(torch.randn(48, K, generator=gen))
     packed, comp = ops.int8_pack_linear_weight(codes)
-    x = torch.randn(11, 68, generator=gen).bfloat16()
-    fast = ops.int8_linear(x, packed, comp, w_scale, out_dtype=torch.float32)
+    x = (torch.randn(11, K, generator=gen) * 4).to(x_dtype)
+    x[3] = 0
+    bias = torch.randn(48, generator=gen)
+    fast = ops.int8_linear(x, packed, comp, w_scale, bias, out_dtype=out_dtype)
     monkeypatch.setenv("PAGEDLLM_INT8_PORTABLE", "1")
-    slow = ops.int8_linear(x, packed, comp, w_scale, out_dtype=torch.float32)
+    slow = ops.int8_linear(x, packed, comp, w_scale, bias, out_dtype=out_dtype)
     assert torch.equal(fast, slow)
-    assert rel_err(slow, reference(x, codes, w_scale, None)) < 1e-6
+    if out_dtype == torch.float32:
+        assert rel_err(slow, reference(x, codes, w_scale, bias)) < 1e-6
 
 
 def test_weight_quantization_is_per_channel_round_to_nearest(gen):
@@ -81,7 +99,14 @@ def test_packed_layout_and_compensation(gen):
     for nb in range(2):
         for g in range(2):
             assert torch.equal(packed[nb, g], codes[16 * nb:16 * nb + 16, 4 * g:4 * g + 4])
-    assert torch.equal(comp, 128 * codes.int().sum(1))
+    assert torch.equal(comp, 128 * codes.int().sum(1)[None, :])  # K = 8: one activation group
+    codes = torch.randint(-127, 128, (16, 192), generator=gen, dtype=torch.int8)
+    _, comp = ops.int8_pack_linear_weight(codes)  # K = 192: one group of 192
+    assert torch.equal(comp, 128 * codes.int().sum(1)[None, :])
+    codes = torch.randint(-127, 128, (16, 320), generator=gen, dtype=torch.int8)
+    _, comp = ops.int8_pack_linear_weight(codes)  # K = 320: five groups of 64
+    assert ops.int8_activation_group(320) == 64
+    assert torch.equal(comp, 128 * codes.int().view(16, 5, 64).sum(-1).T)
 
 
 def test_argument_errors_name_the_value():

@@ -62,6 +62,7 @@ from pagedllm.sample.sampler import PendingSample
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.executor import EXECUTOR_BACKENDS, ExecutorConfig, make_executor
 from pagedllm.model_executor.layers.linear import partition_heads
+from pagedllm.model_executor.quantization import get_quantization_config
 
 logger = logging.getLogger("pagedllm")
 
@@ -90,6 +91,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     #: how ranks run under tensor parallelism (vLLM's name): "mp" (worker processes), "uni" (one rank)
     distributed_executor_backend: Optional[str] = None
+    #: weight quantization (vLLM's name): None, or "int8" (online, CPU); model_executor/quantization
+    quantization: Optional[str] = None
     device: str = "auto"
     num_gpu_blocks_override: Optional[int] = None
     load_format: str = "auto"
@@ -128,6 +131,7 @@ class LLMEngine:
                              f"{list(ops.SUPPORTED_HEAD_SIZES)}")
         if tp > 1:  # before any process starts
             _check_tensor_parallel(cfg, tp, self.device)
+        get_quantization_config(args.quantization, cfg.quantization, self.device)  # ValueError before any load
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
         self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
@@ -142,7 +146,7 @@ class LLMEngine:
                 gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
                 load_format=args.load_format, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=args.seed,
-                async_scheduling=self.async_scheduling, tensor_parallel_size=tp,
+                async_scheduling=self.async_scheduling, tensor_parallel_size=tp, quantization=args.quantization,
                 distributed_executor_backend=args.distributed_executor_backend,
             ))
             #: rank 0's ModelRunner (in this process)

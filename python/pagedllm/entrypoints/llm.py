@@ -25,7 +25,7 @@ logger = logging.getLogger("pagedllm")
 # vLLM arguments that do not apply here (single device, no LoRA/speculation...): accepted, logged.
 _IGNORED_ARGS = {
     "trust_remote_code", "tokenizer_mode", "skip_tokenizer_init", "revision", "tokenizer_revision",
-    "quantization", "swap_space", "cpu_offload_gb", "disable_custom_all_reduce", "disable_log_stats",
+    "swap_space", "cpu_offload_gb", "disable_custom_all_reduce", "disable_log_stats",
     "max_seq_len_to_capture", "compilation_config", "hf_overrides",
     "mm_processor_kwargs", "allowed_local_media_path", "download_dir",
     "pipeline_parallel_size", "enable_lora", "max_logprobs", "kv_cache_dtype",
@@ -50,7 +50,8 @@ class LLM:
       model over this many ranks of this host (heads, MLP and vocabulary; CUDA: one GPU each, NCCL;
       CPU: processes sharing the cores); rank 0 runs here, the others in worker processes
       (distributed_executor_backend "mp", the default then), so a script that builds an LLM at
-      module level needs an ``if __name__ == "__main__":`` guard.
+      module level needs an ``if __name__ == "__main__":`` guard. quantization: None, or "int8"
+      (CPU: the decoder projections quantized at load to per-channel int8, activations per token).
     Errors: ValueError naming the bad argument.
     """
 
@@ -72,6 +73,7 @@ class LLM:
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
         distributed_executor_backend: Optional[str] = None,
+        quantization: Optional[str] = None,
         device: str = "auto",
         num_gpu_blocks_override: Optional[int] = None,
         load_format: str = "auto",
@@ -92,7 +94,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=scheduling_policy, seed=seed, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend,
-            device=device,
+            quantization=quantization, device=device,
             num_gpu_blocks_override=num_gpu_blocks_override, load_format=load_format,
             async_output_processing=False if disable_async_output_proc else "auto",
             async_scheduling="auto" if async_scheduling is None else async_scheduling,

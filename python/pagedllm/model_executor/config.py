@@ -116,6 +116,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
     hidden_act: str = "silu"
+    #: config.json's quantization_config.quant_method (a quantized checkpoint), None for 16/32-bit
+    quantization: str | None = None
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> "ModelConfig":
@@ -170,6 +172,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             dtype=dtype,
             hidden_act=act,
+            quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
         )
 
     @classmethod

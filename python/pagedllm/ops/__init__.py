@@ -49,6 +49,7 @@ __all__ = [
     "amx_linear_silu_mul",
     "amx_linear_argmax",
     "int8_linear_vnni",
+    "int8_activation_group",
     "int8_quantize_weight",
     "int8_pack_linear_weight",
     "int8_linear",
@@ -242,6 +243,7 @@ from pagedllm.ops.cpu_linear import (  # noqa: E402
     amx_pack_linear_weight,
 )
 from pagedllm.ops.quant_linear import (  # noqa: E402
+    int8_activation_group,
     int8_linear,
     int8_linear_vnni,
     int8_pack_linear_weight,

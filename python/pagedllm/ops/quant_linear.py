@@ -4,13 +4,15 @@ activations quantized to int8 per token inside the call (SmoothQuant's dynamic p
 
 ``int8_quantize_weight(w)`` gives the round-to-nearest symmetric per-channel codes and scales of a
 16/32-bit weight; ``int8_pack_linear_weight(codes)`` lays the codes out for the kernel once;
-``int8_linear(x, packed, comp, w_scale, bias)`` computes ``out [M, N]``:
+``int8_linear(x, packed, comp, w_scale, bias)`` computes ``out [M, N]``, per activation group a of
+``int8_activation_group(K)`` inputs (the largest of 256, 192, 128, 64 dividing K, else K):
 
-    s_x[m] = max_k |x[m, k]| / 127 (1 for a zero row),  q_x = round_half_even(x / s_x)
-    out[m, n] = float(sum_k q_x[m, k] * codes[n, k]) * s_x[m] * w_scale[n] + bias[n]
+    s_x[m, a] = max |x[m, a]| / 127 (1 for a zero group),  q_x = round_half_even(x / s_x)
+    out[m, n] = (sum_a fma(float(q_x[m, a] . codes[n, a]), s_x[m, a], .)) * w_scale[n] + bias[n]
 
-exact int32 sums (AVX-512 VNNI where the build has it, else a portable loop), one rounding to the
-out dtype. Bad arguments raise ``ValueError`` naming the bad value.
+exact int32 sums per group (AVX-512 VNNI where the build has it, else a portable loop), float32
+across groups, one rounding to the out dtype. Bad arguments raise ``ValueError`` naming the bad
+value.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ def int8_linear_vnni() -> bool:
     return bool(_C.int8_linear_vnni())
 
 
+def int8_activation_group(in_features: int) -> int:
+    """Activation elements per scale for in_features inputs (the largest of 256, 192, 128, 64 that
+    divides it, else in_features)."""
+    return int(_C.int8_activation_group(int(in_features)))
+
+
 def int8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes int8 [N, K], scale float32 [N]) of weight [N, K]: per output channel, symmetric,
     round to nearest even: scale = max_k |w[n, k]| / 127 (1 for a zero row), codes = round(w /
@@ -38,14 +46,15 @@ def int8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def int8_pack_linear_weight(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed int8 [N/16, K/4, 16, 4], comp int32 [N]) of codes int8 [N, K] (N % 16 == 0,
-    K % 4 == 0; ValueError otherwise)."""
+    """(packed int8 [N/16, K/4, 16, 4], comp int32 [K / group, N]) of codes int8 [N, K] (N % 16 ==
+    0, K % 4 == 0; ValueError otherwise); group = int8_activation_group(K)."""
     if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
         raise ValueError(f"int8_pack_linear_weight: codes must be a 2-D int8 tensor [out_features, in_features], "
                          f"got {getattr(codes, 'shape', type(codes).__name__)}")
     n, k = codes.shape
     packed = torch.empty((max(n // 16, 1), max(k // 4, 1), 16, 4), dtype=torch.int8)
-    comp = torch.empty(n, dtype=torch.int32)
+    group = int(_C.int8_activation_group(k)) if k > 0 else 1
+    comp = torch.empty((max(k // group, 1), n), dtype=torch.int32)
     _C.int8_pack_linear_weight(_view(packed), _view(comp), _view(codes.contiguous()))
     return packed, comp
 

@@ -44,6 +44,7 @@ from pagedllm.model_executor.config import ModelConfig
 from pagedllm.model_executor.dummy import LOAD_FORMATS, init_dummy_weights
 from pagedllm.model_executor.loader import load_safetensors
 from pagedllm.model_executor.models import LlamaForCausalLM
+from pagedllm.model_executor.quantization import get_quantization_config
 from pagedllm.worker.cpu_memory import tune_glibc_malloc
 from pagedllm.worker.cuda_graph import DecodeGraphRunner, boundary_state_bytes, capture_sizes
 
@@ -91,6 +92,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         seed: int = 0,
         tp_group: Optional[GroupCoordinator] = None,
+        quantization: Optional[str] = None,
     ):
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not supported: use one of {list(LOAD_FORMATS)}")
@@ -117,6 +119,13 @@ class ModelRunner:
         self.model.eval()
         #: bytes of this rank's weights as loaded (before any CPU packing)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        quant = get_quantization_config(quantization, model_config.quantization, device)
+        if quant is not None:
+            before = sum(p.weight.numel() * p.weight.element_size() for p in self.model.projections())
+            after = self.model.quantize_weights(quant)
+            self.weight_bytes += after - before
+            logger.info("quantization %s: decoder projections %.3f GiB -> %.3f GiB; all weights now %.3f GiB",
+                        quant.describe(), before / 2**30, after / 2**30, self.weight_bytes / 2**30)
         if self.model.pack_weights():
             kind = type(self.model.lm_head.quant_method).__name__
             logger.info("projections pre-packed (bfloat16 on CPU): %s", {

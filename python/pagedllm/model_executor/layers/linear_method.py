@@ -56,6 +56,11 @@ class LinearMethodBase:
         """Whether apply() takes fusion keyword arguments for a step of `tokens` rows."""
         return False
 
+    @staticmethod
+    def weight_bytes(layer: nn.Module) -> int:
+        """Bytes the layer's weight takes in this method's form."""
+        return layer.weight.numel() * layer.weight.element_size()
+
     def writes_float32(self, layer: nn.Module, tokens: int) -> bool:
         """Whether apply() fills a float32 `out` in the same pass for `tokens` rows (else a float32
         out is a widening copy of the model-dtype product)."""

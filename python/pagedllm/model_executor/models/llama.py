@@ -557,13 +557,14 @@ class LlamaForCausalLM(nn.Module):
             return False
         if not self._lm_head_unpacked():
             return True
-        weights = [p.weight for p in self.projections()] + [self.lm_head_weight]
+        plain = [p for p in self.projections() if isinstance(p.quant_method, UnquantizedLinearMethod)]
+        weights = [p.weight for p in plain] + [self.lm_head_weight]  # (quantized projections keep theirs)
         small = sum(w.numel() * w.element_size() for w in weights) <= AmxLinearMethod.MAX_WEIGHT_BYTES
 
         def method(weight: torch.Tensor):
             return AmxLinearMethod() if small and AmxLinearMethod.applies(weight) else PackedLinearMethod()
 
-        for proj in self.projections():
+        for proj in plain:
             proj.set_quant_method(method(proj.weight))
         # the head keeps its plain weight: the embedding's table when tied
         self.lm_head.set_quant_method(method(self.lm_head_weight), keep_weight=True)
@@ -571,6 +572,16 @@ class LlamaForCausalLM(nn.Module):
             isinstance(p.quant_method, AmxLinearMethod) for p in self.projections())
         self._native = self._native_key = None
         return True
+
+    def quantize_weights(self, config) -> int:
+        """After load_weights: every decoder projection computes through config's linear method
+        (model_executor/quantization; the LM head and the embedding keep the model dtype).
+        Returns the projections' weight bytes now. Call before pack_weights (which then packs the
+        LM head only) and instead of the GEMV row pairings (quantized projections take no GEMV
+        epilogues)."""
+        for proj in self.projections():
+            proj.set_quant_method(config.linear_method(proj))
+        return sum(p.quant_method.weight_bytes(p) for p in self.projections())
 
     # ---- weights ---------------------------------------------------------------------------
     _STACKED = {  # HF name piece -> (our param piece, shard index)
