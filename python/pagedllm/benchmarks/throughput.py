@@ -61,7 +61,8 @@ class PagedllmRunner:
 
         t0 = time.perf_counter()
         self.llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
-                       max_model_len=args.max_model_len, seed=0, tensor_parallel_size=args.tensor_parallel_size)
+                       max_model_len=args.max_model_len, seed=0, tensor_parallel_size=args.tensor_parallel_size,
+                       quantization=args.quantization)
         construct = time.perf_counter() - t0
         warm = [t + 1 for t in prompts[0][0][:16]]  # not a prefix of any prompt
         self.llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -293,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="pagedllm's ranks (processes sharing the --threads cores: cores // ranks threads each; "
                         "--kv-bytes is per rank, as vLLM's kv_cache_memory_bytes; default 1)")
+    p.add_argument("--quantization", default=None, choices=[None, "int8"],
+                   help="pagedllm's weight quantization (default: none; int8: online W8A8 on the CPU)")
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face transformers")
     p.add_argument("--skip-pagedllm", action="store_true", help="do not run pagedllm")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_VLLM_PYTHON"),
@@ -335,7 +338,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "bench": "throughput",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.node(), "cpu_count": os.cpu_count(), "threads": args.threads,
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
         "commit": git_commit(root),
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
         "workload": {"model": args.model or "HuggingFaceTB/SmolLM2-135M-Instruct (bundled GGUF)",
