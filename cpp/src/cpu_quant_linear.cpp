@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -39,19 +40,30 @@ namespace {
 constexpr int64_t kCols = 16;   // outputs per column block
 constexpr int64_t kGroup = 4;   // k elements per VPDPBUSD lane
 constexpr int64_t kRows = 8;    // rows per register block (a claimed unit is two column blocks)
+constexpr int64_t kMaxGroup = 65536;  // 255 * 127 * 65536 < 2^31: a group's int32 sum cannot overflow
 
 /// Row m of x: the uint8 codes q + 128 (K bytes) and one scale per group of `group` elements.
+// A NaN in a group makes its scale NaN (so every output of the row is NaN, as a float product
+// would be), and its code -127 (what the vector conversion of NaN, INT_MIN, clamps to): both
+// paths give the same bits.
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
 template <typename T>
 void quantize_row(const T* x, int64_t K, int64_t group, uint8_t* q, float* scales) {
   for (int64_t k0 = 0, gi = 0; k0 < K; k0 += group, ++gi) {
     float amax = 0.0f;
-    for (int64_t k = k0; k < k0 + group; ++k) amax = std::max(amax, std::fabs(cpu::to_float(x[k])));
-    float s = amax / 127.0f;
-    if (!(s > 0.0f)) s = 1.0f;  // an all-zero group (or NaN): codes 0
+    bool nan = false;
+    for (int64_t k = k0; k < k0 + group; ++k) {
+      const float v = cpu::to_float(x[k]);
+      nan |= std::isnan(v);
+      amax = std::max(amax, std::fabs(v));
+    }
+    float s = nan ? kNaN : amax / 127.0f;
+    if (s == 0.0f) s = 1.0f;  // an all-zero group: codes 0
     scales[gi] = s;
     for (int64_t k = k0; k < k0 + group; ++k) {
       float v = std::nearbyint(cpu::to_float(x[k]) / s);  // round half to even (the default mode)
-      v = std::min(127.0f, std::max(-127.0f, v));
+      v = std::isnan(v) ? -127.0f : std::min(127.0f, std::max(-127.0f, v));
       q[k] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
     }
   }
@@ -165,10 +177,14 @@ void quantize_row_vnni(const T* x, int64_t K, int64_t group, uint8_t* q, float* 
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t k0 = 0, gi = 0; k0 < K; k0 += group, ++gi) {
     __m512 m = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k0 + group; k += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, load16(x + k)));
-    const float amax = _mm512_reduce_max_ps(m);
-    float s = amax / 127.0f;
-    if (!(s > 0.0f)) s = 1.0f;
+    __mmask16 nan = 0;
+    for (int64_t k = k0; k < k0 + group; k += 16) {
+      const __m512 v = load16(x + k);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
+    }
+    float s = nan ? kNaN : _mm512_reduce_max_ps(m) / 127.0f;
+    if (s == 0.0f) s = 1.0f;
     scales[gi] = s;
     const __m512 sv = _mm512_set1_ps(s);
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
@@ -255,6 +271,8 @@ void int8_pack_linear_weight(const TensorView& packed, const TensorView& comp, c
                  op, ": packed must be [", N / kCols, ", ", K / kGroup, ", 16, 4] for weight ", weight.describe(),
                  ", got ", packed.describe());
   const int64_t group = int8_activation_group(K), G = K / group;
+  PAGEDLLM_CHECK(group <= kMaxGroup, op, ": in_features=", K, " has no activation group of 64-256 inputs and is above ",
+                 kMaxGroup, " (a whole-row group's int32 sums could overflow): use a multiple of 64");
   detail::check_ndim(op, "comp", comp, 2, "[K / activation group, N]");
   detail::check_dtype(op, "comp", comp, DType::kInt32);
   detail::check_dim(op, "comp", comp, 0, G, "activation groups, K / int8_activation_group(K)");
@@ -305,6 +323,8 @@ void int8_linear(const TensorView& out, const TensorView& x, const TensorView& p
   PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x");
   g.group = int8_activation_group(g.K);
   g.groups = g.K / g.group;
+  PAGEDLLM_CHECK(g.group <= kMaxGroup, op, ": in_features=", g.K, " has no activation group of 64-256 inputs and is "
+                 "above ", kMaxGroup, ": use a multiple of 64");
   detail::check_ndim(op, "w_scale", w_scale, 1, "[out_features]");
   detail::check_dtype(op, "w_scale", w_scale, DType::kFloat32);
   detail::check_dim(op, "w_scale", w_scale, 0, g.N, "out_features, must match packed");
@@ -327,7 +347,7 @@ void int8_linear(const TensorView& out, const TensorView& x, const TensorView& p
     else
       cpu::to_float_row(bias->ptr<const cpu::bf16>(), bias_f.data(), static_cast<int>(g.N));
   }
-  if (g.M == 0) return;
+  if (g.M == 0 || g.N == 0) return;
   g.w = packed.ptr<const int8_t>();
   g.comp = comp.ptr<const int32_t>();
   g.w_scale = w_scale.ptr<const float>();

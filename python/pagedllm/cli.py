@@ -44,6 +44,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks of this host (CUDA: GPUs; CPU: processes)")
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight quantization (int8: online W8A8 on the CPU; docs/quantization.md)")
 
 
 def _sampling_options(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -123,7 +125,7 @@ def make_llm(args: argparse.Namespace):
     return LLM(
         args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
     )
 
 

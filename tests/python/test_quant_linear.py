@@ -66,6 +66,8 @@ def test_int8_linear_matches_float64_reference(gen, shape, x_dtype, bias_dtype):
 def test_portable_loop_gives_the_vnni_kernel_bits(gen, monkeypatch, K, x_dtype, out_dtype):
     """PAGEDLLM_INT8_PORTABLE=1 runs the portable loops (what a build without AVX-512 VNNI runs:
     scalar quantization of x, sums and epilogue): the same bits as the vector paths."""
+    if not ops.int8_linear_vnni():
+        pytest.skip("this build has no AVX-512 VNNI path to compare the portable loop with")
     codes, w_scale = ops.int8_quantize_weight(torch.randn(48, K, generator=gen))
     packed, comp = ops.int8_pack_linear_weight(codes)
     x = (torch.randn(11, K, generator=gen) * 4).to(x_dtype)
@@ -126,3 +128,27 @@ def test_argument_errors_name_the_value():
     with pytest.raises(ValueError, match="bias"):
         ops.int8_linear(torch.zeros(2, 8), packed, comp, scale, torch.ones(31))
     assert ops.int8_linear(torch.zeros(0, 8), packed, comp, scale).shape == (0, 32)
+
+
+@pytest.mark.parametrize("where", [0, 5, 100, 255], ids=lambda w: f"at{w}")
+def test_nan_makes_its_row_nan_on_both_paths(gen, monkeypatch, where):
+    """A NaN anywhere in an activation group makes every output of its row NaN (as a float product
+    would), the other rows untouched, and the portable loop agrees bit for bit."""
+    codes, w_scale = ops.int8_quantize_weight(torch.randn(32, 256, generator=gen))
+    packed, comp = ops.int8_pack_linear_weight(codes)
+    x = torch.randn(3, 256, generator=gen)
+    x[1, where] = float("nan")
+    outs = []
+    for portable in ("0", "1"):
+        monkeypatch.setenv("PAGEDLLM_INT8_PORTABLE", portable)
+        outs.append(ops.int8_linear(x, packed, comp, w_scale, out_dtype=torch.bfloat16))
+    for out in outs:
+        assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    ref = reference(x[[0, 2]], codes, w_scale, None)
+    assert rel_err(outs[0][[0, 2]].float(), ref) < 2.0**-8  # the finite rows: one bf16 rounding
+
+
+def test_whole_row_groups_above_65536_inputs_are_refused():
+    with pytest.raises(ValueError, match="in_features=65540 has no activation group"):
+        ops.int8_pack_linear_weight(torch.zeros(16, 65540, dtype=torch.int8))

@@ -118,7 +118,7 @@ def test_bundled_model_int8_perplexity_within_3_percent_of_bf16():
 
 
 @pytest.mark.slow
-def test_engine_int8_generates_halves_the_projection_bytes_and_runs_under_tp2(tmp_path):
+def test_engine_int8_generates_cuts_the_projection_bytes_and_runs_under_tp2(tmp_path):
     from pagedllm import LLM, SamplingParams
 
     folder = build_tiny_engine_folder("qwen2", tmp_path)
@@ -137,6 +137,7 @@ def test_engine_int8_generates_halves_the_projection_bytes_and_runs_under_tp2(tm
     proj = layers * (hidden * (hidden + 2 * 2 * 64) + hidden * hidden + 3 * hidden * inter)  # qkv, o, gate_up, down
     saved = weight_bytes[(None, 1)] - weight_bytes[("int8", 1)]
     assert 0.7 * proj * 3 < saved <= proj * 3  # fp32 -> int8: ~3 of 4 bytes per projection weight
+    assert weight_bytes[("int8", 2)] < 0.6 * weight_bytes[("int8", 1)]  # rank 0 holds about half
     for key in (("int8", 1), ("int8", 2)):  # close to the float model: the first greedy tokens agree
         first = [a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4] for a, b in zip(runs[key], runs[(None, 1)])]
         assert all(first), key
@@ -155,10 +156,16 @@ def test_engine_int8_generates_halves_the_projection_bytes_and_runs_under_tp2(tm
     assert 0 < one < 0.3 and two < 2 * one + 0.02
 
 
-def test_unsupported_methods_checkpoints_and_devices_are_named(tmp_path):
+def test_unsupported_methods_checkpoints_and_devices_are_named(tmp_path, monkeypatch):
+    """...before any weight is read: the engine checks before it makes its executor."""
+    import pagedllm.engine.llm_engine as engine_module
     from pagedllm import LLM
     from pagedllm.model_executor.quantization import get_quantization_config
 
+    def no_executor(config):
+        raise AssertionError("the executor (weights) was built before the error")
+
+    monkeypatch.setattr(engine_module, "make_executor", no_executor)
     folder = build_tiny_engine_folder("llama", tmp_path)
     with pytest.raises(ValueError, match=r"quantization='awq' is not supported: use one of \['int8'\]"):
         LLM(str(folder), device="cpu", quantization="awq")

@@ -15,7 +15,9 @@
 // section 3) made per group so that a few outlier channels (Dettmers et al. 2022, "LLM.int8()")
 // coarsen only their own group: on SmolLM2-135M the qkv input's outliers cost 2.2% perplexity with
 // one scale per token. Each group's dot product is exact in int32; the float32 sum over groups is
-// fma(float(int sum - comp), s_x, acc) in group order, then fma(., s_w, bias), rounded once.
+// fma(float(int sum - comp), s_x, acc) in group order, then fma(., s_w, bias), rounded once. A NaN
+// in a group makes that row's outputs NaN. K that no group of 64-256 divides is one group, at most
+// 65,536 (its int32 sums stay exact).
 //
 // Packed layout (int8, N % 16 == 0, K % 4 == 0): [N / 16][K / 4][16][4]: for the column block nb
 // and the k-group g, 64 bytes hold weight[16 nb + n][4 g + j] at 4 n + j — one VPDPBUSD operand

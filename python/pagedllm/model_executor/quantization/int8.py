@@ -39,8 +39,10 @@ class Int8LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
         if not self.applies(weight):
-            raise ValueError(f"int8 quantization needs out_features % 16 == 0 and in_features % 4 == 0, got "
-                             f"{tuple(weight.shape)}")
+            tp = getattr(layer, "tp", None)
+            where = f" (tensor-parallel rank {tp.rank}'s shard)" if tp is not None and tp.world_size > 1 else ""
+            raise ValueError(f"int8 quantization of {type(layer).__name__}: needs out_features % 16 == 0 and "
+                             f"in_features % 4 == 0, got [{weight.shape[0]}, {weight.shape[1]}]{where}")
         codes, layer.int8_scale = ops.int8_quantize_weight(weight)
         layer.int8_packed, layer.int8_comp = ops.int8_pack_linear_weight(codes)
         bias = layer.apply_bias()
@@ -57,5 +59,5 @@ class Int8LinearMethod(LinearMethodBase):
 
     @staticmethod
     def weight_bytes(layer: nn.Module) -> int:
-        return sum(t.numel() * t.element_size() for t in (layer.int8_packed, layer.int8_comp, layer.int8_scale)
-                   if t is not None)
+        return sum(t.numel() * t.element_size()
+                   for t in (layer.int8_packed, layer.int8_comp, layer.int8_scale, layer.int8_bias) if t is not None)
