@@ -56,6 +56,13 @@ def _check_shape(loaded, expected: Sequence[int], what: str) -> None:
         raise ValueError(f"{what} has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
 
 
+def default_weight_loader(param: nn.Parameter, loaded) -> None:
+    """param <- the whole checkpoint tensor (same shape: ValueError naming both otherwise): what a
+    replicated parameter (a norm, a replicated linear layer, a row-parallel bias) loads."""
+    _check_shape(loaded, param.shape, "the tensor")
+    param.data.copy_(_materialize(loaded))
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
@@ -117,8 +124,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, input_size, output_size, bias, dtype, device, tp_group, quant_method)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: ShardId = None) -> None:
-        _check_shape(loaded, param.shape, "the tensor")
-        param.data.copy_(_materialize(loaded))
+        default_weight_loader(param, loaded)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -233,8 +239,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: ShardId = None) -> None:
         if param.dim() == 1:  # the bias: every rank holds all of it (rank 0 adds it)
-            _check_shape(loaded, param.shape, "the tensor")
-            param.data.copy_(_materialize(loaded))
+            default_weight_loader(param, loaded)
             return
         size = self.input_size_per_partition
         _check_shape(loaded, (param.shape[0], self.input_size), "the tensor")

@@ -62,7 +62,7 @@ from pagedllm.model_executor.layers.attention import Attention, AttentionMetadat
 from pagedllm.model_executor.layers.cpu_linear_methods import AmxLinearMethod, PackedLinearMethod, can_pack_linear
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                                   RowParallelLinear)
+                                                   RowParallelLinear, default_weight_loader)
 from pagedllm.model_executor.layers.linear_method import (GEMV_CROSSOVER_TOKENS, UnquantizedLinearMethod,
                                                           gemv_max_tokens)
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -630,7 +630,7 @@ class LlamaForCausalLM(nn.Module):
                 if hasattr(owner, "weight_loader"):
                     owner.weight_loader(param, tensor, shard)
                 else:  # replicated (norms): the whole tensor
-                    _copy_whole(param, tensor)
+                    default_weight_loader(param, tensor)
             except ValueError as exc:
                 raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
             loaded.add(dest if shard is None else f"{dest}#{shard}")
@@ -657,8 +657,3 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(hf, ours), None
         return name, None
 
-
-def _copy_whole(param: nn.Parameter, tensor) -> None:
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise ValueError(f"the tensor has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-    param.data.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.full())
