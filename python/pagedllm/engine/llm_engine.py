@@ -54,7 +54,7 @@ import torch
 from pagedllm import _C, ops
 from pagedllm.metrics import Counter, HistogramData, Metric, metrics_from_stats
 from pagedllm.model_executor.config import ModelConfig, resolve_dtype
-from pagedllm.model_executor.loader import resolve_model
+from pagedllm.model_executor.loader import gguf_source, resolve_model
 from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample import Sampler, compute_prompt_logprobs
@@ -131,7 +131,8 @@ class LLMEngine:
                              f"{list(ops.SUPPORTED_HEAD_SIZES)}")
         if tp > 1:  # before any process starts
             _check_tensor_parallel(cfg, tp, self.device)
-        get_quantization_config(args.quantization, cfg.quantization, self.device)  # ValueError before any load
+        self.gguf_file = gguf_source(args.model)
+        get_quantization_config(args.quantization, cfg.quantization, self.device, self.gguf_file)  # ValueError before any load
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
         self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
@@ -147,7 +148,7 @@ class LLMEngine:
                 load_format=args.load_format, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=args.seed,
                 async_scheduling=self.async_scheduling, tensor_parallel_size=tp, quantization=args.quantization,
-                distributed_executor_backend=args.distributed_executor_backend,
+                gguf_file=self.gguf_file, distributed_executor_backend=args.distributed_executor_backend,
             ))
             #: rank 0's ModelRunner (in this process)
             self.runner = self.executor.driver_runner

@@ -42,6 +42,8 @@ class ExecutorConfig:
     async_scheduling: bool = False
     #: vLLM's quantization= name (model_executor/quantization), None for the checkpoint's weights
     quantization: Optional[str] = None
+    #: the GGUF file the model came from (quantization="gguf" reads its quantized tensors), else None
+    gguf_file: Optional[Path] = None
     tensor_parallel_size: int = 1
     #: "mp" (or None) under tensor parallelism; "uni" for one rank
     distributed_executor_backend: Optional[str] = None
@@ -52,7 +54,8 @@ class ExecutorConfig:
                     gpu_memory_utilization=self.gpu_memory_utilization, num_blocks=self.num_blocks,
                     load_format=self.load_format, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=self.enforce_eager,
-                    seed=self.seed, async_scheduling=self.async_scheduling, quantization=self.quantization)
+                    seed=self.seed, async_scheduling=self.async_scheduling, quantization=self.quantization,
+                    gguf_file=self.gguf_file)
 
 
 class Executor:

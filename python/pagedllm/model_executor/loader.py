@@ -86,6 +86,20 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     return _from_hf_cache(str(model))
 
 
+def gguf_source(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file behind `model` as resolve_model reads it (the bundled file for None or the
+    default name, a .gguf file, a folder holding one GGUF and no config.json), else None."""
+    if model is None or str(model) == DEFAULT_MODEL:
+        return bundled_gguf_path()
+    path = Path(os.path.expanduser(str(model)))
+    if path.is_file() and path.suffix == ".gguf":
+        return path.resolve()
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        return ggufs[0].resolve() if len(ggufs) == 1 else None
+    return None
+
+
 def _from_hf_cache(repo_id: str) -> Path:
     from huggingface_hub import constants, snapshot_download
 

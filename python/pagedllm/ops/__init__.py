@@ -53,6 +53,9 @@ __all__ = [
     "int8_quantize_weight",
     "int8_pack_linear_weight",
     "int8_linear",
+    "woq_linear_avx512",
+    "woq_pack_weight",
+    "woq_linear",
     "GEMV_MAX_TOKENS",
     "gemv",
     "GemvRope",
@@ -249,6 +252,7 @@ from pagedllm.ops.quant_linear import (  # noqa: E402
     int8_pack_linear_weight,
     int8_quantize_weight,
 )
+from pagedllm.ops.woq_linear import woq_linear, woq_linear_avx512, woq_pack_weight  # noqa: E402
 from pagedllm.ops.gemv import (  # noqa: E402
     GEMV_MAX_TOKENS,
     GemvRope,

@@ -93,6 +93,7 @@ class ModelRunner:
         seed: int = 0,
         tp_group: Optional[GroupCoordinator] = None,
         quantization: Optional[str] = None,
+        gguf_file: Optional[Path] = None,
     ):
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not supported: use one of {list(LOAD_FORMATS)}")
@@ -119,7 +120,7 @@ class ModelRunner:
         self.model.eval()
         #: bytes of this rank's weights as loaded (before any CPU packing)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        quant = get_quantization_config(quantization, model_config.quantization, device)
+        quant = get_quantization_config(quantization, model_config.quantization, device, gguf_file)
         if quant is not None:
             before = sum(p.weight.numel() * p.weight.element_size() for p in self.model.projections())
             after = self.model.quantize_weights(quant)

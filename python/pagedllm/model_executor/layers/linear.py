@@ -241,6 +241,6 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # the bias: every rank holds all of it (rank 0 adds it)
             default_weight_loader(param, loaded)
             return
-        size = self.input_size_per_partition
-        _check_shape(loaded, (param.shape[0], self.input_size), "the tensor")
+        size = param.shape[1]  # this rank's columns (inputs; or input groups of a quantized weight's scales)
+        _check_shape(loaded, (param.shape[0], size * self.tp.world_size), "the tensor")
         param.data.copy_(narrow(loaded, 1, self.tp.rank * size, size))

@@ -579,8 +579,12 @@ class LlamaForCausalLM(nn.Module):
         Returns the projections' weight bytes now. Call before pack_weights (which then packs the
         LM head only) and instead of the GEMV row pairings (quantized projections take no GEMV
         epilogues)."""
-        for proj in self.projections():
-            proj.set_quant_method(config.linear_method(proj))
+        for i, layer in enumerate(self.layers):
+            for name in _PROJECTIONS:
+                proj = getattr(layer, name)
+                method = config.linear_method(proj, f"layers.{i}.{name}")
+                if method is not None:
+                    proj.set_quant_method(method)
         return sum(p.quant_method.weight_bytes(p) for p in self.projections())
 
     # ---- weights ---------------------------------------------------------------------------

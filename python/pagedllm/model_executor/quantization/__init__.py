@@ -1,39 +1,50 @@
 """Quantized weights (vLLM's ``quantization=`` names): which methods pagedllm runs, and the linear
 method each gives the model's projections.
 
-    config = get_quantization_config(name, checkpoint_method, device)   # None: 16/32-bit
-    model.quantize_weights(config)                                       # after load_weights
+    config = get_quantization_config(name, checkpoint_method, device, gguf_file)  # None: 16/32-bit
+    model.quantize_weights(config)                                                 # after load_weights
 
-Supported now: "int8" (online: a 16/32-bit checkpoint quantized at load; int8.py), on the CPU.
-A checkpoint whose config.json carries a ``quantization_config`` of another method, an unknown
-name, or a method on a device it does not run on is a ValueError naming what is supported.
+Supported now, on the CPU:
+- "int8": online W8A8 (int8.py): a 16/32-bit checkpoint quantized at load, per-token int8 activations.
+- "int4": online weight-only int4, group 128 (int4.py).
+- "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K projections computed in their own types
+  (gguf.py); without it a GGUF model is dequantized at load, as before.
+The weight-only formats share one exact form and kernel (woq.py). A checkpoint whose config.json
+carries a ``quantization_config`` of another method, an unknown name, or a method on a device it
+does not run on is a ValueError naming what is supported.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from pagedllm.model_executor.quantization.base import QuantizationConfig
+from pagedllm.model_executor.quantization.gguf import GGUFConfig
+from pagedllm.model_executor.quantization.int4 import Int4Config
 from pagedllm.model_executor.quantization.int8 import Int8Config
 
 #: name -> (config class, device types it runs on)
 QUANTIZATION_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] = {
     "int8": (Int8Config, ("cpu",)),
+    "int4": (Int4Config, ("cpu",)),
+    "gguf": (GGUFConfig, ("cpu",)),
 }
 
 
-def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str],
-                            device: torch.device) -> Optional[QuantizationConfig]:
+def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str], device: torch.device,
+                            gguf_file: Optional[Path] = None) -> Optional[QuantizationConfig]:
     """The QuantizationConfig for LLM(quantization=name) over a checkpoint quantized with
-    checkpoint_method (config.json's quantization_config.quant_method, or None); None for plain
-    16/32-bit weights. ValueError for an unsupported name, checkpoint format or device."""
+    checkpoint_method (config.json's quantization_config.quant_method, or None); gguf_file: the
+    GGUF file the model came from (None for a Hugging Face folder). None for plain 16/32-bit
+    weights. ValueError for an unsupported name, checkpoint format or device."""
     supported = list(QUANTIZATION_METHODS)
     if checkpoint_method is not None:
         raise ValueError(f"the checkpoint is quantized with {checkpoint_method!r} (config.json quantization_config), "
-                         f"which pagedllm does not load yet: supported methods are {supported} (online, from a "
-                         "16/32-bit checkpoint)")
+                         f"which pagedllm does not load yet: supported methods are {supported} (online from a "
+                         "16/32-bit checkpoint, or a GGUF file's own types)")
     if name is None:
         return None
     if name not in QUANTIZATION_METHODS:
@@ -41,6 +52,8 @@ def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str
     cls, devices = QUANTIZATION_METHODS[name]
     if device.type not in devices:
         raise ValueError(f"quantization={name!r} runs on {', '.join(devices)} so far, not on {device.type}")
+    if cls is GGUFConfig:
+        return GGUFConfig(gguf_file)
     return cls()
 
 

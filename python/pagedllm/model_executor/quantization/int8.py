@@ -21,7 +21,7 @@ from pagedllm.model_executor.quantization.base import QuantizationConfig
 class Int8Config(QuantizationConfig):
     name = "int8"
 
-    def linear_method(self, layer: nn.Module) -> LinearMethodBase:
+    def linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
         return Int8LinearMethod()
 
     def describe(self) -> str:

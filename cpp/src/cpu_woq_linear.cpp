@@ -1,0 +1,295 @@
+// Launchers and kernels of pagedllm/cpu_woq_linear.h (weight-only quantized projections).
+//
+// woq_linear widens x to float32 once per call (rows that already are float32 are read in place)
+// and sums each row's groups once (for formats with an offset). Threads claim blocks of 16 output
+// rows dynamically; for a block, every tile of up to 8 activation rows runs over all of K, the
+// block's 16 x K codes staying in L1/L2 between tiles, so the weight is read from memory once per
+// call. Per group: the codes of 16 outputs are widened to float32 (bits 8: one VPMOVSXBD per k;
+// bits 4: one VPMOVZXBD per pair of k, then a mask and a shift), each tile row FMAs them with its
+// broadcast x into a group accumulator, which is then scaled into the row's total:
+// acc = fma(group_sum, scale, acc), acc = fma(min, x_group_sum, acc).
+#include "pagedllm/cpu_woq_linear.h"
+
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu_vec.h"
+#include "kernel_checks.h"
+#include "pagedllm/attention.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGEDLLM_HAVE_WOQ_AVX512 1
+#include <immintrin.h>
+#else
+#define PAGEDLLM_HAVE_WOQ_AVX512 0
+#endif
+
+namespace pagedllm {
+
+namespace {
+
+constexpr int64_t kCols = 16;  // outputs per block (one zmm of float32)
+constexpr int kRows = 8;       // activation rows per tile
+
+struct Operands {
+  int64_t M = 0, N = 0, K = 0, G = 0, group = 0;
+  int bits = 8;
+  const uint8_t* w = nullptr;     // packed
+  const float* scale = nullptr;   // [G][N]
+  const float* min = nullptr;     // [G][N] or nullptr
+  const float* x = nullptr;       // float32 rows
+  int64_t ldx = 0;
+  const float* xsum = nullptr;    // [M][G] or nullptr
+};
+
+inline int64_t block_bytes(const Operands& o) { return o.bits == 8 ? o.K * kCols : o.K / 2 * kCols; }
+
+/// code of output row c of block b at input k, as a float (the portable loop's decoding).
+inline float code_at(const uint8_t* wb, int bits, int64_t k, int64_t c) {
+  if (bits == 8) return static_cast<float>(static_cast<int8_t>(wb[k * kCols + c]));
+  const uint8_t byte = wb[(k / 2) * kCols + c];
+  return static_cast<float>((k & 1) ? (byte >> 4) : (byte & 0xF));
+}
+
+/// acc[r][c] for tile rows [m0, m0 + rows) of block b: the same FMAs, in the same order, as the
+/// AVX-512 kernel.
+[[maybe_unused]] void tile_portable(const Operands& o, int64_t b, int64_t m0, int rows, float (*acc)[kCols]) {
+  const uint8_t* wb = o.w + b * block_bytes(o);
+  for (int r = 0; r < rows; ++r) {
+    const float* x = o.x + (m0 + r) * o.ldx;
+    for (int64_t c = 0; c < kCols; ++c) {
+      float total = 0.0f;
+      for (int64_t g = 0; g < o.G; ++g) {
+        float s = 0.0f;
+        for (int64_t k = g * o.group; k < (g + 1) * o.group; ++k) s = std::fma(code_at(wb, o.bits, k, c), x[k], s);
+        total = std::fma(s, o.scale[g * o.N + b * kCols + c], total);
+        if (o.min) total = std::fma(o.min[g * o.N + b * kCols + c], o.xsum[(m0 + r) * o.G + g], total);
+      }
+      acc[r][c] = total;
+    }
+  }
+}
+
+#if PAGEDLLM_HAVE_WOQ_AVX512
+template <int R, int Bits, bool HasMin>
+void tile_avx512(const Operands& o, int64_t b, int64_t m0, float (*acc_out)[kCols]) {
+  const uint8_t* wb = o.w + b * block_bytes(o);
+  const float* x = o.x + m0 * o.ldx;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi32(0xF);
+  for (int64_t g = 0; g < o.G; ++g) {
+    __m512 gs[R];
+    for (int r = 0; r < R; ++r) gs[r] = _mm512_setzero_ps();
+    const int64_t k0 = g * o.group, k1 = k0 + o.group;
+    if constexpr (Bits == 8) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const __m512 w = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + k * kCols))));
+        for (int r = 0; r < R; ++r) gs[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * o.ldx + k]), gs[r]);
+      }
+    } else {
+      for (int64_t k = k0; k < k1; k += 2) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + k / 2 * kCols)));
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        for (int r = 0; r < R; ++r) gs[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * o.ldx + k]), gs[r]);
+        for (int r = 0; r < R; ++r) gs[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * o.ldx + k + 1]), gs[r]);
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(o.scale + g * o.N + b * kCols);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(gs[r], s, acc[r]);
+    if constexpr (HasMin) {
+      const __m512 mn = _mm512_loadu_ps(o.min + g * o.N + b * kCols);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xsum[(m0 + r) * o.G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_out[r], acc[r]);
+}
+
+template <int R>
+void tile_dispatch(const Operands& o, int64_t b, int64_t m0, float (*acc)[kCols]) {
+  if (o.bits == 8)
+    o.min ? tile_avx512<R, 8, true>(o, b, m0, acc) : tile_avx512<R, 8, false>(o, b, m0, acc);
+  else
+    o.min ? tile_avx512<R, 4, true>(o, b, m0, acc) : tile_avx512<R, 4, false>(o, b, m0, acc);
+}
+
+void tile_avx512_rows(const Operands& o, int64_t b, int64_t m0, int rows, float (*acc)[kCols]) {
+  switch (rows) {
+    case 1: tile_dispatch<1>(o, b, m0, acc); break;
+    case 2: tile_dispatch<2>(o, b, m0, acc); break;
+    case 3: tile_dispatch<3>(o, b, m0, acc); break;
+    case 4: tile_dispatch<4>(o, b, m0, acc); break;
+    case 5: tile_dispatch<5>(o, b, m0, acc); break;
+    case 6: tile_dispatch<6>(o, b, m0, acc); break;
+    case 7: tile_dispatch<7>(o, b, m0, acc); break;
+    default: tile_dispatch<8>(o, b, m0, acc); break;
+  }
+}
+#endif
+
+template <typename Out>
+void store_tile(const TensorView& out, int64_t m0, int rows, int64_t n0, const float (*acc)[kCols],
+                const float* bias) {
+  Out* base = out.ptr<Out>();
+  for (int r = 0; r < rows; ++r) {
+    Out* o = base + (m0 + r) * out.stride(0) + n0;
+    for (int64_t c = 0; c < kCols; ++c) o[c] = cpu::from_float<Out>(bias ? acc[r][c] + bias[n0 + c] : acc[r][c]);
+  }
+}
+
+void check_cpu(const char* op, const TensorView& t) {
+  PAGEDLLM_CHECK(t.device == DeviceType::kCPU, op, ": tensors must be on the cpu, got ", t.describe());
+}
+
+void check_bits(const char* op, int64_t bits) {
+  PAGEDLLM_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+}
+
+}  // namespace
+
+bool woq_linear_avx512() { return PAGEDLLM_HAVE_WOQ_AVX512 != 0; }
+
+void woq_pack_weight(const TensorView& packed, const TensorView& codes, int64_t bits) {
+  const char* op = "woq_pack_weight";
+  check_cpu(op, packed);
+  check_cpu(op, codes);
+  check_bits(op, bits);
+  detail::check_ndim(op, "codes", codes, 2, "[out_features, in_features]");
+  detail::check_dtype(op, "codes", codes, bits == 8 ? DType::kInt8 : DType::kUInt8);
+  const int64_t N = codes.size(0), K = codes.size(1);
+  PAGEDLLM_CHECK(N > 0 && K > 0 && N % kCols == 0 && (bits == 8 || K % 2 == 0), op,
+                 ": codes must be [N, K] with N a multiple of 16", bits == 4 ? " and K even" : "", ", got ",
+                 codes.describe());
+  PAGEDLLM_CHECK(K <= 1 || codes.stride(1) == 1, op, ": codes must have contiguous rows, got ", codes.describe());
+  const int64_t kb = bits == 8 ? K : K / 2;
+  detail::check_ndim(op, "packed", packed, 3, bits == 8 ? "[N / 16, K, 16]" : "[N / 16, K / 2, 16]");
+  detail::check_dtype(op, "packed", packed, bits == 8 ? DType::kInt8 : DType::kUInt8);
+  detail::check_contiguous(op, "packed", packed);
+  PAGEDLLM_CHECK(packed.size(0) == N / kCols && packed.size(1) == kb && packed.size(2) == kCols, op,
+                 ": packed must be [", N / kCols, ", ", kb, ", 16] for codes ", codes.describe(), ", got ",
+                 packed.describe());
+  const uint8_t* c = codes.ptr<const uint8_t>();
+  uint8_t* p = packed.ptr<uint8_t>();
+  const int64_t ld = codes.stride(0);
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* row = c + n * ld;
+    uint8_t* dst = p + (n / kCols) * kb * kCols + n % kCols;
+    if (bits == 8) {
+      for (int64_t k = 0; k < K; ++k) dst[k * kCols] = row[k];
+    } else {
+      for (int64_t k = 0; k < K; k += 2) {
+        PAGEDLLM_CHECK(row[k] < 16 && row[k + 1] < 16, op, ": 4-bit codes must be in [0, 15], got ",
+                       static_cast<int>(std::max(row[k], row[k + 1])), " in row ", n, " near input ", k);
+        dst[(k / 2) * kCols] = static_cast<uint8_t>(row[k] | (row[k + 1] << 4));
+      }
+    }
+  }
+}
+
+void woq_linear(const TensorView& out, const TensorView& x, const TensorView& packed, int64_t bits,
+                const TensorView& scale, const TensorView* min, const TensorView* bias) {
+  const char* op = "woq_linear";
+  for (const TensorView* t : {&out, &x, &packed, &scale}) check_cpu(op, *t);
+  check_bits(op, bits);
+  detail::check_ndim(op, "packed", packed, 3, bits == 8 ? "[N / 16, K, 16]" : "[N / 16, K / 2, 16]");
+  detail::check_dtype(op, "packed", packed, bits == 8 ? DType::kInt8 : DType::kUInt8);
+  detail::check_contiguous(op, "packed", packed);
+  PAGEDLLM_CHECK(packed.size(2) == kCols, op, ": packed's last dimension must be 16, got ", packed.describe());
+  Operands o;
+  o.bits = static_cast<int>(bits);
+  o.N = packed.size(0) * kCols;
+  o.K = bits == 8 ? packed.size(1) : packed.size(1) * 2;
+  detail::check_ndim(op, "x", x, 2, "[num_tokens, in_features]");
+  PAGEDLLM_CHECK(x.dtype == DType::kBFloat16 || x.dtype == DType::kFloat32, op,
+                 ": x must be bfloat16 or float32, got ", dtype_name(x.dtype));
+  detail::check_dim(op, "x", x, 1, o.K, "in_features, must match packed");
+  PAGEDLLM_CHECK(o.K <= 1 || x.stride(1) == 1, op, ": x must have a contiguous last dimension, got ", x.describe());
+  o.M = x.size(0);
+  detail::check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
+  PAGEDLLM_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
+                 ": out must be bfloat16 or float32, got ", dtype_name(out.dtype));
+  detail::check_dim(op, "out", out, 0, o.M, "num_tokens, must match x");
+  detail::check_dim(op, "out", out, 1, o.N, "out_features, must match packed");
+  PAGEDLLM_CHECK(o.N <= 1 || out.stride(1) == 1, op, ": out must have a contiguous last dimension, got ",
+                 out.describe());
+  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x");
+  detail::check_ndim(op, "scale", scale, 2, "[K / group_size, out_features]");
+  detail::check_dtype(op, "scale", scale, DType::kFloat32);
+  detail::check_contiguous(op, "scale", scale);
+  detail::check_dim(op, "scale", scale, 1, o.N, "out_features, must match packed");
+  o.G = scale.size(0);
+  PAGEDLLM_CHECK(o.G > 0 && o.K % o.G == 0, op, ": scale has ", o.G, " groups, which does not divide in_features=",
+                 o.K);
+  o.group = o.K / o.G;
+  PAGEDLLM_CHECK(bits == 8 || o.group % 2 == 0, op, ": 4-bit weights need an even group size, got ", o.group);
+  if (min != nullptr) {
+    check_cpu(op, *min);
+    detail::check_dtype(op, "min", *min, DType::kFloat32);
+    detail::check_contiguous(op, "min", *min);
+    PAGEDLLM_CHECK(min->ndim == 2 && min->size(0) == o.G && min->size(1) == o.N, op, ": min must be [", o.G, ", ",
+                   o.N, "] like scale, got ", min->describe());
+  }
+  if (bias != nullptr) {
+    PAGEDLLM_CHECK(bias->device == DeviceType::kCPU && bias->ndim == 1 && bias->size(0) == o.N &&
+                       (o.N <= 1 || bias->stride(0) == 1) && bias->dtype == DType::kFloat32,
+                   op, ": bias must be a contiguous float32 [", o.N, "] cpu tensor, got ", bias->describe());
+  }
+  if (o.M == 0) return;
+  o.w = packed.ptr<const uint8_t>();
+  o.scale = scale.ptr<const float>();
+  o.min = min ? min->ptr<const float>() : nullptr;
+  const int threads = std::max(1, get_num_threads());
+
+  std::vector<float> xf;
+  if (x.dtype == DType::kFloat32) {
+    o.x = x.ptr<const float>();
+    o.ldx = x.stride(0);
+  } else {
+    xf.resize(static_cast<size_t>(o.M * o.K));
+    for (int64_t m = 0; m < o.M; ++m)
+      cpu::to_float_row(x.ptr<const cpu::bf16>() + m * x.stride(0), xf.data() + m * o.K, static_cast<int>(o.K));
+    o.x = xf.data();
+    o.ldx = o.K;
+  }
+  std::vector<float> xsum;
+  if (o.min) {
+    xsum.resize(static_cast<size_t>(o.M * o.G));
+    for (int64_t m = 0; m < o.M; ++m)
+      for (int64_t g = 0; g < o.G; ++g) {
+        float s = 0.0f;
+        for (int64_t k = g * o.group; k < (g + 1) * o.group; ++k) s += o.x[m * o.ldx + k];
+        xsum[m * o.G + g] = s;
+      }
+    o.xsum = xsum.data();
+  }
+  const float* b = bias ? bias->ptr<const float>() : nullptr;
+  const int64_t blocks = o.N / kCols;
+  const bool out_f32 = out.dtype == DType::kFloat32;
+  const int nt = static_cast<int>(std::min<int64_t>(threads, blocks));
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    alignas(64) float acc[kRows][kCols];
+    for (int64_t m0 = 0; m0 < o.M; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, o.M - m0));
+#if PAGEDLLM_HAVE_WOQ_AVX512
+      tile_avx512_rows(o, blk, m0, rows, acc);
+#else
+      tile_portable(o, blk, m0, rows, acc);
+#endif
+      if (out_f32)
+        store_tile<float>(out, m0, rows, blk * kCols, acc, b);
+      else
+        store_tile<cpu::bf16>(out, m0, rows, blk * kCols, acc, b);
+    }
+  }
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,50 @@
+"""Projections with weight-only quantized weights on the CPU (``cpp/include/pagedllm/cpu_woq_linear.h``),
+called with torch tensors. A weight is integer codes [N, K] with a float32 scale, and optionally a
+float32 offset ``min``, per output row and group of ``K / G`` consecutive inputs:
+
+    w[n, k] = scale[n, k // group] * codes[n, k] + min[n, k // group]
+    out = x @ w^T + bias      (x widened to float32, float32 FMAs, one rounding to out's dtype)
+
+``woq_pack_weight(codes, bits)`` lays the codes out for the kernel once (bits 8: int8 codes;
+bits 4: uint8 codes in [0, 15]); ``woq_linear(x, packed, bits, scale_t, min_t, bias)`` takes the
+scales transposed, float32 [G, N] contiguous. Bad arguments raise ``ValueError`` naming the value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm import _C
+from pagedllm.ops import _view  # defined before pagedllm.ops imports this module
+
+
+def woq_linear_avx512() -> bool:
+    """Whether woq_linear runs its AVX-512 kernel here (else a portable loop)."""
+    return bool(_C.woq_linear_avx512())
+
+
+def woq_pack_weight(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The kernel layout of codes [N, K] (bits 8: int8; bits 4: uint8 in [0, 15]; N % 16 == 0,
+    K even for bits 4): int8 [N/16, K, 16] or uint8 [N/16, K/2, 16]. ValueError otherwise."""
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+        raise ValueError(f"woq_pack_weight: codes must be a 2-D tensor [out_features, in_features], "
+                         f"got {getattr(codes, 'shape', type(codes).__name__)}")
+    if bits not in (4, 8):
+        raise ValueError(f"woq_pack_weight: bits must be 4 or 8, got {bits}")
+    n, k = codes.shape
+    dtype = torch.int8 if bits == 8 else torch.uint8
+    packed = torch.empty((max(n // 16, 1), max(k if bits == 8 else k // 2, 1), 16), dtype=dtype)
+    _C.woq_pack_weight(_view(packed), _view(codes.contiguous()), int(bits))
+    return packed
+
+
+def woq_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale_t: torch.Tensor,
+               min_t: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out [M, N] (x's dtype, out_dtype, or the given out: bfloat16 / float32) = x [M, K] times the
+    dequantized weight (module docstring) + bias (float32 [N])."""
+    if out is None:
+        out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=out_dtype or x.dtype)
+    _C.woq_linear(_view(out), _view(x), _view(packed), int(bits), _view(scale_t),
+                  None if min_t is None else _view(min_t), None if bias is None else _view(bias))
+    return out
