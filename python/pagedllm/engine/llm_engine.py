@@ -132,7 +132,8 @@ class LLMEngine:
         if tp > 1:  # before any process starts
             _check_tensor_parallel(cfg, tp, self.device)
         self.gguf_file = gguf_source(args.model)
-        get_quantization_config(args.quantization, cfg.quantization, self.device, self.gguf_file)  # ValueError before any load
+        get_quantization_config(args.quantization, cfg.quantization, self.device, self.gguf_file,
+                                cfg.quantization_config)  # ValueError before any load
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
         self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)

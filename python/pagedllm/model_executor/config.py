@@ -118,6 +118,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     #: config.json's quantization_config.quant_method (a quantized checkpoint), None for 16/32-bit
     quantization: str | None = None
+    #: config.json's whole quantization_config (None for 16/32-bit)
+    quantization_config: dict | None = None
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> "ModelConfig":
@@ -173,6 +175,7 @@ class ModelConfig:
             dtype=dtype,
             hidden_act=act,
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
+            quantization_config=dict(cfg["quantization_config"]) if cfg.get("quantization_config") else None,
         )
 
     @classmethod

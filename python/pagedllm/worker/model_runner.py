@@ -113,14 +113,18 @@ class ModelRunner:
             tune_glibc_malloc()
         start = time.perf_counter()
         self.model = LlamaForCausalLM(model_config, dtype, device, max_positions=max_model_len, tp_group=self.tp)
+        quant = get_quantization_config(quantization, model_config.quantization, device, gguf_file,
+                                        model_config.quantization_config)
         if load_format == "dummy":
+            if quant is not None and quant.from_checkpoint:
+                raise ValueError(f"load_format='dummy' cannot make {quant.name} checkpoint tensors: use a 16/32-bit "
+                                 "model or an online method")
             init_dummy_weights(self.model, seed + self.tp.rank)
         else:  # under tensor parallelism each rank reads only its slices
-            self.model.load_weights(load_safetensors(model_path, lazy=tp_size > 1))
+            self.model.load_weights(load_safetensors(model_path, lazy=tp_size > 1), quant)
         self.model.eval()
         #: bytes of this rank's weights as loaded (before any CPU packing)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        quant = get_quantization_config(quantization, model_config.quantization, device, gguf_file)
         if quant is not None:
             before = sum(p.weight.numel() * p.weight.element_size() for p in self.model.projections())
             after = self.model.quantize_weights(quant)

@@ -598,14 +598,16 @@ class LlamaForCausalLM(nn.Module):
     _RENAMES = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj", "self_attn.q_norm": "q_norm",
                 "self_attn.k_norm": "k_norm"}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quant_config=None) -> None:
         """Copy HF-named tensors into the model (casting to its dtype). Raises ValueError on an
-        unknown or missing tensor or a shape mismatch, naming it."""
+        unknown or missing tensor or a shape mismatch, naming it. quant_config: a
+        QuantizationConfig whose weights come in the checkpoint (from_checkpoint): its tensors go to
+        it, and the decoder projections' 16/32-bit weights are not expected."""
         paired = self._unpair_rotary_rows()  # checkpoints hold the standard order
         try:
             gate_up_paired = self._unpair_gate_up_rows()
             try:
-                self._load_weights(weights)
+                self._load_weights(weights, quant_config)
             finally:
                 if gate_up_paired:
                     self.pair_gate_up_rows()
@@ -613,7 +615,7 @@ class LlamaForCausalLM(nn.Module):
             if paired:
                 self.pair_rotary_rows()
 
-    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quant_config=None) -> None:
         """Each tensor (a torch.Tensor or a loader.CheckpointTensor, read lazily) goes through its
         parameter's owner's weight_loader, which copies this rank's slice; norms are copied whole."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -625,6 +627,9 @@ class LlamaForCausalLM(nn.Module):
                 name = name[len("model."):]
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            if quant_config is not None and quant_config.is_checkpoint_tensor(name):
+                quant_config.take_checkpoint_tensor(name, tensor)
+                continue
             dest, shard = self._map(name)
             if dest not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
@@ -642,6 +647,9 @@ class LlamaForCausalLM(nn.Module):
         for dest in params:
             if dest == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            if (quant_config is not None and quant_config.from_checkpoint and dest.endswith(".weight")
+                    and dest.rsplit(".", 2)[-2] in _PROJECTIONS):
+                continue  # the method's tensors stand for it
             if ".qkv_proj." in dest:
                 expected |= {f"{dest}#{i}" for i in range(3)}
             elif ".gate_up_proj." in dest:

@@ -33,18 +33,32 @@ QUANTIZATION_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]
     "gguf": (GGUFConfig, ("cpu",)),
 }
 
+#: quant_method of a checkpoint's quantization_config -> (config class with from_config(dict), devices)
+CHECKPOINT_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] = {}
+
 
 def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str], device: torch.device,
-                            gguf_file: Optional[Path] = None) -> Optional[QuantizationConfig]:
+                            gguf_file: Optional[Path] = None,
+                            checkpoint_config: Optional[dict] = None) -> Optional[QuantizationConfig]:
     """The QuantizationConfig for LLM(quantization=name) over a checkpoint quantized with
-    checkpoint_method (config.json's quantization_config.quant_method, or None); gguf_file: the
-    GGUF file the model came from (None for a Hugging Face folder). None for plain 16/32-bit
-    weights. ValueError for an unsupported name, checkpoint format or device."""
+    checkpoint_method (config.json's quantization_config.quant_method, or None; checkpoint_config:
+    that whole dict); gguf_file: the GGUF file the model came from (None for a Hugging Face
+    folder). None for plain 16/32-bit weights. ValueError for an unsupported name, checkpoint
+    format, or device, or a name that contradicts the checkpoint's."""
     supported = list(QUANTIZATION_METHODS)
     if checkpoint_method is not None:
-        raise ValueError(f"the checkpoint is quantized with {checkpoint_method!r} (config.json quantization_config), "
-                         f"which pagedllm does not load yet: supported methods are {supported} (online from a "
-                         "16/32-bit checkpoint, or a GGUF file's own types)")
+        formats = list(CHECKPOINT_METHODS)
+        if checkpoint_method not in CHECKPOINT_METHODS:
+            raise ValueError(f"the checkpoint is quantized with {checkpoint_method!r} (config.json quantization_config), "
+                             f"which pagedllm does not load: supported checkpoint formats are {formats}; online "
+                             f"methods (from a 16/32-bit checkpoint or a GGUF file) are {supported}")
+        if name is not None and name != checkpoint_method:
+            raise ValueError(f"quantization={name!r} contradicts the checkpoint, which is quantized with "
+                             f"{checkpoint_method!r}: pass quantization=None or {checkpoint_method!r}")
+        cls, devices = CHECKPOINT_METHODS[checkpoint_method]
+        if device.type not in devices:
+            raise ValueError(f"{checkpoint_method!r} checkpoints run on {', '.join(devices)} so far, not on {device.type}")
+        return cls.from_config(checkpoint_config or {"quant_method": checkpoint_method})
     if name is None:
         return None
     if name not in QUANTIZATION_METHODS:
@@ -57,4 +71,4 @@ def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str
     return cls()
 
 
-__all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config"]
+__all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config"]
