@@ -87,26 +87,35 @@ def copy_bandwidth() -> float:
     return bw
 
 
-def model_numbers(cfg: dict) -> dict:
+#: bytes per decoder-projection weight of each --quantization (the LM head stays 16-bit); int4:
+#: half a byte plus a bfloat16 scale and zero per group of 128
+PROJECTION_BYTES = {None: 2.0, "fp8": 1.0, "int4": 0.5 + 4 / 128}
+
+
+def model_numbers(cfg: dict, quantization: str | None = None) -> dict:
     h, L, inter, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // hq
     per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * inter
     matmul_params = L * per_layer + V * h  # + the LM head
     weight_bytes = 2 * (matmul_params + (0 if cfg["tie_word_embeddings"] else V * h))
-    return {"matmul_params": matmul_params, "weight_bytes_read_per_step": 2 * matmul_params,
+    read = PROJECTION_BYTES[quantization] * L * per_layer + 2 * V * h
+    return {"matmul_params": matmul_params, "weight_bytes_read_per_step": read,
             "weight_bytes_total": weight_bytes, "kv_bytes_per_token": 2 * L * hkv * d * 2, "L": L, "hq": hq, "d": d}
 
 
-def roofline(cfg: dict, dev: dict, n_req: int, n_in: int, n_out: int, batch: int) -> dict:
-    m = model_numbers(cfg)
+def roofline(cfg: dict, dev: dict, n_req: int, n_in: int, n_out: int, batch: int,
+             quantization: str | None = None) -> dict:
+    """The bf16 GEMM rate bounds compute (fp8's tensor cores are twice as fast: its compute bound
+    is halved); the memory bound reads each format's weight bytes once per decode step."""
+    m = model_numbers(cfg, quantization)
     tokens = n_req * (n_in + n_out)
     flops = 2 * m["matmul_params"] * tokens  # dense matrices
     flops += 4 * m["L"] * m["hq"] * m["d"] * n_req * sum(n_in / 2 + i for i in range(n_out))  # attention (approx)
     decode_steps = -(-n_req // batch) * n_out
     kv_read = m["kv_bytes_per_token"] * n_req * sum(n_in + i for i in range(n_out))
     bytes_read = m["weight_bytes_read_per_step"] * decode_steps + kv_read
-    t_compute = flops / (dev["gemm_bf16_tflops"] * 1e12)
+    t_compute = flops / (dev["gemm_bf16_tflops"] * 1e12 * (2 if quantization == "fp8" else 1))
     t_memory = bytes_read / dev["copy_bytes_per_s"]
     seconds = max(t_compute, t_memory)
     return {"matrix_flops": flops, "bytes_read": bytes_read, "compute_s": t_compute, "memory_s": t_memory,
@@ -137,6 +146,7 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+              quantization=args.quantization,
               async_scheduling={"auto": None, "true": True, "false": False}[args.async_scheduling])
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.runner
@@ -204,6 +214,7 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
         "output_tokens": n_out, "seconds": seconds, "output_tok_s": n_out / seconds,
         "total_tok_s": (n_out + len(prompts) * args.input_len) / seconds, "startup_s": startup,
         "startup_phases_s": dict(runner.phase_seconds), "num_blocks": runner.num_blocks,
+        "weight_bytes": runner.weight_bytes,
         "kv_tokens": runner.num_blocks * runner.block_size,
         "cuda_graph_replays": metrics.get("pagedllm:cuda_graph_replays"),
         "num_preemptions": metrics.get("pagedllm:num_preemptions"), "num_steps": metrics.get("pagedllm:num_steps"),
@@ -264,6 +275,8 @@ def main(argv=None) -> int:
                    help="pagedllm's ranks, one GPU each (HF runs on one GPU; the roofline is one GPU's)")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "true", "false"],
                    help="schedule step N + 1 before step N's tokens are known (auto: on, CUDA)")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int4"],
+                   help="pagedllm's weights quantized at load (LLM(quantization=...)); HF stays bf16")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--machine", default="h200")
     p.add_argument("--name", default="throughput_gpu")
@@ -285,7 +298,7 @@ def main(argv=None) -> int:
                            "hf_batch": args.hf_batch, "dtype": "bfloat16", "greedy": True, "ignore_eos": True,
                            "max_num_seqs": args.max_num_seqs, "enforce_eager": args.enforce_eager,
                            "tensor_parallel_size": args.tensor_parallel_size,
-                           "async_scheduling": args.async_scheduling},
+                           "async_scheduling": args.async_scheduling, "quantization": args.quantization},
               "shapes": {}}
     path = out_dir / f"{day}-{args.machine}-{args.name}.json"
     for shape in args.shapes:
@@ -293,7 +306,7 @@ def main(argv=None) -> int:
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, cfg["vocab_size"], (args.num_prompts, args.input_len), generator=g).tolist()
         entry: dict = {"config": cfg, "roofline": roofline(cfg, dev, args.num_prompts, args.input_len, args.output_len,
-                                                             args.max_num_seqs)}
+                                                             args.max_num_seqs, args.quantization)}
         with tempfile.TemporaryDirectory() as folder:
             (Path(folder) / "config.json").write_text(json.dumps(cfg))
             try:

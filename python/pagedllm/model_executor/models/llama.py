@@ -450,7 +450,7 @@ class LlamaForCausalLM(nn.Module):
         memory, and one rank (the residual adds need the all-reduced sums); the level is
         PAGEDLLM_GEMV_FUSE (default GEMV_FUSE_DEFAULT, 0 turns it off)."""
         if not (self.fused and self._lm_head_unpacked() and 0 < tokens <= self.gemv_max_tokens
-                and self.tp.world_size == 1):
+                and self.tp.world_size == 1 and self._projections_unquantized()):
             return 0
         env = os.environ.get("PAGEDLLM_GEMV_FUSE")
         level = max(0, min(2, int(env) if env not in (None, "") else GEMV_FUSE_DEFAULT))
@@ -472,6 +472,12 @@ class LlamaForCausalLM(nn.Module):
         the AMX kernel write float32 themselves: no .float() kernel)."""
         return self.lm_head.compute_logits(normed, out, config=self.lm_head_gemv_config)
 
+    def _projections_unquantized(self) -> bool:
+        """Whether the decoder projections compute 16/32-bit weights (UnquantizedLinearMethod: the
+        GEMV and its epilogues); quantize_weights gives them other methods."""
+        return not self.layers or all(isinstance(getattr(self.layers[0], n).quant_method, UnquantizedLinearMethod)
+                                      for n in _PROJECTIONS)
+
     def _lm_head_unpacked(self) -> bool:
         return isinstance(self.lm_head.quant_method, UnquantizedLinearMethod)
 
@@ -490,7 +496,8 @@ class LlamaForCausalLM(nn.Module):
         if any(layer.rope_paired_rows for layer in self.layers):
             return True
         cfg = self.config
-        if (not self.layers or self.layers[0].rope_counters is None or cfg.head_dim % 16
+        if (not self.layers or self.layers[0].rope_counters is None or not self._projections_unquantized()
+                or cfg.head_dim % 16
                 or 2 * self.rotary.cos.shape[1] != cfg.head_dim or os.environ.get("PAGEDLLM_ROPE_PAIRED", "1") == "0"):
             return False
         self._permute_qk_rows(ops.rotary_paired_order(cfg.head_dim))
@@ -511,6 +518,7 @@ class LlamaForCausalLM(nn.Module):
             return True
         inter = self.layers[0].intermediate_size if self.layers else 0  # this rank's
         if (not self.layers or not self.fused or self.gemv_max_tokens == 0 or not self._lm_head_unpacked()
+                or not self._projections_unquantized()
                 or inter % 8 or os.environ.get("PAGEDLLM_GATE_UP_PAIRED", "1") == "0"):
             return False
         self._permute_rows("gate_up_proj", ops.gate_up_paired_order(inter))

@@ -4,9 +4,11 @@ method each gives the model's projections.
     config = get_quantization_config(name, checkpoint_method, device, gguf_file)  # None: 16/32-bit
     model.quantize_weights(config)                                                 # after load_weights
 
-Supported now, on the CPU:
+Supported now (on the CPU unless marked):
 - "int8": online W8A8 (int8.py): a 16/32-bit checkpoint quantized at load, per-token int8 activations.
 - "int4": online weight-only int4, group 128 (int4.py).
+- "fp8" (CUDA): online FP8 W8A8, per-channel weights, per-token activations, torch._scaled_mm (fp8.py).
+- "int4" on CUDA: the same int4 weights through PyTorch's tinygemm kernel (woq_cuda.py).
 - "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K projections computed in their own types
   (gguf.py); without it a GGUF model is dequantized at load, as before.
 The weight-only formats share one exact form and kernel (woq.py). A checkpoint whose config.json
@@ -22,6 +24,7 @@ from typing import Optional
 import torch
 
 from pagedllm.model_executor.quantization.base import QuantizationConfig
+from pagedllm.model_executor.quantization.fp8 import Fp8Config
 from pagedllm.model_executor.quantization.gguf import GGUFConfig
 from pagedllm.model_executor.quantization.int4 import Int4Config
 from pagedllm.model_executor.quantization.int8 import Int8Config
@@ -29,8 +32,9 @@ from pagedllm.model_executor.quantization.int8 import Int8Config
 #: name -> (config class, device types it runs on)
 QUANTIZATION_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] = {
     "int8": (Int8Config, ("cpu",)),
-    "int4": (Int4Config, ("cpu",)),
+    "int4": (Int4Config, ("cpu", "cuda")),
     "gguf": (GGUFConfig, ("cpu",)),
+    "fp8": (Fp8Config, ("cuda",)),
 }
 
 #: quant_method of a checkpoint's quantization_config -> (config class with from_config(dict), devices)

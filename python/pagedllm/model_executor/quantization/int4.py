@@ -19,6 +19,7 @@ from torch import nn
 from pagedllm.model_executor.layers.linear_method import LinearMethodBase
 from pagedllm.model_executor.quantization.base import QuantizationConfig
 from pagedllm.model_executor.quantization.woq import QuantizedWeight, WoqLinearMethod
+from pagedllm.model_executor.quantization.woq_cuda import TinyGemmInt4LinearMethod
 
 GROUP_SIZE = 128
 
@@ -43,14 +44,27 @@ class Int4Config(QuantizationConfig):
     name = "int4"
 
     def linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
-        return _OnlineInt4Method()
+        device = layer.weight.device if layer.weight is not None else torch.device("cpu")
+        return _OnlineInt4CudaMethod() if device.type == "cuda" else _OnlineInt4Method()
 
     def describe(self) -> str:
-        return f"int4 (online: 4-bit weights, group {GROUP_SIZE}, asymmetric round-to-nearest; weight-only CPU kernel)"
+        return (f"int4 (online: 4-bit weights, group {GROUP_SIZE}, asymmetric round-to-nearest; weight-only kernels: "
+                "the CPU's woq_linear, CUDA's tinygemm)")
 
 
 class _OnlineInt4Method(WoqLinearMethod):
     """Quantizes the loaded weight, then computes as WoqLinearMethod."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.qweight = quantize_int4(layer.weight)
+        super().process_weights_after_loading(layer)
+
+
+class _OnlineInt4CudaMethod(TinyGemmInt4LinearMethod):
+    """Quantizes the loaded weight (on its device), then computes as TinyGemmInt4LinearMethod."""
 
     def __init__(self):
         super().__init__(None)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Quantized weights on the H200 (issue 23), in two device calls of < 10 min each:
+#   STAGE=tests: build; tests/python/test_quantization_cuda.py (fp8 / int4 linear methods, the
+#     Llama-3-8B shape against a PyTorch reference) beside the engine's CUDA tests touched by the
+#     change (test_gpu_engine, test_gate_up_paired_rows, test_rope_paired_rows, test_layer_ops_cuda);
+#     then bench/throughput_gpu.py --quantization fp8 (Llama-3-8B shape, 1,000 x 256/256, no HF).
+#   STAGE=bench: build (cached); throughput_gpu.py bf16, int4 and fp8 again, back to back (same
+#     machine session, for the comparison).
+#   OUT=/dir NAME=s14a STAGE=tests|bench bash bench/h200_quant.sh
+set -uo pipefail
+OUT=${OUT:?set OUT}
+NAME=${NAME:-quant}
+STAGE=${STAGE:-tests}
+source bench/h200_lib.sh
+export PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+h200_build "$OUT" | tee "$OUT/summary.log" || exit 1
+
+bench() {  # bench TAG [throughput_gpu args...]: one Llama-3-8B run, its headline rows to the summary
+  local tag=$1 t0
+  shift
+  t0=$(date +%s)
+  timeout 170 python3 bench/throughput_gpu.py --shapes llama3-8b --skip-hf --name "throughput_gpu-$NAME-$tag" \
+    --out "$OUT" "$@" > "$OUT/$NAME-$tag.log" 2>&1
+  echo "throughput_gpu $tag: rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
+  grep -E '"output_tok_s"|batch1_s_per_token|batch1_vs_floor|batch1_floor|fraction_of_roofline|"weight_bytes"|Error|error' \
+    "$OUT/$NAME-$tag.log" | head -12 | tee -a "$OUT/summary.log"
+}
+
+if [ "$STAGE" = tests ]; then
+  t0=$(date +%s)
+  rm -rf tlog
+  specs=("quant|tests/python/test_quantization_cuda.py -s")
+  for f in test_gpu_engine test_gate_up_paired_rows test_rope_paired_rows test_layer_ops_cuda; do
+    specs+=("$f|tests/python/$f.py")
+  done
+  h200_tests tlog 300 "${specs[@]}"
+  h200_collect_tests tlog "$OUT/$NAME-tests.log" "$OUT/summary.log" "$t0"
+  grep -h "max |teacher-forced" tlog/quant.log | tee -a "$OUT/summary.log"
+  bench fp8 --quantization fp8
+else
+  bench bf16
+  bench int4 --quantization int4
+  bench fp8 --quantization fp8
+fi

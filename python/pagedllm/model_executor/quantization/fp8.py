@@ -1,0 +1,85 @@
+"""quantization="fp8": online FP8 W8A8 on CUDA (Hopper's FP8 tensor cores). At load every decoder
+projection's 16-bit weight becomes float8_e4m3fn with a float32 scale per output channel; each call
+quantizes its activations per token (dynamic scales) and multiplies with torch._scaled_mm
+(cuBLASLt FP8 GEMM, row-wise scaling), bias and the bf16 output fused into the GEMM's epilogue:
+
+    s_w[n] = max_k |w[n, k]| / 448,   w_q = e4m3(w / s_w)          (once, at load)
+    s_x[m] = max_k |x[m, k]| / 448,   x_q = e4m3(x / s_x)          (every call)
+    y[m, n] = s_x[m] * s_w[n] * (x_q[m] . w_q[n]) + bias[n]        (FP32 accumulation)
+
+448 is e4m3's largest finite value (Micikevicius et al. 2022, "FP8 Formats for Deep Learning",
+section 3); per-token activation scales and per-channel weight scales are vLLM's
+"dynamic FP8" scheme. The LM head and the embedding stay 16-bit. Under tensor parallelism each rank
+quantizes its shard (a column-parallel rank's rows are whole, so its scales are the unsharded ones).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.model_executor.layers.linear_method import LinearMethodBase, _refuse
+from pagedllm.model_executor.quantization.base import QuantizationConfig
+
+FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def quantize_fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [R, C], float32 scale [R, 1]) of t [R, C] with one scale per row (max |row| /
+    448; a zero row gets the smallest normal float32 instead of 0, so that no division is by 0)."""
+    scale = t.abs().amax(dim=-1, keepdim=True).float().div_(FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    q = (t.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+class Fp8Config(QuantizationConfig):
+    name = "fp8"
+
+    def linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
+        return Fp8LinearMethod()
+
+    def describe(self) -> str:
+        return "fp8 (online: e4m3 weights with per-channel scales, per-token dynamic activation scales, torch._scaled_mm)"
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """FP8 W8A8 (module docstring). Needs in_features and out_features multiples of 16 (cuBLASLt's
+    FP8 GEMM); x bfloat16 (or float16)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight
+        n, k = weight.shape
+        if n % 16 or k % 16:
+            raise ValueError(f"fp8 quantization of {type(layer).__name__}: needs in_features and out_features that "
+                             f"are multiples of 16, got [{n}, {k}]")
+        q, scale = quantize_fp8_rows(weight.detach())
+        layer.fp8_weight_t = q.t()  # [K, N] column-major: _scaled_mm's second operand
+        layer.fp8_scale = scale.view(1, n).contiguous()
+        bias = layer.apply_bias()
+        layer.fp8_bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
+        layer.out_features = n
+        layer.weight = None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None, **fusion) -> torch.Tensor:
+        if fusion:
+            _refuse(layer, fusion, "the fp8 GEMM")
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] == 0:
+            y = x2.new_empty((0, layer.out_features))
+        else:
+            xq, sx = quantize_fp8_rows(x2)
+            y = torch._scaled_mm(xq, layer.fp8_weight_t, scale_a=sx, scale_b=layer.fp8_scale, bias=layer.fp8_bias,
+                                 out_dtype=x.dtype)
+        y = y.view(*shape[:-1], layer.out_features)
+        return y if out is None else out.copy_(y)
+
+    @staticmethod
+    def weight_bytes(layer: nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in (layer.fp8_weight_t, layer.fp8_scale, layer.fp8_bias)
+                   if t is not None)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The weight the GEMM uses, float32 [N, K] (for references)."""
+        return layer.fp8_weight_t.t().float() * layer.fp8_scale.view(-1, 1)

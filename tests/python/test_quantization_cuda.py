@@ -1,0 +1,138 @@
+"""Quantized weights on CUDA (marker cuda): quantization="fp8" (torch._scaled_mm) and "int4"
+(PyTorch's tinygemm; dequantize + cuBLAS above TINYGEMM_MAX_TOKENS rows).
+
+- Each linear method against a float64 reference of the weights it holds (fp8: the e4m3 weights
+  times their scales, with the activations quantized the same way; int4: (q - 8) * scale + zero),
+  steps of 1 to 100 rows, with a bias; the int4 method's held weight against the QuantizedWeight it
+  came from (checks tinygemm's nibble order and the scale/zero conversion).
+- The Llama-3-8B shape with random weights quantized at load: teacher-forced prompt logprobs of the
+  engine against the same model whose projections compute the same quantized weights in plain
+  PyTorch (float32 F.linear of the dequantized weights) within 0.05.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                 max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                 torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001)
+
+
+def _layer(n, k, bias=True):
+    from pagedllm.model_executor.layers.linear import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(k, n, bias, torch.bfloat16, torch.device("cuda"))
+    layer.weight.data.normal_(0, 0.05)
+    if bias:
+        layer.bias.data.normal_()
+    return layer
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 100])
+def test_fp8_linear_matches_a_float64_reference_of_its_weights(m):
+    from pagedllm.model_executor.quantization.fp8 import Fp8LinearMethod, quantize_fp8_rows
+
+    torch.manual_seed(m)
+    layer = _layer(384, 512)
+    w16, b = layer.weight.detach().clone(), layer.bias.detach().double()
+    method = Fp8LinearMethod()
+    layer.set_quant_method(method)
+    assert layer.weight is None and layer.fp8_weight_t.dtype == torch.float8_e4m3fn
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    xq, sx = quantize_fp8_rows(x)
+    ref = (xq.double() * sx.double()) @ method.dequantized_weight(layer).double().t() + b
+    scale = (x.double().abs() @ w16.double().abs().t()).amax() + b.abs().max()
+    assert (y.double() - ref).abs().max().item() < 1e-2 * scale.item()
+    # and close to the 16-bit product (the quantization's own error)
+    full = x.double() @ w16.double().t() + b
+    assert (y.double() - full).abs().max().item() < 0.1 * scale.item()
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("m", [1, 5, 32, 33, 100])
+def test_int4_tinygemm_matches_its_weights_and_the_quantized_weight(m, group):
+    from pagedllm.model_executor.quantization.int4 import quantize_int4
+    from pagedllm.model_executor.quantization.woq_cuda import TinyGemmInt4LinearMethod
+
+    torch.manual_seed(7 * m + group)
+    layer = _layer(256, 512)
+    qw = quantize_int4(layer.weight.detach().float().cpu(), group)
+    method = TinyGemmInt4LinearMethod(qw)
+    layer.set_quant_method(method)
+    held = method.dequantized_weight(layer, torch.float64)
+    exact = qw.dequantize(torch.float64).cuda()
+    # the held weight is the QuantizedWeight's up to bfloat16 rounding of scale and zero
+    assert (held - exact).abs().max().item() < 2e-2 * exact.abs().max().item()
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    ref = x.double() @ held.t() + layer.int4_bias.double()
+    scale = (x.double().abs() @ held.abs().t()).amax() + layer.int4_bias.double().abs().max()
+    assert (y.double() - ref).abs().max().item() < 1e-2 * scale.item()
+
+
+class _ReferenceMethod:
+    """Plain PyTorch: float32 F.linear of the dequantized weights (fp8: of the quantized activations)."""
+
+    def __init__(self, weight, bias, fp8):
+        self.weight, self.bias, self.fp8 = weight, bias, fp8
+
+    def fusions_apply(self, layer, tokens):
+        return False
+
+    def writes_float32(self, layer, tokens):
+        return False
+
+    def apply(self, layer, x, out=None, **fusion):
+        from pagedllm.model_executor.quantization.fp8 import quantize_fp8_rows
+
+        xf = x.float()
+        if self.fp8:
+            xq, sx = quantize_fp8_rows(x.reshape(-1, x.shape[-1]))
+            xf = (xq.float() * sx).view(x.shape)
+        y = F.linear(xf, self.weight, self.bias).to(x.dtype)
+        return y if out is None else out.copy_(y)
+
+
+def _prompt_logprobs(llm, prompts):
+    from pagedllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)
+    return [[next(iter(d.values())).logprob if len(d) == 1 else d[p[i + 1]].logprob
+             for i, d in enumerate(o.prompt_logprobs[1:])] for o, p in zip(outs, prompts)]
+
+
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+def test_llama3_8b_shape_quantized_at_load_matches_a_pytorch_reference(tmp_path, method):
+    from pagedllm import LLM
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    llm = LLM(str(tmp_path), load_format="dummy", dtype="bfloat16", quantization=method, enforce_eager=True,
+              max_model_len=512, gpu_memory_utilization=0.5, max_num_seqs=8)
+    model = llm.llm_engine.runner.model
+    assert all(p.weight is None for p in model.projections())
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (40, 97)]
+    got = _prompt_logprobs(llm, prompts)
+    for proj in model.projections():  # the same quantized weights, in plain PyTorch
+        qm = proj.quant_method
+        if method == "fp8":
+            weight, bias = qm.dequantized_weight(proj), proj.fp8_bias
+        else:
+            weight, bias = qm.dequantized_weight(proj, torch.float32), proj.int4_bias
+        proj.quant_method = _ReferenceMethod(weight, None if bias is None else bias.float(), method == "fp8")
+    ref = _prompt_logprobs(llm, prompts)
+    dev = max(abs(a - b) for ga, gb in zip(got, ref) for a, b in zip(ga, gb))
+    print(f"Llama-3-8B shape, random weights, {method}: max |teacher-forced logprob - reference| = {dev:.4f}")
+    assert dev < 0.05
+    llm.shutdown()
