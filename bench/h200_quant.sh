@@ -6,7 +6,8 @@
 #     then bench/throughput_gpu.py --quantization fp8 (Llama-3-8B shape, 1,000 x 256/256, no HF).
 #   STAGE=bench: build (cached); throughput_gpu.py bf16, int4 and fp8 again, back to back (same
 #     machine session, for the comparison).
-#   OUT=/dir NAME=s14a STAGE=tests|bench bash bench/h200_quant.sh
+#   STAGE=all: both in one call (tests, fp8, bf16, int4).
+#   OUT=/dir NAME=s14a STAGE=tests|bench|all bash bench/h200_quant.sh
 set -uo pipefail
 OUT=${OUT:?set OUT}
 NAME=${NAME:-quant}
@@ -26,7 +27,7 @@ bench() {  # bench TAG [throughput_gpu args...]: one Llama-3-8B run, its headlin
     "$OUT/$NAME-$tag.log" | head -12 | tee -a "$OUT/summary.log"
 }
 
-if [ "$STAGE" = tests ]; then
+if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
   t0=$(date +%s)
   rm -rf tlog
   specs=("quant|tests/python/test_quantization_cuda.py -s")
@@ -37,6 +38,7 @@ if [ "$STAGE" = tests ]; then
   h200_collect_tests tlog "$OUT/$NAME-tests.log" "$OUT/summary.log" "$t0"
   grep -h "max |teacher-forced" tlog/quant.log | tee -a "$OUT/summary.log"
   bench fp8 --quantization fp8
+  [ "$STAGE" = all ] && { bench bf16; bench int4 --quantization int4; }
 else
   bench bf16
   bench int4 --quantization int4

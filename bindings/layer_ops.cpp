@@ -20,6 +20,9 @@ PAGEDLLM_BINDING(layer_ops, m) {
   m.def("silu_and_mul", &pagedllm::silu_and_mul, py::arg("out"), py::arg("input"), py::arg("stream") = 0,
         py::arg("paired_rows") = false, py::call_guard<py::gil_scoped_release>(),
         "out [T, I] = SiLU(input[:, :I]) * input[:, I:]; paired_rows: input in the gate_up_paired_row order.");
+  m.def("scaled_fp8_quant", &pagedllm::scaled_fp8_quant, py::arg("out"), py::arg("scale"), py::arg("input"),
+        py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+        "CUDA: per-token FP8 e4m3 quantization: scale [T] = max|input[t]| / 448, out uint8 [T, K] the e4m3 bits.");
   m.def("rotary_embedding", &pagedllm::rotary_embedding, py::arg("positions"), py::arg("query"), py::arg("key"),
         py::arg("cos_sin_cache"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
         "Rotate query [T, Hq, D] and key [T, Hkv, D] in place (NeoX layout) by positions int64 [T].");

@@ -20,6 +20,9 @@ void rms_norm(const TensorView& out, const TensorView& input, const TensorView* 
 
 void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream, bool paired_rows);
 
+/// out uint8 [T, K] (e4m3 bits), scale float32 [T] <- input [T, K] (contiguous), per row.
+void scaled_fp8_quant(const TensorView& out, const TensorView& scale, const TensorView& input, std::uintptr_t stream);
+
 /// query_out == nullptr: rotate query and key in place (value, caches and slot_mapping unused,
 /// nullptr). Otherwise: rotated query -> query_out; rotated key and value -> the caches, query and
 /// key read in the paired-rows order when paired_rows (fused form only).

@@ -150,6 +150,35 @@ void fused_add_rms_norm(const TensorView& input, const TensorView& residual, con
 #endif
 }
 
+void scaled_fp8_quant(const TensorView& out, const TensorView& scale, const TensorView& input,
+                      std::uintptr_t stream) {
+  const char* op = "scaled_fp8_quant";
+  check_float(op, "input", input);
+  PAGEDLLM_CHECK(input.device == DeviceType::kCUDA, op, ": CUDA only, input is on ", detail::device_str(input));
+  detail::check_ndim(op, "input", input, 2, "[num_tokens, in_features]");
+  check_cuda_contiguous(op, "input", input);
+  detail::check_ndim(op, "out", out, 2, "[num_tokens, in_features]");
+  detail::check_dtype(op, "out", out, DType::kUInt8);
+  check_cuda_contiguous(op, "out", out);
+  check_same_device(op, "out", out, "input", input);
+  check_dim(op, "out", out, 0, input.size(0), "num_tokens, must match input");
+  check_dim(op, "out", out, 1, input.size(1), "in_features, must match input");
+  detail::check_ndim(op, "scale", scale, 1, "[num_tokens]");
+  detail::check_dtype(op, "scale", scale, DType::kFloat32);
+  check_cuda_contiguous(op, "scale", scale);
+  check_same_device(op, "scale", scale, "input", input);
+  check_dim(op, "scale", scale, 0, input.size(0), "num_tokens, must match input");
+  PAGEDLLM_CHECK(input.size(1) > 0 && input.size(1) <= INT32_MAX, op, ": in_features must be in [1, 2^31), got ",
+                 input.size(1));
+  if (input.size(0) == 0) return;
+#ifdef PAGEDLLM_LAYER_OPS_CUDA
+  cuda::scaled_fp8_quant(out, scale, input, stream);
+#else
+  (void)stream;
+  no_layer_ops_cuda(op);
+#endif
+}
+
 void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream, bool paired_rows) {
   const char* op = "silu_and_mul";
   check_float(op, "input", input);

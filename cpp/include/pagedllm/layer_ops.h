@@ -54,6 +54,14 @@ void fused_add_rms_norm(const TensorView& input, const TensorView& residual, con
 void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream = 0,
                   bool paired_rows = false);
 
+/// Per-token dynamic FP8 quantization (CUDA only): scale[t] = max(max_k |input[t, k]| / 448,
+/// FLT_MIN), out[t, k] = e4m3(clamp(input[t, k] / scale[t], -448, 448)) (round to nearest even;
+/// IEEE divisions). input bfloat16 / float16 / float32 [T, K] contiguous; out uint8 [T, K] (the
+/// e4m3 bits: a float8_e4m3fn tensor viewed as uint8), contiguous; scale float32 [T] contiguous.
+/// For quantization="fp8" (python/pagedllm/model_executor/quantization/fp8.py).
+void scaled_fp8_quant(const TensorView& out, const TensorView& scale, const TensorView& input,
+                      std::uintptr_t stream = 0);
+
 /// Rotate query [T, Hq, D] and key [T, Hkv, D] in place (any token and head strides, contiguous
 /// last dim) by positions int64 [T]: with R = cos_sin_cache.size(1) (rotary dims, even, <= D) and
 /// cos = cos_sin_cache[p, :R/2], sin = cos_sin_cache[p, R/2:], for i < R/2

@@ -37,6 +37,7 @@ __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "scaled_fp8_quant",
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "rotary_paired_order",
@@ -235,6 +236,7 @@ from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
     rotary_embedding,
     rotary_embedding_and_cache,
     rotary_paired_order,
+    scaled_fp8_quant,
     silu_and_mul,
 )
 from pagedllm.ops.sampling_ops import argmax_rows, fill_placeholder_ids  # noqa: E402

@@ -50,6 +50,16 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, paired_rows: bool = False) 
     return out
 
 
+def scaled_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic FP8 quantization of ``x [T, K]`` (CUDA, contiguous; one kernel):
+    ``(float8_e4m3fn [T, K], float32 scale [T, 1])`` with ``scale = max(max|x[t]| / 448, FLT_MIN)``
+    and ``e4m3(clamp(x / scale, -448, 448))`` — the bytes of PyTorch's formula."""
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    _C.scaled_fp8_quant(_view(out.view(torch.uint8)), _view(scale.view(-1)), _view(x), _stream(x))
+    return out, scale
+
+
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> None:
     """Rotate ``query [T, Hq, D]`` and ``key [T, Hkv, D]`` in place (GPT-NeoX "rotate half"

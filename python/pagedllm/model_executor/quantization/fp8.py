@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.model_executor.layers.linear_method import LinearMethodBase, _refuse
 from pagedllm.model_executor.quantization.base import QuantizationConfig
 
@@ -27,10 +28,19 @@ FP8_DTYPE = torch.float8_e4m3fn
 
 def quantize_fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn [R, C], float32 scale [R, 1]) of t [R, C] with one scale per row (max |row| /
-    448; a zero row gets the smallest normal float32 instead of 0, so that no division is by 0)."""
+    448; a zero row gets the smallest normal float32 instead of 0, so that no division is by 0).
+    PyTorch's formula; ``quantize_fp8_activations`` gives the same bytes in one CUDA kernel."""
     scale = t.abs().amax(dim=-1, keepdim=True).float().div_(FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
     q = (t.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+def quantize_fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_rows of activations x [M, K]: pagedllm.ops.scaled_fp8_quant (one kernel) where
+    the fused layer ops run, else PyTorch."""
+    if x.is_cuda and ops.layer_ops_supported(x.device, x.dtype):
+        return ops.scaled_fp8_quant(x.contiguous())
+    return quantize_fp8_rows(x)
 
 
 class Fp8Config(QuantizationConfig):
@@ -69,7 +79,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if x2.shape[0] == 0:
             y = x2.new_empty((0, layer.out_features))
         else:
-            xq, sx = quantize_fp8_rows(x2)
+            xq, sx = quantize_fp8_activations(x2)
             y = torch._scaled_mm(xq, layer.fp8_weight_t, scale_a=sx, scale_b=layer.fp8_scale, bias=layer.fp8_bias,
                                  out_dtype=x.dtype)
         y = y.view(*shape[:-1], layer.out_features)
