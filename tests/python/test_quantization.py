@@ -167,12 +167,18 @@ def test_unsupported_methods_checkpoints_and_devices_are_named(tmp_path, monkeyp
 
     monkeypatch.setattr(engine_module, "make_executor", no_executor)
     folder = build_tiny_engine_folder("llama", tmp_path)
-    with pytest.raises(ValueError, match=r"quantization='awq' is not supported: use one of \['int8'\]"):
-        LLM(str(folder), device="cpu", quantization="awq")
+    with pytest.raises(ValueError, match=r"quantization='bitsandbytes' is not supported: use one of \[.*'int8'.*\]"):
+        LLM(str(folder), device="cpu", quantization="bitsandbytes")
     with pytest.raises(ValueError, match="quantization='int8' runs on cpu so far, not on cuda"):
         get_quantization_config("int8", None, torch.device("cuda"))
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"quantized with 'gptq'.*supported methods are \['int8'\]"):
+    with pytest.raises(ValueError, match=r"quantized with 'bitsandbytes'.*supported checkpoint formats are "
+                                         r"\['gptq', 'awq', 'compressed-tensors'\]"):
+        LLM(str(folder), device="cpu")
+    # a supported format with an unsupported setting (test_quant_checkpoints.py has the others)
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 3, "group_size": 128}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"GPTQ bits=3 is not supported: supported bits are \[4, 8\]"):
         LLM(str(folder), device="cpu")

@@ -23,9 +23,12 @@ from typing import Optional
 
 import torch
 
+from pagedllm.model_executor.quantization.awq import AWQConfig
 from pagedllm.model_executor.quantization.base import QuantizationConfig
+from pagedllm.model_executor.quantization.compressed_tensors import CompressedTensorsConfig
 from pagedllm.model_executor.quantization.fp8 import Fp8Config
 from pagedllm.model_executor.quantization.gguf import GGUFConfig
+from pagedllm.model_executor.quantization.gptq import GPTQConfig
 from pagedllm.model_executor.quantization.int4 import Int4Config
 from pagedllm.model_executor.quantization.int8 import Int8Config
 
@@ -38,7 +41,11 @@ QUANTIZATION_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]
 }
 
 #: quant_method of a checkpoint's quantization_config -> (config class with from_config(dict), devices)
-CHECKPOINT_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] = {}
+CHECKPOINT_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] = {
+    "gptq": (GPTQConfig, ("cpu",)),
+    "awq": (AWQConfig, ("cpu",)),
+    "compressed-tensors": (CompressedTensorsConfig, ("cpu",)),
+}
 
 
 def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str], device: torch.device,
