@@ -2,9 +2,9 @@
 // quantization of activations, one kernel instead of PyTorch's five (abs, amax, div, clamp, cast).
 //
 // One block of 256 threads per row: a pass of 16-byte loads takes max |x| (warp shuffles, then
-// one value per warp through shared memory), s = max(max|x| / 448, FLT_MIN) goes to scale[row],
+// one value per warp through shared memory), s = max(max|x| * float(1/448), FLT_MIN) goes to scale[row],
 // a second pass (the row is in L1/L2) writes e4m3(clamp(x / s, -448, 448)), round to nearest
-// even. The divisions are IEEE (__fdiv_rn, not the build's --use_fast_math), so the bytes are
+// even. x / s is an IEEE division (__fdiv_rn, not the build's --use_fast_math), so the bytes are
 // those of PyTorch's quantize_fp8_rows (python/pagedllm/model_executor/quantization/fp8.py).
 #include <cuda_fp8.h>
 
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) scaled_fp8_quant_kernel(uint8_t* __r
     float m = warp_max[0];
 #pragma unroll
     for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-    const float s = fmaxf(__fdiv_rn(m, 448.f), FLT_MIN);
+    const float s = fmaxf(m * (1.f / 448.f), FLT_MIN);  // PyTorch's division by a scalar: times its reciprocal
     row_scale = s;
     scale[row] = s;
   }

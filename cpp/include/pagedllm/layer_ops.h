@@ -54,7 +54,7 @@ void fused_add_rms_norm(const TensorView& input, const TensorView& residual, con
 void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream = 0,
                   bool paired_rows = false);
 
-/// Per-token dynamic FP8 quantization (CUDA only): scale[t] = max(max_k |input[t, k]| / 448,
+/// Per-token dynamic FP8 quantization (CUDA only): scale[t] = max(max_k |input[t, k]| * float(1 / 448),
 /// FLT_MIN), out[t, k] = e4m3(clamp(input[t, k] / scale[t], -448, 448)) (round to nearest even;
 /// IEEE divisions). input bfloat16 / float16 / float32 [T, K] contiguous; out uint8 [T, K] (the
 /// e4m3 bits: a float8_e4m3fn tensor viewed as uint8), contiguous; scale float32 [T] contiguous.

@@ -52,7 +52,7 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, paired_rows: bool = False) 
 
 def scaled_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic FP8 quantization of ``x [T, K]`` (CUDA, contiguous; one kernel):
-    ``(float8_e4m3fn [T, K], float32 scale [T, 1])`` with ``scale = max(max|x[t]| / 448, FLT_MIN)``
+    ``(float8_e4m3fn [T, K], float32 scale [T, 1])`` with ``scale = max(max|x[t]| * float(1 / 448), FLT_MIN)``
     and ``e4m3(clamp(x / scale, -448, 448))`` — the bytes of PyTorch's formula."""
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)

@@ -27,10 +27,10 @@ FP8_DTYPE = torch.float8_e4m3fn
 
 
 def quantize_fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn [R, C], float32 scale [R, 1]) of t [R, C] with one scale per row (max |row| /
-    448; a zero row gets the smallest normal float32 instead of 0, so that no division is by 0).
+    """(float8_e4m3fn [R, C], float32 scale [R, 1]) of t [R, C] with one scale per row (max |row| *
+    float32(1 / 448); a zero row gets the smallest normal float32 instead of 0, so that no division is by 0).
     PyTorch's formula; ``quantize_fp8_activations`` gives the same bytes in one CUDA kernel."""
-    scale = t.abs().amax(dim=-1, keepdim=True).float().div_(FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    scale = t.abs().amax(dim=-1, keepdim=True).float().mul_(1.0 / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
     q = (t.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
