@@ -44,6 +44,47 @@ def test_scaled_fp8_quant_kernel_gives_pytorchs_bytes(k, dtype):
         ops.scaled_fp8_quant(x.cpu())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(100, 48), (4096, 4096), (1024, 14336), (8, 16)])
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_fp8_gemv_matches_a_float64_reference(m, n, k, dtype):
+    from pagedllm import ops
+
+    torch.manual_seed(m * n + k)
+    w = (torch.randn(n, k, device="cuda") * 0.1).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, device="cuda") + 0.5
+    bias = torch.randn(n, device="cuda").to(dtype)
+    big = torch.randn(m, k + 16, device="cuda").to(dtype)
+    x = big[:, 8:8 + k]  # a row stride of k + 16 and a 16-byte-aligned start
+    for b in (None, bias):
+        y = ops.fp8_gemv(x, w, scale, b)
+        ref = x.double() @ (w.double() * scale.double()[:, None]).t()
+        if b is not None:
+            ref = ref + b.double()
+        bound = (x.double().abs() @ (w.double().abs() * scale.double()[:, None]).t()).amax().item()
+        assert (y.double() - ref).abs().max().item() < 1e-5 * bound + 2 * ref.abs().max().item() * 2.0**-8
+    with pytest.raises(ValueError, match="rows"):
+        ops.fp8_gemv(torch.randn(9, k, device="cuda").to(dtype), w, scale)
+    with pytest.raises(ValueError, match="CUDA only"):
+        ops.fp8_gemv(x.cpu(), w.cpu(), scale.cpu())
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_dequantize_kernel_gives_the_pytorch_formulas_bits(group):
+    from pagedllm import ops
+    from pagedllm.model_executor.quantization.int4 import quantize_int4
+    from pagedllm.model_executor.quantization.woq_cuda import TinyGemmInt4LinearMethod
+
+    torch.manual_seed(group)
+    layer = _layer(384, 1024)
+    method = TinyGemmInt4LinearMethod(quantize_int4(layer.weight.detach().float().cpu(), group))
+    layer.set_quant_method(method)
+    got = ops.int4_dequantize(layer.int4_nibbles, layer.int4_scale_zero, group)
+    assert torch.equal(got, method.dequantized_weight(layer, torch.bfloat16))
+    with pytest.raises(ValueError, match="group_size"):
+        ops.int4_dequantize(layer.int4_nibbles, layer.int4_scale_zero, 24)
+
+
 def _layer(n, k, bias=True):
     from pagedllm.model_executor.layers.linear import ColumnParallelLinear
 
@@ -66,8 +107,12 @@ def test_fp8_linear_matches_a_float64_reference_of_its_weights(m):
     assert layer.weight is None and layer.fp8_weight_t.dtype == torch.float8_e4m3fn
     x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
     y = layer(x)
-    xq, sx = quantize_fp8_rows(x)
-    ref = (xq.double() * sx.double()) @ method.dequantized_weight(layer).double().t() + b
+    if m <= method.gemv_max_tokens:  # the weight-only GEMV: the activations as they are
+        xr = x.double()
+    else:
+        xq, sx = quantize_fp8_rows(x)
+        xr = xq.double() * sx.double()
+    ref = xr @ method.dequantized_weight(layer).double().t() + b
     scale = (x.double().abs() @ w16.double().abs().t()).amax() + b.abs().max()
     assert (y.double() - ref).abs().max().item() < 1e-2 * scale.item()
     # and close to the 16-bit product (the quantization's own error)
@@ -113,7 +158,7 @@ class _ReferenceMethod:
         from pagedllm.model_executor.quantization.fp8 import quantize_fp8_rows
 
         xf = x.float()
-        if self.fp8:
+        if self.fp8 and x.reshape(-1, x.shape[-1]).shape[0] > layer.quant_method_gemv_max_tokens:
             xq, sx = quantize_fp8_rows(x.reshape(-1, x.shape[-1]))
             xf = (xq.float() * sx).view(x.shape)
         y = F.linear(xf, self.weight, self.bias).to(x.dtype)
@@ -160,6 +205,7 @@ def test_llama3_8b_shape_quantized_at_load_matches_a_pytorch_reference(tmp_path,
                 weight, bias = qm.dequantized_weight(proj, torch.float32), proj.int4_bias
             else:
                 weight, bias = proj.weight.float(), proj.apply_bias()
+            proj.quant_method_gemv_max_tokens = getattr(qm, "gemv_max_tokens", 0)  # fp8: W8A16 up to there
             proj.quant_method = _ReferenceMethod(weight, None if bias is None else bias.float(), method == "fp8")
         if method is not None:
             assert all(p.weight is None for p in model.projections())

@@ -55,6 +55,9 @@ __all__ = [
     "int8_pack_linear_weight",
     "int8_linear",
     "woq_linear_avx512",
+    "FP8_GEMV_MAX_TOKENS",
+    "fp8_gemv",
+    "int4_dequantize",
     "woq_pack_weight",
     "woq_linear",
     "GEMV_MAX_TOKENS",
@@ -255,6 +258,7 @@ from pagedllm.ops.quant_linear import (  # noqa: E402
     int8_quantize_weight,
 )
 from pagedllm.ops.woq_linear import woq_linear, woq_linear_avx512, woq_pack_weight  # noqa: E402
+from pagedllm.ops.quant_ops import FP8_GEMV_MAX_TOKENS, fp8_gemv, int4_dequantize  # noqa: E402
 from pagedllm.ops.gemv import (  # noqa: E402
     GEMV_MAX_TOKENS,
     GemvRope,

@@ -1,7 +1,10 @@
 """quantization="fp8": online FP8 W8A8 on CUDA (Hopper's FP8 tensor cores). At load every decoder
 projection's 16-bit weight becomes float8_e4m3fn with a float32 scale per output channel; each call
 quantizes its activations per token (dynamic scales) and multiplies with torch._scaled_mm
-(cuBLASLt FP8 GEMM, row-wise scaling), bias and the bf16 output fused into the GEMM's epilogue:
+(cuBLASLt FP8 GEMM, row-wise scaling), bias and the bf16 output fused into the GEMM's epilogue;
+steps of at most 8 rows (decode) instead read the FP8 weight in a GEMV of their own
+(pagedllm.ops.fp8_gemv) with the activations unquantized (W8A16), which reads the weight at the
+memory's speed where the GEMM at a few rows does not:
 
     s_w[n] = max_k |w[n, k]| / 448,   w_q = e4m3(w / s_w)          (once, at load)
     s_x[m] = max_k |x[m, k]| / 448,   x_q = e4m3(x / s_x)          (every call)
@@ -15,6 +18,8 @@ quantizes its shard (a column-parallel rank's rows are whole, so its scales are 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -23,6 +28,8 @@ from pagedllm.model_executor.layers.linear_method import LinearMethodBase, _refu
 from pagedllm.model_executor.quantization.base import QuantizationConfig
 
 FP8_MAX = 448.0
+#: steps of up to this many rows take the weight-only GEMV (bench/h200_quant.sh measures it)
+FP8_GEMV_TOKENS = 8
 FP8_DTYPE = torch.float8_e4m3fn
 
 
@@ -55,7 +62,14 @@ class Fp8Config(QuantizationConfig):
 
 class Fp8LinearMethod(LinearMethodBase):
     """FP8 W8A8 (module docstring). Needs in_features and out_features multiples of 16 (cuBLASLt's
-    FP8 GEMM); x bfloat16 (or float16)."""
+    FP8 GEMM); x bfloat16 (or float16). Steps of at most gemv_max_tokens rows (default
+    FP8_GEMV_TOKENS; PAGEDLLM_FP8_GEMV_MAX_TOKENS overrides, 0 turns it off) run the weight-only
+    GEMV instead (pagedllm.ops.fp8_gemv: W8A16, the activations as they are)."""
+
+    def __init__(self):
+        env = os.environ.get("PAGEDLLM_FP8_GEMV_MAX_TOKENS")
+        limit = int(env) if env not in (None, "") else FP8_GEMV_TOKENS
+        self.gemv_max_tokens = max(0, min(limit, ops.FP8_GEMV_MAX_TOKENS))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
@@ -64,8 +78,10 @@ class Fp8LinearMethod(LinearMethodBase):
             raise ValueError(f"fp8 quantization of {type(layer).__name__}: needs in_features and out_features that "
                              f"are multiples of 16, got [{n}, {k}]")
         q, scale = quantize_fp8_rows(weight.detach())
-        layer.fp8_weight_t = q.t()  # [K, N] column-major: _scaled_mm's second operand
+        layer.fp8_weight = q  # [N, K] row-major: the GEMV's
+        layer.fp8_weight_t = q.t()  # the same bytes as [K, N] column-major: _scaled_mm's second operand
         layer.fp8_scale = scale.view(1, n).contiguous()
+        layer.fp8_scale_rows = layer.fp8_scale.view(n)
         bias = layer.apply_bias()
         layer.fp8_bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
         layer.out_features = n
@@ -78,12 +94,19 @@ class Fp8LinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] == 0:
             y = x2.new_empty((0, layer.out_features))
+        elif self._gemv_applies(x2):  # a decode-sized step: the weight-only GEMV (no activation quantization)
+            y = ops.fp8_gemv(x2 if x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 else x2.contiguous(),
+                             layer.fp8_weight, layer.fp8_scale_rows, layer.fp8_bias)
         else:
             xq, sx = quantize_fp8_activations(x2)
             y = torch._scaled_mm(xq, layer.fp8_weight_t, scale_a=sx, scale_b=layer.fp8_scale, bias=layer.fp8_bias,
                                  out_dtype=x.dtype)
         y = y.view(*shape[:-1], layer.out_features)
         return y if out is None else out.copy_(y)
+
+    def _gemv_applies(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and x.shape[0] <= self.gemv_max_tokens and x.dtype in (torch.bfloat16, torch.float16)
+                and x.stride(-1) == 1)
 
     @staticmethod
     def weight_bytes(layer: nn.Module) -> int:

@@ -3,7 +3,8 @@ and a group of 32, 64, 128 or 256 inputs, computed by PyTorch's int4 "tinygemm" 
 (torch.ops.aten._weight_int4pack_mm: bfloat16 activations, int4 weights dequantized in registers;
 the kernel torchao's int4 weight-only scheme runs) for steps of at most TINYGEMM_MAX_TOKENS rows,
 and above that by dequantizing the weight to bfloat16 and one cuBLAS GEMM (F.linear), which is
-compute-bound there anyway.
+compute-bound there anyway (pagedllm.ops.int4_dequantize: one kernel, the bfloat16 weight
+written once per call).
 
 tinygemm computes w = (q - 8) * scale + zero with bfloat16 scale and zero per (group, output):
 a QuantizedWeight's w = s q + m is s (q - 8) + (m + 8 s), so zero = m + 8 s, both rounded to
@@ -19,12 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.model_executor.layers.linear_method import LinearMethodBase, _refuse
 from pagedllm.model_executor.quantization.woq import QuantizedWeight
 
 #: steps above this many rows dequantize and run cuBLAS
 TINYGEMM_MAX_TOKENS = 32
-TINYGEMM_GROUPS = (32, 64, 128, 256)
+TINYGEMM_GROUPS = (32, 64, 128, 256)  # (int4_dequantize needs multiples of 16: all of them)
 
 
 def tinygemm_applies(qw: QuantizedWeight) -> bool:
@@ -85,7 +87,8 @@ class TinyGemmInt4LinearMethod(LinearMethodBase):
             if layer.int4_bias is not None:
                 y = y + layer.int4_bias
         else:
-            y = F.linear(x2, self.dequantized_weight(layer), layer.int4_bias)
+            y = F.linear(x2, ops.int4_dequantize(layer.int4_nibbles, layer.int4_scale_zero, layer.int4_group),
+                         layer.int4_bias)
         y = y.view(*shape[:-1], layer.out_features)
         return y if out is None else out.copy_(y)
 
