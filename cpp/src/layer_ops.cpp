@@ -153,8 +153,8 @@ void fused_add_rms_norm(const TensorView& input, const TensorView& residual, con
 void scaled_fp8_quant(const TensorView& out, const TensorView& scale, const TensorView& input,
                       std::uintptr_t stream) {
   const char* op = "scaled_fp8_quant";
-  check_float(op, "input", input);
   PAGEDLLM_CHECK(input.device == DeviceType::kCUDA, op, ": CUDA only, input is on ", detail::device_str(input));
+  check_float(op, "input", input);
   detail::check_ndim(op, "input", input, 2, "[num_tokens, in_features]");
   check_cuda_contiguous(op, "input", input);
   detail::check_ndim(op, "out", out, 2, "[num_tokens, in_features]");

