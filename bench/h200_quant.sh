@@ -6,7 +6,8 @@
 #     then bench/throughput_gpu.py --quantization fp8 (Llama-3-8B shape, 1,000 x 256/256, no HF).
 #   STAGE=bench: build (cached); throughput_gpu.py bf16, int4 and fp8 again, back to back (same
 #     machine session, for the comparison).
-#   STAGE=all: both in one call (tests, fp8, bf16, int4).
+#   STAGE=all: both in one call (tests, fp8, bf16, int4). STAGE=accum: fp8, fp8 with
+#     PAGEDLLM_FP8_FAST_ACCUM=1, fp8 again (an A/B with the spread).
 #   OUT=/dir NAME=s14a STAGE=tests|bench|all bash bench/h200_quant.sh
 set -uo pipefail
 OUT=${OUT:?set OUT}
@@ -39,6 +40,10 @@ if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
   grep -h "max |teacher-forced" tlog/quant.log | tee -a "$OUT/summary.log"
   bench fp8 --quantization fp8
   [ "$STAGE" = all ] && { bench bf16; bench int4 --quantization int4; }
+elif [ "$STAGE" = accum ]; then  # A/B: cuBLASLt's fast FP8 accumulation
+  bench fp8 --quantization fp8
+  PAGEDLLM_FP8_FAST_ACCUM=1 bench fp8-fastaccum --quantization fp8
+  bench fp8-again --quantization fp8
 else
   bench bf16
   bench int4 --quantization int4

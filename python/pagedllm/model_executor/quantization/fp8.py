@@ -70,6 +70,9 @@ class Fp8LinearMethod(LinearMethodBase):
         env = os.environ.get("PAGEDLLM_FP8_GEMV_MAX_TOKENS")
         limit = int(env) if env not in (None, "") else FP8_GEMV_TOKENS
         self.gemv_max_tokens = max(0, min(limit, ops.FP8_GEMV_MAX_TOKENS))
+        #: cuBLASLt's fast FP8 accumulation (Hopper's tensor-core accumulator without periodic
+        #: promotion to float32): PAGEDLLM_FP8_FAST_ACCUM=1
+        self.fast_accum = os.environ.get("PAGEDLLM_FP8_FAST_ACCUM", "0") == "1"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
@@ -100,7 +103,7 @@ class Fp8LinearMethod(LinearMethodBase):
         else:
             xq, sx = quantize_fp8_activations(x2)
             y = torch._scaled_mm(xq, layer.fp8_weight_t, scale_a=sx, scale_b=layer.fp8_scale, bias=layer.fp8_bias,
-                                 out_dtype=x.dtype)
+                                 out_dtype=x.dtype, use_fast_accum=self.fast_accum)
         y = y.view(*shape[:-1], layer.out_features)
         return y if out is None else out.copy_(y)
 
