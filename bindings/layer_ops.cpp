@@ -12,11 +12,14 @@ PAGEDLLM_BINDING(layer_ops, m) {
   m.def("layer_ops_built_with_cuda", &pagedllm::layer_ops_built_with_cuda,
         "Whether this build has the CUDA layer kernels.");
   m.def("rms_norm", &pagedllm::rms_norm, py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("eps"),
-        py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
-        "out [T, N] = RMSNorm(input [T, N]) * weight [N].");
+        py::arg("stream") = 0, py::arg("fp8_out") = nullptr, py::arg("fp8_scale") = nullptr,
+        py::call_guard<py::gil_scoped_release>(),
+        "out [T, N] = RMSNorm(input [T, N]) * weight [N]; with fp8_out / fp8_scale (CUDA) also its per-token FP8.");
   m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm, py::arg("input"), py::arg("residual"),
-        py::arg("weight"), py::arg("eps"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
-        "In place: residual += input; input = RMSNorm(residual) * weight.");
+        py::arg("weight"), py::arg("eps"), py::arg("stream") = 0, py::arg("fp8_out") = nullptr,
+        py::arg("fp8_scale") = nullptr, py::call_guard<py::gil_scoped_release>(),
+        "In place: residual += input; input = RMSNorm(residual) * weight; with fp8_out / fp8_scale (CUDA) also "
+        "input's per-token FP8.");
   m.def("silu_and_mul", &pagedllm::silu_and_mul, py::arg("out"), py::arg("input"), py::arg("stream") = 0,
         py::arg("paired_rows") = false, py::call_guard<py::gil_scoped_release>(),
         "out [T, I] = SiLU(input[:, :I]) * input[:, I:]; paired_rows: input in the gate_up_paired_row order.");

@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -82,6 +83,33 @@ inline int round_up_warps(int64_t threads, int lo, int hi) {
   if (t < lo) t = lo;
   if (t > hi) t = hi;
   return static_cast<int>(t);
+}
+
+/// max over the block of v (every thread gets it); `shared` holds 32 floats, its own buffer.
+__device__ __forceinline__ float block_max(float v, float* shared) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int num_warps = blockDim.x / 32;
+    v = lane < num_warps ? shared[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  return shared[0];
+}
+
+/// The per-token FP8 scale of a row whose max |x| is amax: max(amax * float(1/448), FLT_MIN)
+/// (PyTorch divides by a scalar as a product with its reciprocal).
+__device__ __forceinline__ float fp8_row_scale(float amax) { return fmaxf(amax * (1.f / 448.f), 1.17549435e-38f); }
+
+/// e4m3 bits of clamp(v / s, -448, 448), round to nearest even (an IEEE division, whatever the
+/// build's --use_fast_math).
+__device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
+  const float q = fminf(fmaxf(__fdiv_rn(v, s), -448.f), 448.f);
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
 }
 
 }  // namespace pagedllm::cuda::layer_ops

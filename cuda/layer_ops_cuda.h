@@ -14,9 +14,11 @@
 namespace pagedllm::cuda {
 
 /// residual == nullptr: out = rms_norm(input) * weight. Otherwise (out == input, in place):
-/// residual += input; input = rms_norm(residual) * weight.
+/// residual += input; input = rms_norm(residual) * weight. fp8_out (uint8 [T, N]) and fp8_scale
+/// (float32 [T]), both or neither: also the per-token FP8 codes of the output.
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView* residual,
-              const TensorView& weight, float eps, std::uintptr_t stream);
+              const TensorView& weight, float eps, std::uintptr_t stream, const TensorView* fp8_out = nullptr,
+              const TensorView* fp8_scale = nullptr);
 
 void silu_and_mul(const TensorView& out, const TensorView& input, std::uintptr_t stream, bool paired_rows);
 

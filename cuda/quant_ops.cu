@@ -24,11 +24,6 @@ using namespace layer_ops;
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
-  const float q = fminf(fmaxf(__fdiv_rn(v, s), -448.f), 448.f);
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
-}
-
 /// max |x| of the block's row (every thread gets it) -> s = max(max|x| * float(1/448), FLT_MIN), also
 /// written to *scale by thread 0.
 __device__ __forceinline__ float row_scale(float amax, float* scale) {
@@ -42,7 +37,7 @@ __device__ __forceinline__ float row_scale(float amax, float* scale) {
     float m = warp_max[0];
 #pragma unroll
     for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-    const float s = fmaxf(m * (1.f / 448.f), FLT_MIN);  // PyTorch's division by a scalar: times its reciprocal
+    const float s = fp8_row_scale(m);
     shared_scale = s;
     *scale = s;
   }

@@ -110,10 +110,31 @@ bool layer_ops_built_with_cuda() {
 #endif
 }
 
+/// fp8_out / fp8_scale of a norm: both or neither, CUDA, uint8 [T, N] and float32 [T], contiguous.
+static void check_fp8_outputs(const char* op, const TensorView& input, const TensorView* fp8_out,
+                              const TensorView* fp8_scale) {
+  PAGEDLLM_CHECK((fp8_out == nullptr) == (fp8_scale == nullptr), op, ": pass both fp8_out and fp8_scale or neither");
+  if (fp8_out == nullptr) return;
+  PAGEDLLM_CHECK(input.device == DeviceType::kCUDA, op, ": fp8_out is CUDA only, input is on ",
+                 detail::device_str(input));
+  check_ndim(op, "fp8_out", *fp8_out, 2, "[num_tokens, hidden_size]");
+  check_dtype(op, "fp8_out", *fp8_out, DType::kUInt8);
+  check_cuda_contiguous(op, "fp8_out", *fp8_out);
+  check_same_device(op, "fp8_out", *fp8_out, "input", input);
+  check_dim(op, "fp8_out", *fp8_out, 0, input.size(0), "num_tokens, must match input");
+  check_dim(op, "fp8_out", *fp8_out, 1, input.size(1), "hidden_size, must match input");
+  check_ndim(op, "fp8_scale", *fp8_scale, 1, "[num_tokens]");
+  check_dtype(op, "fp8_scale", *fp8_scale, DType::kFloat32);
+  check_cuda_contiguous(op, "fp8_scale", *fp8_scale);
+  check_same_device(op, "fp8_scale", *fp8_scale, "input", input);
+  check_dim(op, "fp8_scale", *fp8_scale, 0, input.size(0), "num_tokens, must match input");
+}
+
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
-              std::uintptr_t stream) {
+              std::uintptr_t stream, const TensorView* fp8_out, const TensorView* fp8_scale) {
   const char* op = "rms_norm";
   check_norm_args(op, input, "out", out, weight, eps);
+  check_fp8_outputs(op, input, fp8_out, fp8_scale);
   if (input.numel() == 0) return;
   if (input.device == DeviceType::kCPU) {
     cpu::rms_norm(out, input, weight, static_cast<float>(eps), get_num_threads());
@@ -123,7 +144,7 @@ void rms_norm(const TensorView& out, const TensorView& input, const TensorView& 
   check_cuda_contiguous(op, "out", out);
   PAGEDLLM_CHECK(!overlaps(out, input), op, ": out and input overlap (fused_add_rms_norm works in place)");
 #ifdef PAGEDLLM_LAYER_OPS_CUDA
-  cuda::rms_norm(out, input, nullptr, weight, static_cast<float>(eps), stream);
+  cuda::rms_norm(out, input, nullptr, weight, static_cast<float>(eps), stream, fp8_out, fp8_scale);
 #else
   (void)stream;
   no_layer_ops_cuda(op);
@@ -131,9 +152,10 @@ void rms_norm(const TensorView& out, const TensorView& input, const TensorView& 
 }
 
 void fused_add_rms_norm(const TensorView& input, const TensorView& residual, const TensorView& weight,
-                        double eps, std::uintptr_t stream) {
+                        double eps, std::uintptr_t stream, const TensorView* fp8_out, const TensorView* fp8_scale) {
   const char* op = "fused_add_rms_norm";
   check_norm_args(op, input, "residual", residual, weight, eps);
+  check_fp8_outputs(op, input, fp8_out, fp8_scale);
   if (input.numel() == 0) return;
   if (input.device == DeviceType::kCPU) {
     cpu::fused_add_rms_norm(input, residual, weight, static_cast<float>(eps), get_num_threads());
@@ -143,7 +165,7 @@ void fused_add_rms_norm(const TensorView& input, const TensorView& residual, con
   check_cuda_contiguous(op, "residual", residual);
   PAGEDLLM_CHECK(!overlaps(input, residual), op, ": input and residual overlap");
 #ifdef PAGEDLLM_LAYER_OPS_CUDA
-  cuda::rms_norm(input, input, &residual, weight, static_cast<float>(eps), stream);
+  cuda::rms_norm(input, input, &residual, weight, static_cast<float>(eps), stream, fp8_out, fp8_scale);
 #else
   (void)stream;
   no_layer_ops_cuda(op);

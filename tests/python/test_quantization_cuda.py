@@ -44,6 +44,31 @@ def test_scaled_fp8_quant_kernel_gives_pytorchs_bytes(k, dtype):
         ops.scaled_fp8_quant(x.cpu())
 
 
+@pytest.mark.parametrize("hidden", [4096, 896, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_norms_with_fp8_output_give_the_separate_kernels_bytes(hidden, dtype):
+    """rms_norm / fused_add_rms_norm with fp8=True: the same normalised output (and residual) as
+    without, and the FP8 codes and scales scaled_fp8_quant gives for that output."""
+    from pagedllm import ops
+
+    torch.manual_seed(hidden)
+    x = (torch.randn(33, hidden, device="cuda") * 3).to(dtype)
+    w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+    out, rows = ops.rms_norm(torch.empty_like(x), x, w, 1e-5, fp8=True)
+    assert torch.equal(out, ops.rms_norm(torch.empty_like(x), x, w, 1e-5))
+    ref = ops.scaled_fp8_quant(out)
+    assert torch.equal(rows.scale, ref.scale) and torch.equal(rows.q.view(torch.uint8), ref.q.view(torch.uint8))
+    res = (torch.randn(33, hidden, device="cuda")).to(dtype)
+    x1, r1, x2, r2 = x.clone(), res.clone(), x.clone(), res.clone()
+    rows = ops.fused_add_rms_norm(x1, r1, w, 1e-5, fp8=True)
+    ops.fused_add_rms_norm(x2, r2, w, 1e-5)
+    assert torch.equal(x1, x2) and torch.equal(r1, r2)
+    ref = ops.scaled_fp8_quant(x2)
+    assert torch.equal(rows.scale, ref.scale) and torch.equal(rows.q.view(torch.uint8), ref.q.view(torch.uint8))
+    with pytest.raises(ValueError, match="CUDA only"):
+        ops.rms_norm(torch.empty_like(x).cpu(), x.cpu(), w.cpu(), 1e-5, fp8=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(100, 48), (4096, 4096), (1024, 14336), (8, 16)])
 @pytest.mark.parametrize("m", [1, 2, 5, 8])

@@ -40,13 +40,16 @@ bool layer_ops_built_with_cuda();
 
 /// out [T, N] = input [T, N] / sqrt(mean(input^2, -1) + eps) * weight [N]. On CUDA, out and input
 /// must not overlap.
+/// fp8_out, fp8_scale (CUDA only; both or neither): also write scaled_fp8_quant(out) into them
+/// (uint8 [T, N] e4m3 bits, float32 [T]), the bytes that kernel would give, in the same pass.
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
-              std::uintptr_t stream = 0);
+              std::uintptr_t stream = 0, const TensorView* fp8_out = nullptr, const TensorView* fp8_scale = nullptr);
 
 /// In place, per row: residual [T, N] = residual + input; input [T, N] = rms_norm(residual) * weight.
 /// (vLLM's fused_add_rms_norm: the residual stream and the next sublayer's input in one pass.)
 void fused_add_rms_norm(const TensorView& input, const TensorView& residual, const TensorView& weight,
-                        double eps, std::uintptr_t stream = 0);
+                        double eps, std::uintptr_t stream = 0, const TensorView* fp8_out = nullptr,
+                        const TensorView* fp8_scale = nullptr);
 
 /// out [T, I] = SiLU(input[:, :I]) * input[:, I:] for input [T, 2I]; SiLU(x) = x / (1 + e^-x).
 /// paired_rows (CUDA only; I % 8 == 0): input's columns are in the gate_up_paired_row order (the

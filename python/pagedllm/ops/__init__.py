@@ -38,6 +38,7 @@ __all__ = [
     "fused_add_rms_norm",
     "silu_and_mul",
     "scaled_fp8_quant",
+    "Fp8Rows",
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "rotary_paired_order",
@@ -239,6 +240,7 @@ from pagedllm.ops.layer_ops import (  # noqa: E402  (uses _view above)
     rotary_embedding,
     rotary_embedding_and_cache,
     rotary_paired_order,
+    Fp8Rows,
     scaled_fp8_quant,
     silu_and_mul,
 )

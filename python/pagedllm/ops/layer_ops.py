@@ -12,6 +12,8 @@ so far. Bad arguments raise ``ValueError`` naming the bad value.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from pagedllm import _C
@@ -30,15 +32,42 @@ def layer_ops_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
     return kind == "cuda" and dtype in _CUDA_DTYPES and bool(_C.layer_ops_built_with_cuda())
 
 
-def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``out [T, N] = x [T, N] / sqrt(mean(x^2) + eps) * weight [N]``; returns ``out``."""
-    _C.rms_norm(_view(out), _view(x), _view(weight), float(eps), _stream(x))
-    return out
+class Fp8Rows(NamedTuple):
+    """Activations quantized per token to FP8: q float8_e4m3fn [T, K], scale float32 [T, 1]
+    (x ~ q * scale), as scaled_fp8_quant returns them; a norm can produce them in its own pass."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """In place: ``residual += x`` then ``x = rms_norm(residual) * weight`` (both ``[T, N]``)."""
-    _C.fused_add_rms_norm(_view(x), _view(residual), _view(weight), float(eps), _stream(x))
+def _fp8_outputs(x: torch.Tensor):
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    return Fp8Rows(q, scale), _view(q.view(torch.uint8)), _view(scale.view(-1))
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool = False):
+    """``out [T, N] = x [T, N] / sqrt(mean(x^2) + eps) * weight [N]``; returns ``out``, or with
+    ``fp8`` (CUDA) ``(out, Fp8Rows)``: also out's per-token FP8 codes (scaled_fp8_quant's bytes), in
+    the same kernel."""
+    if not fp8:
+        _C.rms_norm(_view(out), _view(x), _view(weight), float(eps), _stream(x))
+        return out
+    rows, q, scale = _fp8_outputs(x)
+    _C.rms_norm(_view(out), _view(x), _view(weight), float(eps), _stream(x), q, scale)
+    return out, rows
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       fp8: bool = False) -> "Fp8Rows | None":
+    """In place: ``residual += x`` then ``x = rms_norm(residual) * weight`` (both ``[T, N]``). With
+    ``fp8`` (CUDA) also returns x's per-token FP8 codes (Fp8Rows), in the same kernel."""
+    if not fp8:
+        _C.fused_add_rms_norm(_view(x), _view(residual), _view(weight), float(eps), _stream(x))
+        return None
+    rows, q, scale = _fp8_outputs(x)
+    _C.fused_add_rms_norm(_view(x), _view(residual), _view(weight), float(eps), _stream(x), q, scale)
+    return rows
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor, paired_rows: bool = False) -> torch.Tensor:
@@ -50,14 +79,14 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, paired_rows: bool = False) 
     return out
 
 
-def scaled_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scaled_fp8_quant(x: torch.Tensor) -> "Fp8Rows":
     """Per-token dynamic FP8 quantization of ``x [T, K]`` (CUDA, contiguous; one kernel):
     ``(float8_e4m3fn [T, K], float32 scale [T, 1])`` with ``scale = max(max|x[t]| * float(1 / 448), FLT_MIN)``
     and ``e4m3(clamp(x / scale, -448, 448))`` — the bytes of PyTorch's formula."""
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     _C.scaled_fp8_quant(_view(out.view(torch.uint8)), _view(scale.view(-1)), _view(x), _stream(x))
-    return out, scale
+    return Fp8Rows(out, scale)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

@@ -22,7 +22,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = ops.layer_ops_supported(device, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fp8_applies(self, x: torch.Tensor) -> bool:
+        """Whether forward / add_and_norm can also give the output's per-token FP8 codes (fp8=True):
+        the fused CUDA kernel."""
+        return self.fused and x.is_cuda
+
+    def forward(self, x: torch.Tensor, fp8: bool = False):
+        """fp8 (where fp8_applies): the output's per-token FP8 codes (ops.Fp8Rows) instead of it."""
+        if fp8:
+            if not self.fp8_applies(x):
+                raise ValueError("RMSNorm: fp8 output needs the fused CUDA kernel")
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return ops.rms_norm(torch.empty(rows.shape, dtype=x.dtype, device=x.device), rows, self.weight,
+                                self.eps, fp8=True)[1]
         if self.fused:
             rows = x.reshape(-1, x.shape[-1])
             if rows.is_cuda and not rows.is_contiguous():  # the CUDA kernel takes contiguous rows
@@ -38,9 +50,14 @@ class RMSNorm(nn.Module):
             h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, fp8: bool = False) -> tuple:
         """(rms_norm(residual + x), residual + x) for x, residual [T, N]; the fused op works in place
-        (x and residual are overwritten), HF's order of roundings either way."""
+        (x and residual are overwritten), HF's order of roundings either way. fp8 (where
+        fp8_applies): the first element is the norm's per-token FP8 codes (ops.Fp8Rows)."""
+        if fp8:
+            if not self.fp8_applies(x):
+                raise ValueError("RMSNorm: fp8 output needs the fused CUDA kernel")
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, fp8=True), residual
         if self.fused:
             ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual

@@ -163,18 +163,21 @@ class DecoderLayer(nn.Module):
         added by the next norm (HF's `hidden = residual + hidden`, same rounding)."""
         T = hidden.shape[0]
         gemv = self.qkv_proj.fusions_apply(T)  # a GEMV-sized step: epilogues can be fused
+        # fp8 projections of larger steps take their input quantized by the norm (no separate kernel)
+        fp8_qkv = _takes_fp8_rows(self.qkv_proj, T) and self.input_layernorm.fp8_applies(hidden)
+        fp8_mlp = _takes_fp8_rows(self.gate_up_proj, T) and self.post_attention_layernorm.fp8_applies(hidden)
         if residual is None:
             residual = hidden
-            h = self.input_layernorm(hidden)
+            h = self.input_layernorm(hidden, fp8=fp8_qkv)
         else:
-            h, residual = self.input_layernorm.add_and_norm(hidden, residual)
+            h, residual = self.input_layernorm.add_and_norm(hidden, residual, fp8=fp8_qkv)
         if gemv and self.rope_counters is not None and cos_sin is None:
             attn = self._qkv_rope_attention(h, positions, rotary, kv_cache, meta)
         else:
             qkv = self.qkv_proj(h)
             attn = self._attention(qkv, positions, cos_sin, rotary, kv_cache, meta)
         hidden = self.o_proj(attn)
-        h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, fp8=fp8_mlp)
         if self.gate_up_paired_rows and gemv:  # SiLU(gate) * up in the GEMV's epilogue: no kernel
             act = self.gate_up_proj(h, silu_paired_rows=True, config=self.gate_up_gemv_config)
         elif self.fused:
@@ -260,6 +263,13 @@ class DecoderLayer(nn.Module):
 
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _takes_fp8_rows(proj: LinearBase, tokens: int) -> bool:
+    """Whether `proj`'s linear method wants per-token FP8 input for a step of `tokens` rows
+    (quantization/fp8.py's takes_fp8_rows)."""
+    takes = getattr(proj.quant_method, "takes_fp8_rows", None)
+    return takes is not None and takes(proj, tokens)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -73,6 +73,7 @@ class Fp8LinearMethod(LinearMethodBase):
         #: cuBLASLt's fast FP8 accumulation (Hopper's tensor-core accumulator without periodic
         #: promotion to float32): PAGEDLLM_FP8_FAST_ACCUM=1
         self.fast_accum = os.environ.get("PAGEDLLM_FP8_FAST_ACCUM", "0") == "1"
+        self.fused_quant = os.environ.get("PAGEDLLM_FP8_FUSED_QUANT", "1") != "0"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
@@ -85,6 +86,7 @@ class Fp8LinearMethod(LinearMethodBase):
         layer.fp8_weight_t = q.t()  # the same bytes as [K, N] column-major: _scaled_mm's second operand
         layer.fp8_scale = scale.view(1, n).contiguous()
         layer.fp8_scale_rows = layer.fp8_scale.view(n)
+        layer.fp8_out_dtype = weight.dtype
         bias = layer.apply_bias()
         layer.fp8_bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
         layer.out_features = n
@@ -93,6 +95,10 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None, **fusion) -> torch.Tensor:
         if fusion:
             _refuse(layer, fusion, "the fp8 GEMM")
+        if isinstance(x, ops.Fp8Rows):  # quantized by the norm before (takes_fp8_rows)
+            y = torch._scaled_mm(x.q, layer.fp8_weight_t, scale_a=x.scale, scale_b=layer.fp8_scale,
+                                 bias=layer.fp8_bias, out_dtype=layer.fp8_out_dtype, use_fast_accum=self.fast_accum)
+            return y if out is None else out.copy_(y)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] == 0:
@@ -106,6 +112,12 @@ class Fp8LinearMethod(LinearMethodBase):
                                  out_dtype=x.dtype, use_fast_accum=self.fast_accum)
         y = y.view(*shape[:-1], layer.out_features)
         return y if out is None else out.copy_(y)
+
+    def takes_fp8_rows(self, layer: nn.Module, tokens: int) -> bool:
+        """Whether apply() wants its input for a step of `tokens` rows already quantized per token
+        (ops.Fp8Rows, e.g. from the RMSNorm before it: DecoderLayer asks); off with
+        PAGEDLLM_FP8_FUSED_QUANT=0."""
+        return tokens > self.gemv_max_tokens and self.fused_quant
 
     def _gemv_applies(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and x.shape[0] <= self.gemv_max_tokens and x.dtype in (torch.bfloat16, torch.float16)
