@@ -6,6 +6,7 @@
 #     then bench/throughput_gpu.py --quantization fp8 (Llama-3-8B shape, 1,000 x 256/256, no HF).
 #   STAGE=bench: build (cached); throughput_gpu.py bf16, int4 and fp8 again, back to back (same
 #     machine session, for the comparison).
+#   STAGE=fp8: the CUDA quantization tests and the fp8 run.
 #   STAGE=all: both in one call (tests, fp8, bf16, int4). STAGE=accum: fp8, fp8 with
 #     PAGEDLLM_FP8_FAST_ACCUM=1, fp8 again (an A/B with the spread).
 #   OUT=/dir NAME=s14a STAGE=tests|bench|all bash bench/h200_quant.sh
@@ -40,6 +41,13 @@ if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
   grep -h "max |teacher-forced" tlog/quant.log | tee -a "$OUT/summary.log"
   bench fp8 --quantization fp8
   [ "$STAGE" = all ] && { bench bf16; bench int4 --quantization int4; }
+elif [ "$STAGE" = fp8 ]; then  # the CUDA quantization tests and the fp8 run alone
+  t0=$(date +%s)
+  rm -rf tlog
+  h200_tests tlog 150 "quant|tests/python/test_quantization_cuda.py -s"
+  h200_collect_tests tlog "$OUT/$NAME-tests.log" "$OUT/summary.log" "$t0"
+  grep -h "max |teacher-forced" tlog/quant.log | tee -a "$OUT/summary.log"
+  bench fp8 --quantization fp8
 elif [ "$STAGE" = accum ]; then  # A/B: cuBLASLt's fast FP8 accumulation
   bench fp8 --quantization fp8
   PAGEDLLM_FP8_FAST_ACCUM=1 bench fp8-fastaccum --quantization fp8

@@ -133,8 +133,8 @@ static void check_fp8_outputs(const char* op, const TensorView& input, const Ten
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
               std::uintptr_t stream, const TensorView* fp8_out, const TensorView* fp8_scale) {
   const char* op = "rms_norm";
+  check_fp8_outputs(op, input, fp8_out, fp8_scale);  // first: "CUDA only" before a CPU dtype message
   check_norm_args(op, input, "out", out, weight, eps);
-  check_fp8_outputs(op, input, fp8_out, fp8_scale);
   if (input.numel() == 0) return;
   if (input.device == DeviceType::kCPU) {
     cpu::rms_norm(out, input, weight, static_cast<float>(eps), get_num_threads());
@@ -154,8 +154,8 @@ void rms_norm(const TensorView& out, const TensorView& input, const TensorView& 
 void fused_add_rms_norm(const TensorView& input, const TensorView& residual, const TensorView& weight,
                         double eps, std::uintptr_t stream, const TensorView* fp8_out, const TensorView* fp8_scale) {
   const char* op = "fused_add_rms_norm";
-  check_norm_args(op, input, "residual", residual, weight, eps);
   check_fp8_outputs(op, input, fp8_out, fp8_scale);
+  check_norm_args(op, input, "residual", residual, weight, eps);
   if (input.numel() == 0) return;
   if (input.device == DeviceType::kCPU) {
     cpu::fused_add_rms_norm(input, residual, weight, static_cast<float>(eps), get_num_threads());

@@ -181,7 +181,8 @@ class DecoderLayer(nn.Module):
         if self.gate_up_paired_rows and gemv:  # SiLU(gate) * up in the GEMV's epilogue: no kernel
             act = self.gate_up_proj(h, silu_paired_rows=True, config=self.gate_up_gemv_config)
         elif self.fused:
-            act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=h.dtype, device=h.device),
+            act = ops.silu_and_mul(torch.empty((T, self.intermediate_size), dtype=residual.dtype,
+                                               device=residual.device),
                                    self.gate_up_proj(h), paired_rows=self.gate_up_paired_rows)
         else:
             gate, up = self.gate_up_proj(h).split([self.intermediate_size, self.intermediate_size], dim=-1)
