@@ -44,8 +44,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks of this host (CUDA: GPUs; CPU: processes)")
-    g.add_argument("--quantization", default=None, choices=["int8"],
-                   help="weight quantization (int8: online W8A8 on the CPU; docs/quantization.md)")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "fp8"],
+                   help="weight quantization (docs/quantization.md): int8 (CPU), int4 (CPU, CUDA), gguf (the GGUF "
+                        "file's own types, CPU), fp8 (CUDA)")
 
 
 def _sampling_options(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:

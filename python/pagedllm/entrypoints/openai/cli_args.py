@@ -25,7 +25,8 @@ _HELP = {
     "device": "auto | cpu | cuda",
     "tensor_parallel_size": "split the model over this many ranks of this host (CUDA: GPUs; CPU: processes)",
     "distributed_executor_backend": "mp (worker processes; the default with more than one rank) | uni (one rank)",
-    "quantization": "weight quantization: int8 (online, CPU: per-channel int8 weights, per-token int8 activations)",
+    "quantization": "weight quantization (docs/quantization.md): int8 (CPU), int4 (CPU, CUDA), gguf (a GGUF file's "
+                    "own types, CPU), fp8 (CUDA); a GPTQ / AWQ / compressed-tensors checkpoint needs none",
     "async_output_processing": "auto | true | false: a step's detokenization during the next step's forward pass",
     "async_scheduling": "auto | true | false: schedule and launch step N + 1 before step N's tokens are known "
                         "(auto: on CUDA)",
