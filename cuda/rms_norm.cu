@@ -8,7 +8,7 @@
 // With an FP8 output (quantization="fp8"'s next projection) the kernel also takes the row's max |y|
 // while writing y, and a third pass (each thread re-reading its own writes) stores
 // e4m3(y / s) with s = max|y| / 448 — the bytes scaled_fp8_quant would give for y (cuda/quant_ops.cu)
-// without its kernel and its read of the row.
+// without its kernel (the re-read of y comes from L1/L2, the bf16 y is still written).
 #include "layer_ops_common.cuh"
 #include "layer_ops_cuda.h"
 #include "pdl.cuh"

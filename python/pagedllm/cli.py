@@ -44,9 +44,11 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks of this host (CUDA: GPUs; CPU: processes)")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "fp8"],
+    g.add_argument("--quantization", default=None,
+                   choices=["int8", "int4", "gguf", "fp8", "gptq", "awq", "compressed-tensors"],
                    help="weight quantization (docs/quantization.md): int8 (CPU), int4 (CPU, CUDA), gguf (the GGUF "
-                        "file's own types, CPU), fp8 (CUDA)")
+                        "file's own types, CPU), fp8 (CUDA); gptq, awq, compressed-tensors: the checkpoint's own "
+                        "(read from its config.json without this flag)")
 
 
 def _sampling_options(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:

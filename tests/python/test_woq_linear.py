@@ -292,13 +292,18 @@ def test_load_layer_cuts_what_the_16_bit_loader_cuts(gen, kind):
         assert qw.source == "test"
 
 
-def test_load_layer_refuses_a_group_across_the_ranks_inputs(gen):
+def test_load_layer_splits_a_group_across_the_ranks_inputs_exactly(gen):
+    """Groups of 32 over ranks of 48 inputs: re-expressed in groups of 16 (gcd), the same weights."""
     from pagedllm.model_executor.layers.linear import RowParallelLinear
 
     make = lambda g: RowParallelLinear(96, 32, False, torch.float32, torch.device("cpu"), g)  # noqa: E731
-    layer = _rank_layers(make)[0]  # 48 inputs per rank, groups of 32
-    with pytest.raises(ValueError, match="GGUF x: quantization group of 32 inputs does not divide this rank's 48 "):
-        load_layer(layer, {None: random_qweight(gen, 32, 96, 4, 32, True)}, "GGUF x")
+    qw = random_qweight(gen, 32, 96, 4, 32, True)
+    full = qw.dequantize(torch.float64)
+    for rank, layer in enumerate(_rank_layers(make)):  # 48 inputs per rank
+        part = load_layer(layer, {None: qw}, "GGUF x")
+        assert part.group_size == 16
+        assert torch.equal(part.dequantize(torch.float64), full[:, 48 * rank:48 * (rank + 1)])
+    layer = _rank_layers(make)[0]
     with pytest.raises(ValueError, match=r"GGUF x: .*shape \(32, 64\), expected \(32, 96\)"):
         load_layer(layer, {None: random_qweight(gen, 32, 64, 4, 16, True)}, "GGUF x")
 

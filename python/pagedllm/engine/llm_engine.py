@@ -131,10 +131,10 @@ class LLMEngine:
                              f"{list(ops.SUPPORTED_HEAD_SIZES)}")
         if tp > 1:  # before any process starts
             _check_tensor_parallel(cfg, tp, self.device)
+        self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         self.gguf_file = gguf_source(args.model)
         get_quantization_config(args.quantization, cfg.quantization, self.device, self.gguf_file,
-                                cfg.quantization_config)  # ValueError before any load
-        self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
+                                cfg.quantization_config, self.dtype)  # ValueError before any load
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
         self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
         # The tokenizer (mostly Python imports) loads in a thread while the weights (native copies

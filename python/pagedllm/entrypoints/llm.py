@@ -50,8 +50,10 @@ class LLM:
       model over this many ranks of this host (heads, MLP and vocabulary; CUDA: one GPU each, NCCL;
       CPU: processes sharing the cores); rank 0 runs here, the others in worker processes
       (distributed_executor_backend "mp", the default then), so a script that builds an LLM at
-      module level needs an ``if __name__ == "__main__":`` guard. quantization: None, or "int8"
-      (CPU: the decoder projections quantized at load to per-channel int8, activations per token).
+      module level needs an ``if __name__ == "__main__":`` guard. quantization: None, "int8" (CPU),
+      "int4" (CPU; CUDA in bfloat16), "gguf" (a GGUF model's own quantized types, CPU) or "fp8"
+      (CUDA, bfloat16); a GPTQ / AWQ / compressed-tensors checkpoint is recognised from its
+      config.json (docs/quantization.md).
     Errors: ValueError naming the bad argument.
     """
 

@@ -114,7 +114,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = LlamaForCausalLM(model_config, dtype, device, max_positions=max_model_len, tp_group=self.tp)
         quant = get_quantization_config(quantization, model_config.quantization, device, gguf_file,
-                                        model_config.quantization_config)
+                                        model_config.quantization_config, dtype)
         if load_format == "dummy":
             if quant is not None and quant.from_checkpoint:
                 raise ValueError(f"load_format='dummy' cannot make {quant.name} checkpoint tensors: use a 16/32-bit "
@@ -129,8 +129,9 @@ class ModelRunner:
             before = sum(p.weight.numel() * p.weight.element_size() for p in self.model.projections())
             after = self.model.quantize_weights(quant)
             self.weight_bytes += after - before
-            logger.info("quantization %s: decoder projections %.3f GiB -> %.3f GiB; all weights now %.3f GiB",
-                        quant.describe(), before / 2**30, after / 2**30, self.weight_bytes / 2**30)
+            logger.info("quantization %s: decoder projections %.3f GiB (in %s) -> %.3f GiB; all weights now %.3f GiB",
+                        quant.describe(), before / 2**30, str(dtype).removeprefix("torch."), after / 2**30,
+                        self.weight_bytes / 2**30)
         if self.model.pack_weights():
             kind = type(self.model.lm_head.quant_method).__name__
             logger.info("projections pre-packed (bfloat16 on CPU): %s", {

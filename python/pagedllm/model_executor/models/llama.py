@@ -312,6 +312,7 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_max_tokens = gemv_max_tokens(device, dtype)
         self._fusion_fits: dict[int, tuple[bool, bool]] = {}
         self._native_applies = False  # set by pack_weights(): every projection takes the AMX kernel
+        self._quantized = False  # set by quantize_weights(): a projection has a quantized method
         self._native: _C.CpuDecoderStack | None = None
         self._native_key: tuple | None = None
         self.rotary = RotaryEmbedding(
@@ -484,10 +485,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(normed, out, config=self.lm_head_gemv_config)
 
     def _projections_unquantized(self) -> bool:
-        """Whether the decoder projections compute 16/32-bit weights (UnquantizedLinearMethod: the
-        GEMV and its epilogues); quantize_weights gives them other methods."""
-        return not self.layers or all(isinstance(getattr(self.layers[0], n).quant_method, UnquantizedLinearMethod)
-                                      for n in _PROJECTIONS)
+        """Whether every decoder projection computes 16/32-bit weights (UnquantizedLinearMethod: the
+        GEMV and its epilogues); quantize_weights gives some of them (perhaps not all: a GGUF file
+        may keep a layer in F16) other methods."""
+        return not self._quantized
 
     def _lm_head_unpacked(self) -> bool:
         return isinstance(self.lm_head.quant_method, UnquantizedLinearMethod)
@@ -604,6 +605,7 @@ class LlamaForCausalLM(nn.Module):
                 method = config.linear_method(proj, f"layers.{i}.{name}")
                 if method is not None:
                     proj.set_quant_method(method)
+                    self._quantized = True
         return sum(p.quant_method.weight_bytes(p) for p in self.projections())
 
     # ---- weights ---------------------------------------------------------------------------

@@ -40,6 +40,9 @@ QUANTIZATION_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]
     "fp8": (Fp8Config, ("cuda",)),
 }
 
+#: the activation dtype a method computes with on CUDA (tinygemm and the FP8 kernels: bfloat16)
+CUDA_DTYPES: dict[str, torch.dtype] = {"int4": torch.bfloat16, "fp8": torch.bfloat16}
+
 #: quant_method of a checkpoint's quantization_config -> (config class with from_config(dict), devices)
 CHECKPOINT_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] = {
     "gptq": (GPTQConfig, ("cpu",)),
@@ -49,13 +52,14 @@ CHECKPOINT_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] 
 
 
 def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str], device: torch.device,
-                            gguf_file: Optional[Path] = None,
-                            checkpoint_config: Optional[dict] = None) -> Optional[QuantizationConfig]:
+                            gguf_file: Optional[Path] = None, checkpoint_config: Optional[dict] = None,
+                            dtype: Optional[torch.dtype] = None) -> Optional[QuantizationConfig]:
     """The QuantizationConfig for LLM(quantization=name) over a checkpoint quantized with
     checkpoint_method (config.json's quantization_config.quant_method, or None; checkpoint_config:
     that whole dict); gguf_file: the GGUF file the model came from (None for a Hugging Face
-    folder). None for plain 16/32-bit weights. ValueError for an unsupported name, checkpoint
-    format, or device, or a name that contradicts the checkpoint's."""
+    folder); dtype: the model's (checked where a method takes one only). None for plain 16/32-bit
+    weights. ValueError for an unsupported name, checkpoint format, device or dtype, or a name that
+    contradicts the checkpoint's."""
     supported = list(QUANTIZATION_METHODS)
     if checkpoint_method is not None:
         formats = list(CHECKPOINT_METHODS)
@@ -72,11 +76,20 @@ def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str
         return cls.from_config(checkpoint_config or {"quant_method": checkpoint_method})
     if name is None:
         return None
+    if name in CHECKPOINT_METHODS:
+        raise ValueError(f"quantization={name!r} is a checkpoint format, read from a checkpoint whose config.json "
+                         f"says so (quantization_config.quant_method); this checkpoint is not quantized: use one "
+                         f"of {supported} (or None)")
     if name not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization={name!r} is not supported: use one of {supported} (or None)")
+        raise ValueError(f"quantization={name!r} is not supported: use one of {supported} (or None); checkpoint "
+                         f"formats {list(CHECKPOINT_METHODS)} are read from the checkpoint")
     cls, devices = QUANTIZATION_METHODS[name]
     if device.type not in devices:
         raise ValueError(f"quantization={name!r} runs on {', '.join(devices)} so far, not on {device.type}")
+    wanted = CUDA_DTYPES.get(name)
+    if device.type == "cuda" and wanted is not None and dtype is not None and dtype != wanted:
+        raise ValueError(f"quantization={name!r} on cuda computes with {str(wanted).removeprefix('torch.')} "
+                         f"activations, got dtype={str(dtype).removeprefix('torch.')}: pass dtype='bfloat16'")
     if cls is GGUFConfig:
         return GGUFConfig(gguf_file)
     return cls()

@@ -18,6 +18,9 @@ torch path of ``forward``; the same in GPTQ-for-LLaMa, GPTQModel, transformers/o
 where the zero point z is the stored value plus 1 in the classic format (``checkpoint_format``
 "gptq", the default: AutoGPTQ's pack stores ``zeros - 1`` and its forward adds the 1 back) and the
 stored value itself in GPTQModel's "gptq_v2". Symmetric checkpoints have z = 2^(b-1) everywhere.
+A classic-format stored zero of 2^b - 1 gives z = 2^b here (as vLLM's GPTQ kernels compute it);
+AutoGPTQ's torch forward masks it to 0 instead. Only a true zero point of 0 is stored so, and
+AutoGPTQ's own pack cannot write it (its - 1 underflows into the neighbouring field).
 
 Supported: bits 4 and 8, any group_size dividing K (-1: one group per row, "per channel"),
 symmetric or not, desc_act false, both checkpoint formats. Refused (ValueError naming the value):

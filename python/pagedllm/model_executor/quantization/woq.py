@@ -104,19 +104,24 @@ def common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     return [p.with_form(bits, group, with_min) for p in parts]
 
 
+def fit_group(qw: QuantizedWeight, inputs: int) -> QuantizedWeight:
+    """qw with a group that divides `inputs` (a rank's slice of K), the scale repeated: exact."""
+    g = math.gcd(qw.group_size, inputs)
+    return qw if g == qw.group_size else qw.with_form(qw.bits, g, qw.min is not None)
+
+
 def load_layer(layer: nn.Module, parts: dict, what: str) -> QuantizedWeight:
     """This rank's QuantizedWeight of `layer` (a LinearBase) from the checkpoint's whole parts
     {shard_id: QuantizedWeight} (shard_id None for an unfused layer), cut and stacked by the layer's
-    own weight_loader exactly as a 16/32-bit weight would be. ValueError when a group straddles
-    this rank's input slice or a part's shape is wrong."""
+    own weight_loader exactly as a 16/32-bit weight would be; a group that this rank's input slice
+    would split is re-expressed with a smaller one first (fit_group). ValueError when a part's
+    shape is wrong."""
     keys = list(parts)
-    formed = dict(zip(keys, common_form([parts[k] for k in keys])))
+    inputs = layer.input_size_per_partition
+    formed = dict(zip(keys, common_form([fit_group(parts[k], inputs) for k in keys])))
     first = formed[keys[0]]
     bits, group, with_min = first.bits, first.group_size, first.min is not None
     out_pp, in_pp = layer.output_size_per_partition, layer.input_size_per_partition
-    if in_pp % group:
-        raise ValueError(f"{what}: quantization group of {group} inputs does not divide this rank's "
-                         f"{in_pp} inputs (tensor_parallel_size={layer.tp.world_size})")
     codes = torch.empty((out_pp, in_pp), dtype=first.codes.dtype)
     scale = torch.empty((out_pp, in_pp // group), dtype=torch.float32)
     mn = torch.empty_like(scale) if with_min else None

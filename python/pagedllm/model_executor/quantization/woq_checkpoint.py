@@ -15,13 +15,12 @@ linear method. A fused projection (qkv, gate_up) whose parts are partly quantize
 naming them, as in vLLM.
 
 Each rank converts whole modules and cuts its slice with the layer's own weight_loader
-(woq.load_layer). A group that a row-parallel rank's slice splits (per-channel scales, or group 128
-over a 64-input slice) is re-expressed exactly with a smaller group first (the scale repeated).
+(woq.load_layer, which also re-expresses a group that a row-parallel rank's slice splits (per-channel scales, or group 128
+over a 64-input slice) exactly with a smaller group, the scale repeated).
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Optional
 
@@ -91,12 +90,6 @@ def check_trivial_g_idx(module: str, g_idx: Optional[torch.Tensor], k: int, grou
                          "activation order (desc_act / actorder), which pagedllm does not load")
 
 
-def fit_group(qw: QuantizedWeight, inputs: int) -> QuantizedWeight:
-    """qw with a group that divides `inputs` (a rank's slice of K), the scale repeated: exact."""
-    g = math.gcd(qw.group_size, inputs)
-    return qw if g == qw.group_size else qw.with_form(qw.bits, g, qw.min is not None)
-
-
 class CheckpointWoqConfig(QuantizationConfig):
     """A checkpoint-quantized weight-only format (module docstring). Subclasses set ``name``,
     ``leaves`` and ``convert``, and may widen ``claims``."""
@@ -153,12 +146,11 @@ class CheckpointWoqConfig(QuantizationConfig):
             dense = [m for _, m in parts if m not in self._modules]
             raise ValueError(f"{self.name} checkpoint: {', '.join(quantized)} quantized but {', '.join(dense)} "
                              f"not: the parts of the fused {proj} must all be quantized or all 16/32-bit")
-        inputs = layer.input_size_per_partition
         converted = {}
         for shard, module in parts:
             qw = self.convert(module, self._modules.pop(module))
             self.forms[(qw.bits, qw.group_size)] = self.forms.get((qw.bits, qw.group_size), 0) + 1
-            converted[shard] = fit_group(qw, inputs)
+            converted[shard] = qw
         return WoqLinearMethod(load_layer(layer, converted, f"{self.name} {prefix}"))
 
     def describe_forms(self) -> str:

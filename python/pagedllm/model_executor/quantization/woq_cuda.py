@@ -4,7 +4,8 @@ and a group of 32, 64, 128 or 256 inputs, computed by PyTorch's int4 "tinygemm" 
 the kernel torchao's int4 weight-only scheme runs) for steps of at most TINYGEMM_MAX_TOKENS rows,
 and above that by dequantizing the weight to bfloat16 and one cuBLAS GEMM (F.linear), which is
 compute-bound there anyway (pagedllm.ops.int4_dequantize: one kernel, the bfloat16 weight
-written once per call).
+written once per call). The codes are held twice, in tinygemm's tiles and plainly for the
+dequantizing kernel: one byte per weight (weight_bytes counts both).
 
 tinygemm computes w = (q - 8) * scale + zero with bfloat16 scale and zero per (group, output):
 a QuantizedWeight's w = s q + m is s (q - 8) + (m + 8 s), so zero = m + 8 s, both rounded to
@@ -94,5 +95,6 @@ class TinyGemmInt4LinearMethod(LinearMethodBase):
 
     @staticmethod
     def weight_bytes(layer: nn.Module) -> int:
-        return sum(t.numel() * t.element_size() for t in (layer.int4_packed, layer.int4_scale_zero, layer.int4_bias)
+        return sum(t.numel() * t.element_size()
+                   for t in (layer.int4_packed, layer.int4_nibbles, layer.int4_scale_zero, layer.int4_bias)
                    if t is not None)
