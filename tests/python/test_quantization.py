@@ -171,6 +171,15 @@ def test_unsupported_methods_checkpoints_and_devices_are_named(tmp_path, monkeyp
         LLM(str(folder), device="cpu", quantization="bitsandbytes")
     with pytest.raises(ValueError, match="quantization='int8' runs on cpu so far, not on cuda"):
         get_quantization_config("int8", None, torch.device("cuda"))
+    for name in ("fp8", "int4"):  # CUDA kernels of bfloat16 activations: the dtype is checked before loading
+        with pytest.raises(ValueError, match=f"quantization='{name}' on cuda computes with bfloat16 activations, "
+                                             "got dtype=float16"):
+            get_quantization_config(name, None, torch.device("cuda"), dtype=torch.float16)
+        assert get_quantization_config(name, None, torch.device("cuda"), dtype=torch.bfloat16).name == name
+    with pytest.raises(ValueError, match="quantization='awq' is a checkpoint format.*this checkpoint is not quantized"):
+        LLM(str(folder), device="cpu", quantization="awq")
+    with pytest.raises(ValueError, match='quantization="gguf" needs a GGUF model'):
+        LLM(str(folder), device="cpu", quantization="gguf")
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
