@@ -235,3 +235,221 @@ def test_int4_model_equals_the_model_of_its_dequantized_weights(tmp_path, arch, 
     print(f"int4 {arch}: max |dlogit| vs the dequantized-weight model {dev:.2e}")
     assert dev < 1e-4
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+# ---------------------------------------------------------------- mixed GGUF types in one model
+# Real Q4_K_M files keep attn_v / ffn_down in Q6_K while q / k are Q4_K: one fused projection's
+# parts then come in different types and woq.common_form re-expresses them inside load_layer. The
+# bundled file is all Q4_1, so the test swaps some of its tensors (GGUFConfig._tensors) for
+# re-encodings of the same weights: K-quants only where in_features % 256 == 0 (ffn_down, 1536).
+
+class _StandIn:
+    """What GGUFConfig reads of a gguf.ReaderTensor: name, tensor_type, shape ([in, out]) and data
+    (uint8 [out, bytes per row])."""
+
+    def __init__(self, name: str, qtype, data):
+        import gguf
+        import numpy as np
+
+        self.name, self.tensor_type, self.data = name, qtype, np.ascontiguousarray(data, dtype=np.uint8)
+        values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        self.shape = np.array([self.data.shape[1] // nbytes * values, self.data.shape[0]])
+
+
+def _f16_bytes(x):
+    import numpy as np
+
+    return np.asarray(x, dtype=np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _round_div(x, step):
+    import numpy as np
+
+    return np.where(step != 0, np.round(x / np.where(step != 0, step, 1)), 0)
+
+
+def quantize_q6_k(w):
+    """Round-to-nearest Q6_K blocks (uint8 [rows, K / 256 * 210]) of float32 w [rows, K], in
+    ggml-common.h's block_q6_K layout: ql[128], qh[64], int8 scales[16], d. Value 128 h + 32 r + l
+    (half h, run r < 4, l < 32) has its low 4 bits in ql[64 h + 32 (r & 1) + l] (high nibble for
+    r >= 2), its top 2 bits at bit 2 r of qh[32 h + l]; sub-block of 16 j: w = d sc_j (q - 32)."""
+    import numpy as np
+
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    s = np.abs(x).max(-1) / 31
+    d = (s.max(-1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
+    sc = _round_div(s, d).clip(-128, 127).astype(np.int8)
+    q = (_round_div(x, (d * sc)[..., None]) + 32).clip(0, 63).astype(np.uint8).reshape(-1, 2, 4, 32)
+    lo, hi = q & 15, q >> 4
+    ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=-1)
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    n = q.shape[0]
+    blocks = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), _f16_bytes(d)], axis=-1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def quantize_q4_k(w):
+    """Round-to-nearest Q4_K blocks (uint8 [rows, K / 256 * 144]): d, dmin, scales[12] (6-bit sc_j
+    and m_j of the 8 sub-blocks of 32: j < 4 in the low 6 bits of bytes j and 4 + j, j >= 4 as the
+    nibbles of byte 4 + j with their top 2 bits in bytes j - 4 and j), qs[128] (value 64 c + 32 h + l
+    in nibble h of qs[32 c + l]); w = d sc_j q - dmin m_j."""
+    import numpy as np
+
+    x = w.reshape(-1, 8, 32).astype(np.float32)
+    lo, hi = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
+    s, mn = (hi - lo) / 15, -lo
+    d = (s.max(-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+    dmin = (mn.max(-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+    sc = _round_div(s, d).clip(0, 63).astype(np.uint8)
+    m = _round_div(mn, dmin).clip(0, 63).astype(np.uint8)
+    q = _round_div(x + (dmin * m)[..., None], (d * sc)[..., None]).clip(0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=-1)
+    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=-1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def _hf_rows(w, n_head: int):
+    """llama.cpp's q / k row order -> Hugging Face's (transformers' reverse permutation): per head
+    of D rows, HF row j D/2 + i is GGUF row 2 i + j."""
+    rows, k = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, k).transpose(0, 2, 1, 3).reshape(rows, k)
+
+
+#: (layer, GGUF tensor) -> the type the test re-encodes it in
+_MIXED = {
+    (0, "attn_v"): "Q8_0",    # qkv: Q4_1 + Q4_1 + Q8_0 -> 8-bit codes, group 32, a min
+    (1, "attn_k"): "Q8_0",    # k (row-permuted in the file) 8-bit, q / v Q4_1
+    (1, "ffn_down"): "Q6_K",  # 8-bit codes, group 16, no min
+    (2, "ffn_gate"): "Q4_0",  # gate_up: Q4_0 + Q4_1 -> 4-bit, group 32, a (-8 d) min
+    (2, "ffn_down"): "Q4_K",  # 4-bit, group 32, d sc_j / -dmin m_j
+}
+
+
+def _mixed_gguf_config():
+    """GGUFConfig over the bundled file with the _MIXED tensors re-encoded from their dequantized
+    weights (GGUF row order), and {(layer, tensor): the new tensor's weight in HF row order, from
+    the gguf package's own dequantizer}. Each re-encoding is checked against the original (it is
+    the same weight to the format's precision) before use."""
+    import gguf
+    import numpy as np
+
+    from pagedllm.model_executor.loader import bundled_gguf_path
+    from pagedllm.model_executor.quantization.gguf import GGUFConfig
+
+    T = gguf.GGMLQuantizationType
+    encoders = {"Q8_0": lambda w: gguf.quants.quantize(w, T.Q8_0), "Q4_0": lambda w: gguf.quants.quantize(w, T.Q4_0),
+                "Q6_K": quantize_q6_k, "Q4_K": quantize_q4_k}
+    tolerance = {"Q8_0": 1 / 200, "Q4_0": 1 / 7, "Q6_K": 1 / 50, "Q4_K": 1 / 12}  # max |dw| / max |w| of a row
+    cfg = GGUFConfig(bundled_gguf_path())
+    tensors = dict(cfg._tensors)
+    heads = {"attn_q": 9, "attn_k": 3}  # SmolLM2-135M
+    reference = {}
+    for (i, gname), kind in _MIXED.items():
+        name = f"blk.{i}.{gname}.weight"
+        old = tensors[name]
+        assert old.tensor_type == T.Q4_1 and int(old.shape[0]) % gguf.GGML_QUANT_SIZES[T[kind]][0] == 0
+        w = gguf.quants.dequantize(old.data, old.tensor_type)                  # [out, in], GGUF row order
+        new = _StandIn(name, T[kind], encoders[kind](w))
+        assert tuple(new.shape) == tuple(old.shape) and new.data.shape[0] == old.data.shape[0]
+        w_new = gguf.quants.dequantize(new.data, new.tensor_type)
+        rel = np.abs(w_new - w).max(-1) / np.abs(w).max(-1)
+        assert rel.max() < tolerance[kind] and not np.array_equal(w_new, w), (name, kind, rel.max())
+        tensors[name] = new
+        reference[i, gname] = torch.from_numpy(_hf_rows(w_new, heads[gname]) if gname in heads else w_new)
+    cfg.__dict__["_tensors"] = tensors  # the cached_property's value: linear_method reads these
+    return cfg, reference
+
+
+def test_q4_k_and_q6_k_test_encoders_decode_with_the_gguf_package_and_pagedllm_alike():
+    """The test's own K-quant encoders give blocks that gguf.quants.dequantize and decode_gguf read
+    as the same weight, close to the encoded one (zero and min-free sub-blocks included)."""
+    import gguf
+    import numpy as np
+
+    from pagedllm.model_executor.quantization.gguf import decode_gguf
+
+    g = np.random.default_rng(0)
+    w = (g.standard_normal((32, 512)) * np.exp(g.standard_normal((32, 1)))).astype(np.float32)
+    w[3, 16:32] = 0  # an all-zero sub-block
+    w[4] = np.abs(w[4])  # no negative value: Q4_K's min is 0
+    for kind, enc, bound in (("Q6_K", quantize_q6_k, 1 / 50), ("Q4_K", quantize_q4_k, 1 / 12)):
+        blocks = enc(w)
+        ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
+        assert (np.abs(ref - w).max(-1) / np.abs(w).max(-1)).max() < bound, kind
+        assert torch.equal(decode_gguf(kind, blocks, 512).dequantize(), torch.from_numpy(ref)), kind
+
+
+@pytest.mark.slow
+def test_gguf_mixed_types_in_fused_projections_equal_the_dequantized_model():
+    """A model whose fused projections mix GGUF types (q / k Q4_1 + v Q8_0; q / v Q4_1 + a
+    row-permuted k Q8_0; gate Q4_0 + up Q4_1) and whose down_proj holds Q6_K / Q4_K, computed by
+    the weight-only kernel, against the float32 model of the weights those tensors dequantize to
+    (the gguf package's dequantizers, q / k rows un-permuted here): teacher-forced logprobs within
+    TOL; the parts went through common_form (8-bit codes where one part had them)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model_executor.quantization.woq import WoqLinearMethod
+
+    cfg, reference = _mixed_gguf_config()
+    kw = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len=256)
+    llms = []
+    try:
+        llms = [LLM(**kw), LLM(**kw)]
+        quant_llm, ref_llm = llms
+        ref = ref_llm.llm_engine.runner.model
+        outs = ref_llm.generate(PROMPTS[:6], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                use_tqdm=False)
+        seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+        plain = teacher_forced(ref_llm, seqs)  # the unmodified dequantized model
+        # the reference: the re-encoded tensors' weights in their rows of the fused projections
+        q_rows, kv_rows, inter = 576, 192, 1536
+        rows = {"attn_q": ("qkv_proj", 0), "attn_k": ("qkv_proj", q_rows), "attn_v": ("qkv_proj", q_rows + kv_rows),
+                "ffn_gate": ("gate_up_proj", 0), "ffn_up": ("gate_up_proj", inter), "ffn_down": ("down_proj", 0)}
+        with torch.no_grad():
+            for (i, gname), w in reference.items():
+                proj, start = rows[gname]
+                weight = getattr(ref.layers[i], proj).weight
+                assert weight.dtype == torch.float32 and weight.shape[1] == w.shape[1]
+                before = weight[start:start + w.shape[0]].clone()
+                weight[start:start + w.shape[0]] = w
+                assert not torch.equal(before, w)
+        # what the engine builds for each changed projection dequantizes to the reference exactly
+        # (a second config: linear_method counts the types it reads)
+        check, _ = _mixed_gguf_config()
+        for i, proj in {(i, rows[g][0]) for i, g in reference}:
+            qw = check.linear_method(getattr(ref.layers[i], proj), f"layers.{i}.{proj}").qweight
+            assert torch.equal(qw.dequantize(), getattr(ref.layers[i], proj).weight), (i, proj)
+
+        model = quant_llm.llm_engine.runner.model
+        model.quantize_weights(cfg)
+        forms = {}
+        for i, layer in enumerate(model.layers):
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                p = getattr(layer, name)
+                assert isinstance(p.quant_method, WoqLinearMethod) and p.weight is None, (i, name)
+                qw = p.quant_method.qweight
+                forms[i, name] = (qw.bits, qw.group_size, qw.min is not None, qw.source)
+        mixed = {
+            (0, "qkv_proj"): (8, 32, True, "Q4_1+Q8_0"),
+            (1, "qkv_proj"): (8, 32, True, "Q4_1+Q8_0"),
+            (1, "down_proj"): (8, 16, False, "Q6_K"),
+            (2, "gate_up_proj"): (4, 32, True, "Q4_0+Q4_1"),
+            (2, "down_proj"): (4, 32, True, "Q4_K"),
+        }
+        for key, form in forms.items():
+            assert form == mixed.get(key, (4, 32, True, "Q4_1")), (key, form)
+        n = len(model.layers)
+        assert cfg.types == {"Q4_1": 7 * n - 5, "Q8_0": 2, "Q6_K": 1, "Q4_0": 1, "Q4_K": 1}
+
+        forced = {"gguf": teacher_forced(quant_llm, seqs), "ref": teacher_forced(ref_llm, seqs)}
+    finally:
+        for llm in llms:
+            llm.shutdown()
+    dev = max_deviation(forced["gguf"], forced["ref"])
+    moved = max_deviation(forced["ref"], plain)
+    print(f"mixed GGUF types (Q4_1 + Q8_0 qkv, Q4_0 + Q4_1 gate_up, Q6_K / Q4_K down): teacher-forced max "
+          f"|dlogprob| {dev:.2e} vs its dequantized weights over {sum(map(len, plain))} positions; the "
+          f"re-encoding moved the reference {moved:.2e} from the unmodified model")
+    assert dev < TOL
+    assert moved > 10 * TOL  # the swapped tensors matter: a path that ignored them would fail
