@@ -483,8 +483,9 @@ def test_model_loads_a_dense_module_and_refuses_a_partly_quantized_projection(tm
     ("awq", {"bits": 8}, r"AWQ bits=8 is not supported: supported bits are \[4\]"),
     ("awq", {"w_bit": 4, "zero_point": False}, r"zero_point=False .* supported zero_point=True"),
     ("awq", {"version": "GEMV"}, r"version='GEMV' .* \['gemm'\]"),
-    ("compressed-tensors", {"format": "float-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
-        "num_bits": 8, "type": "float", "strategy": "channel"}}}}, r"type='float' .* supported 'int'"),
+    ("compressed-tensors", {"format": "nvfp4-pack-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}},
+     r"type='float' .* supported 'int'"),
     ("compressed-tensors", {"format": "int-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
         "num_bits": 8, "strategy": "channel"}, "input_activations": {"num_bits": 8, "dynamic": True,
                                                                     "strategy": "token"}}}}, r"input_activations="),

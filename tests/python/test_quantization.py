@@ -184,7 +184,7 @@ def test_unsupported_methods_checkpoints_and_devices_are_named(tmp_path, monkeyp
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"quantized with 'bitsandbytes'.*supported checkpoint formats are "
-                                         r"\['gptq', 'awq', 'compressed-tensors'\]"):
+                                         r"\['gptq', 'awq', 'compressed-tensors', 'fp8'\]"):
         LLM(str(folder), device="cpu")
     # a supported format with an unsupported setting (test_quant_checkpoints.py has the others)
     config["quantization_config"] = {"quant_method": "gptq", "bits": 3, "group_size": 128}

@@ -27,6 +27,7 @@ from pagedllm.model_executor.quantization.awq import AWQConfig
 from pagedllm.model_executor.quantization.base import QuantizationConfig
 from pagedllm.model_executor.quantization.compressed_tensors import CompressedTensorsConfig
 from pagedllm.model_executor.quantization.fp8 import Fp8Config
+from pagedllm.model_executor.quantization.fp8_checkpoint import Fp8CheckpointConfig, _Fp8CheckpointBase
 from pagedllm.model_executor.quantization.gguf import GGUFConfig
 from pagedllm.model_executor.quantization.gptq import GPTQConfig
 from pagedllm.model_executor.quantization.int4 import Int4Config
@@ -48,6 +49,7 @@ CHECKPOINT_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] 
     "gptq": (GPTQConfig, ("cpu",)),
     "awq": (AWQConfig, ("cpu",)),
     "compressed-tensors": (CompressedTensorsConfig, ("cpu",)),
+    "fp8": (Fp8CheckpointConfig, ("cuda", "cpu")),
 }
 
 
@@ -71,12 +73,18 @@ def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str
             raise ValueError(f"quantization={name!r} contradicts the checkpoint, which is quantized with "
                              f"{checkpoint_method!r}: pass quantization=None or {checkpoint_method!r}")
         cls, devices = CHECKPOINT_METHODS[checkpoint_method]
+        config = cls.from_config(checkpoint_config or {"quant_method": checkpoint_method})
+        devices = getattr(config, "devices", devices)  # (compressed-tensors FP8 runs where fp8 does)
         if device.type not in devices:
-            raise ValueError(f"{checkpoint_method!r} checkpoints run on {', '.join(devices)} so far, not on {device.type}")
-        return cls.from_config(checkpoint_config or {"quant_method": checkpoint_method})
+            raise ValueError(f"{checkpoint_method!r} checkpoints run on {', '.join(devices)} so far, not on "
+                             f"{device.type}")
+        if device.type == "cuda" and isinstance(config, _Fp8CheckpointBase) and dtype not in (None, torch.bfloat16):
+            raise ValueError(f"FP8 checkpoints on cuda compute with bfloat16 activations, got "
+                             f"dtype={str(dtype).removeprefix('torch.')}: pass dtype='bfloat16'")
+        return config
     if name is None:
         return None
-    if name in CHECKPOINT_METHODS:
+    if name in CHECKPOINT_METHODS and name not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={name!r} is a checkpoint format, read from a checkpoint whose config.json "
                          f"says so (quantization_config.quant_method); this checkpoint is not quantized: use one "
                          f"of {supported} (or None)")

@@ -132,7 +132,8 @@ def _check_weights(group: str, args) -> None:
                          "loads weight-quantized schemes (W4A16, W8A16)")
     where = f"config group {group!r} weights"
     if args.get("type", "int") != "int":
-        raise _refuse(f"{where} type", args.get("type"), "'int' (FP8 / FP4 weights run on the CUDA path)")
+        raise _refuse(f"{where} type", args.get("type"), "'int', or 'float' with 8 bits (FP8: fp8_checkpoint.py); "
+                      "FP4 weights are not loaded")
     if args.get("num_bits", 8) not in SUPPORTED_BITS:
         raise _refuse(f"{where} num_bits", args.get("num_bits"), list(SUPPORTED_BITS))
     strategy = args.get("strategy") or {None: "tensor", -1: "channel"}.get(args.get("group_size"), "group")
@@ -145,6 +146,49 @@ def _check_weights(group: str, args) -> None:
     if args.get("actorder") not in _STATIC_ACTORDER:
         raise _refuse(f"{where} actorder", args.get("actorder"), "None or 'weight' (activation order 'group' "
                       "permutes the inputs by g_idx)")
+
+
+def _is_fp8(args) -> bool:
+    return bool(args) and args.get("type") == "float" and args.get("num_bits") == 8
+
+
+def _fp8_config(config: dict, groups: dict, fp8: list[str]):
+    """The CompressedTensorsFp8Config of a checkpoint whose config groups are all FP8 weights."""
+    from pagedllm.model_executor.quantization.fp8_checkpoint import CompressedTensorsFp8Config
+
+    if len(fp8) != len(groups):
+        raise _refuse("config groups mixing FP8 and integer weights", sorted(groups), "all FP8 or all integer")
+    blocks = set()
+    for gname in fp8:
+        w = groups[gname]["weights"]
+        fmt = groups[gname].get("format") or config.get("format")
+        if fmt not in ("float-quantized", "naive-quantized", None):
+            raise _refuse(f"config group {gname!r} format", fmt, "'float-quantized' for FP8 weights")
+        strategy = w.get("strategy") or "tensor"
+        if strategy not in ("tensor", "channel", "block"):
+            raise _refuse(f"config group {gname!r} FP8 weights strategy", strategy, ["tensor", "channel", "block"])
+        if w.get("dynamic", False) not in (False, None):
+            raise _refuse(f"config group {gname!r} FP8 weights dynamic", w.get("dynamic"), "False")
+        if strategy == "block":
+            block = w.get("block_structure")
+            if not (isinstance(block, (list, tuple)) and len(block) == 2):
+                raise _refuse(f"config group {gname!r} block_structure", block, "[rows, columns], e.g. [128, 128]")
+            blocks.add((int(block[0]), int(block[1])))
+        acts = groups[gname].get("input_activations")
+        if acts and not _is_fp8(acts):
+            raise _refuse(f"config group {gname!r} input_activations", acts, "FP8 (type 'float', 8 bits) or None")
+        if groups[gname].get("output_activations"):
+            raise _refuse(f"config group {gname!r} output_activations", groups[gname]["output_activations"], "None")
+    if len(blocks) > 1:
+        raise _refuse("FP8 block structures", sorted(blocks), "one for all groups")
+    ignore = list(config.get("ignore") or [])
+
+    def matches(module: str) -> bool:
+        name = f"model.{module}"
+        return not any(_matches(name, t) for t in ignore) and any(
+            _matches(name, t) for g in fp8 for t in groups[g].get("targets", []))
+
+    return CompressedTensorsFp8Config(matches, next(iter(blocks)) if blocks else None)
 
 
 def _matches(name: str, target: str) -> bool:
@@ -165,7 +209,7 @@ class CompressedTensorsConfig(CheckpointWoqConfig):
         self.groups, self.formats, self.ignore = groups, formats, ignore
 
     @classmethod
-    def from_config(cls, config: dict) -> "CompressedTensorsConfig":
+    def from_config(cls, config: dict):
         """From config.json's quantization_config; ValueError naming an unsupported value and what is
         supported."""
         status = config.get("quantization_status", "compressed")
@@ -177,6 +221,9 @@ class CompressedTensorsConfig(CheckpointWoqConfig):
         groups = config.get("config_groups") or {}
         if not groups:
             raise ValueError("compressed-tensors quantization_config has no config_groups: nothing is quantized")
+        fp8 = [g for g, grp in groups.items() if _is_fp8(grp.get("weights"))]
+        if fp8:  # FP8 W8A8 / W8A16: the fp8 linear method (fp8_checkpoint.py)
+            return _fp8_config(config, groups, fp8)
         top = config.get("format")
         formats = {}
         for gname, group in groups.items():

@@ -4,7 +4,9 @@ quantizes its activations per token (dynamic scales) and multiplies with torch._
 (cuBLASLt FP8 GEMM, row-wise scaling), bias and the bf16 output fused into the GEMM's epilogue;
 steps of at most 8 rows (decode) instead read the FP8 weight in a GEMV of their own
 (pagedllm.ops.fp8_gemv) with the activations unquantized (W8A16), which reads the weight at the
-memory's speed where the GEMM at a few rows does not:
+memory's speed where the GEMM at a few rows does not. On the CPU (FP8 checkpoints there:
+fp8_checkpoint.py) the weight is dequantized per call and multiplied in the model dtype — correct,
+not fast:
 
     s_w[n] = max_k |w[n, k]| / 448,   w_q = e4m3(w / s_w)          (once, at load)
     s_x[m] = max_k |x[m, k]| / 448,   x_q = e4m3(x / s_x)          (every call)
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import ops
@@ -66,7 +69,10 @@ class Fp8LinearMethod(LinearMethodBase):
     FP8_GEMV_TOKENS; PAGEDLLM_FP8_GEMV_MAX_TOKENS overrides, 0 turns it off) run the weight-only
     GEMV instead (pagedllm.ops.fp8_gemv: W8A16, the activations as they are)."""
 
-    def __init__(self):
+    def __init__(self, prequantized: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """prequantized: (float8_e4m3fn codes [N, K], float32 scale [N]) of this rank, from an FP8
+        checkpoint (fp8_checkpoint.py); None quantizes the loaded 16-bit weight."""
+        self.prequantized = prequantized
         env = os.environ.get("PAGEDLLM_FP8_GEMV_MAX_TOKENS")
         limit = int(env) if env not in (None, "") else FP8_GEMV_TOKENS
         self.gemv_max_tokens = max(0, min(limit, ops.FP8_GEMV_MAX_TOKENS))
@@ -81,7 +87,14 @@ class Fp8LinearMethod(LinearMethodBase):
         if n % 16 or k % 16:
             raise ValueError(f"fp8 quantization of {type(layer).__name__}: needs in_features and out_features that "
                              f"are multiples of 16, got [{n}, {k}]")
-        q, scale = quantize_fp8_rows(weight.detach())
+        if self.prequantized is not None:
+            q, scale = (t.to(weight.device) for t in self.prequantized)
+            if tuple(q.shape) != (n, k) or tuple(scale.shape) != (n,):
+                raise ValueError(f"{type(layer).__name__}: FP8 weight {tuple(q.shape)} / scale {tuple(scale.shape)} do "
+                                 f"not match the layer's [{n}, {k}]")
+            self.prequantized = None
+        else:
+            q, scale = quantize_fp8_rows(weight.detach())
         layer.fp8_weight = q  # [N, K] row-major: the GEMV's
         layer.fp8_weight_t = q.t()  # the same bytes as [K, N] column-major: _scaled_mm's second operand
         layer.fp8_scale = scale.view(1, n).contiguous()
@@ -103,6 +116,8 @@ class Fp8LinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] == 0:
             y = x2.new_empty((0, layer.out_features))
+        elif not x2.is_cuda:  # the CPU has no FP8 arithmetic: weight-only, the weight dequantized per call
+            y = F.linear(x2, self.dequantized_weight(layer).to(x2.dtype), layer.fp8_bias)
         elif self._gemv_applies(x2):  # a decode-sized step: the weight-only GEMV (no activation quantization)
             y = ops.fp8_gemv(x2 if x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 else x2.contiguous(),
                              layer.fp8_weight, layer.fp8_scale_rows, layer.fp8_bias)

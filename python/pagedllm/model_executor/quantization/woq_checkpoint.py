@@ -149,12 +149,21 @@ class CheckpointWoqConfig(QuantizationConfig):
         converted = {}
         for shard, module in parts:
             qw = self.convert(module, self._modules.pop(module))
-            self.forms[(qw.bits, qw.group_size)] = self.forms.get((qw.bits, qw.group_size), 0) + 1
+            form = self.form_of(qw)
+            self.forms[form] = self.forms.get(form, 0) + 1
             converted[shard] = qw
-        return WoqLinearMethod(load_layer(layer, converted, f"{self.name} {prefix}"))
+        return self.build_method(layer, converted, f"{self.name} {prefix}")
+
+    def form_of(self, converted) -> tuple:
+        """A converted part's form, counted for describe() ((bits, group_size) here)."""
+        return (converted.bits, converted.group_size)
+
+    def build_method(self, layer: nn.Module, parts: dict, what: str) -> LinearMethodBase:
+        """The linear method of `layer` from its converted parts {shard_id: convert()'s result}."""
+        return WoqLinearMethod(load_layer(layer, parts, what))
 
     def describe_forms(self) -> str:
         """"4-bit group 128 x14, 8-bit per channel x2" over the parts converted so far."""
         if not self.forms:
             return "no parts converted yet"
-        return ", ".join(f"{b}-bit group {g} x{n}" for (b, g), n in sorted(self.forms.items()))
+        return ", ".join(f"{b}-bit group {g} x{n}" for (b, g), n in sorted(self.forms.items(), key=str))
