@@ -10,6 +10,14 @@ PAGEDLLM_BINDING(cpu_woq_linear, m) {
   m.def("woq_pack_weight", &pagedllm::woq_pack_weight, py::arg("packed"), py::arg("codes"), py::arg("bits"),
         py::call_guard<py::gil_scoped_release>(),
         "packed [N/16, K, 16] int8 (bits 8) or [N/16, K/2, 16] uint8 (bits 4) <- codes [N, K]");
+  m.def("woq_vnni_available", &pagedllm::woq_vnni_available, "whether woq_vnni_linear runs here (AVX-512 VNNI)");
+  m.def("woq_vnni_pack_weight", &pagedllm::woq_vnni_pack_weight, py::arg("packed"), py::arg("codes"), py::arg("bits"),
+        py::call_guard<py::gil_scoped_release>(),
+        "packed uint8 [N/16, K/4, 64] (bits 8: codes + 128) or [N/16, K/4, 32] (bits 4) <- codes [N, K]");
+  m.def("woq_vnni_linear", &pagedllm::woq_vnni_linear, py::arg("out"), py::arg("x"), py::arg("packed"),
+        py::arg("bits"), py::arg("scale"), py::arg("min") = nullptr, py::arg("bias") = nullptr,
+        py::call_guard<py::gil_scoped_release>(),
+        "out [M, N]: the weight-only quantized product with x quantized to int8 per token and weight group (VNNI)");
   m.def("woq_linear", &pagedllm::woq_linear, py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bits"),
         py::arg("scale"), py::arg("min") = nullptr, py::arg("bias") = nullptr,
         py::call_guard<py::gil_scoped_release>(),

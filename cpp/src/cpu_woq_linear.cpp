@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -28,6 +29,11 @@
 #include <immintrin.h>
 #else
 #define PAGEDLLM_HAVE_WOQ_AVX512 0
+#endif
+#if PAGEDLLM_HAVE_WOQ_AVX512 && defined(__AVX512VNNI__)
+#define PAGEDLLM_HAVE_WOQ_VNNI 1
+#else
+#define PAGEDLLM_HAVE_WOQ_VNNI 0
 #endif
 
 namespace pagedllm {
@@ -290,6 +296,302 @@ void woq_linear(const TensorView& out, const TensorView& x, const TensorView& pa
         store_tile<cpu::bf16>(out, m0, rows, blk * kCols, acc, b);
     }
   }
+}
+
+// ---- W4A8 / W8A8 on AVX-512 VNNI ----------------------------------------------------------------
+
+namespace {
+
+constexpr int64_t kMaxVnniGroup = 65536;  // 255 * 127 * 65536 < 2^31: a group's int32 sum cannot overflow
+
+struct VnniOperands {
+  int64_t M = 0, N = 0, K = 0, G = 0, group = 0;
+  int bits = 8;
+  const uint8_t* w = nullptr;
+  const float* scale = nullptr;    // [G][N]
+  const float* min = nullptr;      // [G][N] or nullptr
+  const int8_t* xq = nullptr;      // [M][K]
+  const float* sx = nullptr;       // [M][G]
+  const int32_t* qsum = nullptr;   // [M][G]
+  const float* xsum = nullptr;     // [M][G] or nullptr
+};
+
+/// Row m of x: int8 codes, and per group the scale, the sum of the codes and the float sum of x.
+template <typename T>
+void quantize_groups(const T* x, int64_t K, int64_t group, int8_t* q, float* sx, int32_t* qsum, float* xsum) {
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
+    float amax = 0.0f, sum = 0.0f;
+    bool nan = false;
+    for (int64_t k = k0; k < k0 + group; ++k) {
+      const float v = cpu::to_float(x[k]);
+      nan |= std::isnan(v);
+      amax = std::max(amax, std::fabs(v));
+      sum += v;
+    }
+    float s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+    if (s == 0.0f) s = 1.0f;
+    int32_t qs = 0;
+    for (int64_t k = k0; k < k0 + group; ++k) {
+      float v = std::nearbyint(cpu::to_float(x[k]) / s);  // round half to even
+      v = std::isnan(v) ? 0.0f : std::min(127.0f, std::max(-127.0f, v));
+      q[k] = static_cast<int8_t>(v);
+      qs += static_cast<int32_t>(v);
+    }
+    sx[g] = s;
+    qsum[g] = qs;
+    if (xsum) xsum[g] = sum;
+  }
+}
+
+#if PAGEDLLM_HAVE_WOQ_VNNI
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const cpu::bf16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+/// quantize_groups with 16 lanes (group % 16 == 0): the same scale and codes (a NaN group: scale
+/// NaN, its codes whatever the conversion gives — the row is NaN either way); the float sum of x
+/// in another order.
+template <typename T>
+void quantize_groups_avx512(const T* x, int64_t K, int64_t group, int8_t* q, float* sx, int32_t* qsum, float* xsum) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
+    __m512 m = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t k = k0; k < k0 + group; k += 16) {
+      const __m512 v = load16f(x + k);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
+      sum = _mm512_add_ps(sum, v);
+    }
+    float s = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(m) / 127.0f;
+    if (s == 0.0f) s = 1.0f;
+    const __m512 sv = _mm512_set1_ps(s);
+    __m512i qs = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k0 + group; k += 16) {
+      __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(load16f(x + k), sv));  // round half to even (MXCSR default)
+      v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+      qs = _mm512_add_epi32(qs, v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(v));
+    }
+    sx[g] = s;
+    qsum[g] = _mm512_reduce_add_epi32(qs);
+    if (xsum) xsum[g] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+template <int R, int Bits, bool HasMin>
+void vnni_tile(const VnniOperands& o, int64_t b, int64_t m0, float (*acc_out)[kCols]) {
+  const int64_t quads = o.K / 4, per = o.group / 4;
+  constexpr int64_t kQuadBytes = Bits == 8 ? 64 : 32;
+  const uint8_t* wb = o.w + b * quads * kQuadBytes;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m512 accf[R];
+  for (int r = 0; r < R; ++r) accf[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < o.G; ++g) {
+    __m512i acci[R];
+    for (int r = 0; r < R; ++r) acci[r] = _mm512_setzero_si512();
+    for (int64_t j = g * per; j < (g + 1) * per; ++j) {
+      __m512i w;
+      if constexpr (Bits == 8) {
+        w = _mm512_loadu_si512(wb + j * kQuadBytes);
+      } else {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * kQuadBytes));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, o.xq + (m0 + r) * o.K + 4 * j, 4);
+        acci[r] = _mm512_dpbusd_epi32(acci[r], w, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 sw = _mm512_loadu_ps(o.scale + g * o.N + b * kCols);
+    for (int r = 0; r < R; ++r) {
+      __m512i d = acci[r];
+      if constexpr (Bits == 8) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * o.qsum[(m0 + r) * o.G + g]));
+      accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sw, _mm512_set1_ps(o.sx[(m0 + r) * o.G + g])),
+                                accf[r]);
+    }
+    if constexpr (HasMin) {
+      const __m512 mn = _mm512_loadu_ps(o.min + g * o.N + b * kCols);
+      for (int r = 0; r < R; ++r)
+        accf[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xsum[(m0 + r) * o.G + g]), accf[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_out[r], accf[r]);
+}
+
+template <int R>
+void vnni_dispatch(const VnniOperands& o, int64_t b, int64_t m0, float (*acc)[kCols]) {
+  if (o.bits == 8)
+    o.min ? vnni_tile<R, 8, true>(o, b, m0, acc) : vnni_tile<R, 8, false>(o, b, m0, acc);
+  else
+    o.min ? vnni_tile<R, 4, true>(o, b, m0, acc) : vnni_tile<R, 4, false>(o, b, m0, acc);
+}
+
+void vnni_tile_rows(const VnniOperands& o, int64_t b, int64_t m0, int rows, float (*acc)[kCols]) {
+  switch (rows) {
+    case 1: vnni_dispatch<1>(o, b, m0, acc); break;
+    case 2: vnni_dispatch<2>(o, b, m0, acc); break;
+    case 3: vnni_dispatch<3>(o, b, m0, acc); break;
+    case 4: vnni_dispatch<4>(o, b, m0, acc); break;
+    case 5: vnni_dispatch<5>(o, b, m0, acc); break;
+    case 6: vnni_dispatch<6>(o, b, m0, acc); break;
+    case 7: vnni_dispatch<7>(o, b, m0, acc); break;
+    default: vnni_dispatch<8>(o, b, m0, acc); break;
+  }
+}
+#endif
+
+}  // namespace
+
+bool woq_vnni_available() { return PAGEDLLM_HAVE_WOQ_VNNI != 0; }
+
+void woq_vnni_pack_weight(const TensorView& packed, const TensorView& codes, int64_t bits) {
+  const char* op = "woq_vnni_pack_weight";
+  check_cpu(op, packed);
+  check_cpu(op, codes);
+  check_bits(op, bits);
+  detail::check_ndim(op, "codes", codes, 2, "[out_features, in_features]");
+  detail::check_dtype(op, "codes", codes, bits == 8 ? DType::kInt8 : DType::kUInt8);
+  const int64_t N = codes.size(0), K = codes.size(1);
+  PAGEDLLM_CHECK(N > 0 && K > 0 && N % kCols == 0 && K % 4 == 0, op,
+                 ": codes must be [N, K] with N a multiple of 16 and K a multiple of 4, got ", codes.describe());
+  PAGEDLLM_CHECK(codes.stride(1) == 1, op, ": codes must have contiguous rows, got ", codes.describe());
+  const int64_t quads = K / 4, qb = bits == 8 ? 64 : 32;
+  detail::check_ndim(op, "packed", packed, 3, bits == 8 ? "[N / 16, K / 4, 64]" : "[N / 16, K / 4, 32]");
+  detail::check_dtype(op, "packed", packed, DType::kUInt8);
+  detail::check_contiguous(op, "packed", packed);
+  PAGEDLLM_CHECK(packed.size(0) == N / kCols && packed.size(1) == quads && packed.size(2) == qb, op,
+                 ": packed must be [", N / kCols, ", ", quads, ", ", qb, "] for codes ", codes.describe(), ", got ",
+                 packed.describe());
+  const uint8_t* c = codes.ptr<const uint8_t>();
+  const int64_t ld = codes.stride(0);
+  uint8_t* p = packed.ptr<uint8_t>();
+  for (int64_t nb = 0; nb < N / kCols; ++nb)
+    for (int64_t j = 0; j < quads; ++j) {
+      uint8_t* dst = p + (nb * quads + j) * qb;
+      for (int64_t t = 0; t < 4; ++t) {
+        if (bits == 8) {
+          for (int64_t r = 0; r < kCols; ++r)
+            dst[4 * r + t] = static_cast<uint8_t>(static_cast<int>(static_cast<int8_t>(c[(nb * kCols + r) * ld + 4 * j + t])) + 128);
+        } else {
+          for (int64_t r = 0; r < kCols / 2; ++r) {
+            const uint8_t lo = c[(nb * kCols + r) * ld + 4 * j + t], hi = c[(nb * kCols + r + 8) * ld + 4 * j + t];
+            PAGEDLLM_CHECK(lo < 16 && hi < 16, op, ": 4-bit codes must be in [0, 15], got ",
+                           static_cast<int>(std::max(lo, hi)), " in row block ", nb, " near input ", 4 * j + t);
+            dst[4 * r + t] = static_cast<uint8_t>(lo | (hi << 4));
+          }
+        }
+      }
+    }
+}
+
+void woq_vnni_linear(const TensorView& out, const TensorView& x, const TensorView& packed, int64_t bits,
+                     const TensorView& scale, const TensorView* min, const TensorView* bias) {
+  const char* op = "woq_vnni_linear";
+  PAGEDLLM_CHECK(woq_vnni_available(), op, ": this build has no AVX-512 VNNI (use woq_linear)");
+  for (const TensorView* t : {&out, &x, &packed, &scale}) check_cpu(op, *t);
+  check_bits(op, bits);
+  const int64_t qb = bits == 8 ? 64 : 32;
+  detail::check_ndim(op, "packed", packed, 3, bits == 8 ? "[N / 16, K / 4, 64]" : "[N / 16, K / 4, 32]");
+  detail::check_dtype(op, "packed", packed, DType::kUInt8);
+  detail::check_contiguous(op, "packed", packed);
+  PAGEDLLM_CHECK(packed.size(2) == qb, op, ": packed's last dimension must be ", qb, " for ", bits, " bits, got ",
+                 packed.describe());
+  VnniOperands o;
+  o.bits = static_cast<int>(bits);
+  o.N = packed.size(0) * kCols;
+  o.K = packed.size(1) * 4;
+  detail::check_ndim(op, "x", x, 2, "[num_tokens, in_features]");
+  PAGEDLLM_CHECK(x.dtype == DType::kBFloat16 || x.dtype == DType::kFloat32, op,
+                 ": x must be bfloat16 or float32, got ", dtype_name(x.dtype));
+  detail::check_dim(op, "x", x, 1, o.K, "in_features, must match packed");
+  PAGEDLLM_CHECK(x.stride(1) == 1, op, ": x must have a contiguous last dimension, got ", x.describe());
+  o.M = x.size(0);
+  detail::check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
+  PAGEDLLM_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
+                 ": out must be bfloat16 or float32, got ", dtype_name(out.dtype));
+  detail::check_dim(op, "out", out, 0, o.M, "num_tokens, must match x");
+  detail::check_dim(op, "out", out, 1, o.N, "out_features, must match packed");
+  PAGEDLLM_CHECK(o.N <= 1 || out.stride(1) == 1, op, ": out must have a contiguous last dimension, got ",
+                 out.describe());
+  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x");
+  detail::check_ndim(op, "scale", scale, 2, "[K / group_size, out_features]");
+  detail::check_dtype(op, "scale", scale, DType::kFloat32);
+  detail::check_contiguous(op, "scale", scale);
+  detail::check_dim(op, "scale", scale, 1, o.N, "out_features, must match packed");
+  o.G = scale.size(0);
+  PAGEDLLM_CHECK(o.G > 0 && o.K % o.G == 0 && (o.K / o.G) % 4 == 0, op, ": scale has ", o.G,
+                 " groups; in_features=", o.K, " must split into groups of a multiple of 4 inputs");
+  o.group = o.K / o.G;
+  PAGEDLLM_CHECK(o.group <= kMaxVnniGroup, op, ": groups of ", o.group, " inputs are above ", kMaxVnniGroup,
+                 " (int32 sums could overflow)");
+  if (min != nullptr) {
+    check_cpu(op, *min);
+    detail::check_dtype(op, "min", *min, DType::kFloat32);
+    detail::check_contiguous(op, "min", *min);
+    PAGEDLLM_CHECK(min->ndim == 2 && min->size(0) == o.G && min->size(1) == o.N, op, ": min must be [", o.G, ", ",
+                   o.N, "] like scale, got ", min->describe());
+  }
+  if (bias != nullptr) {
+    PAGEDLLM_CHECK(bias->device == DeviceType::kCPU && bias->ndim == 1 && bias->size(0) == o.N &&
+                       (o.N <= 1 || bias->stride(0) == 1) && bias->dtype == DType::kFloat32,
+                   op, ": bias must be a contiguous float32 [", o.N, "] cpu tensor, got ", bias->describe());
+  }
+  if (o.M == 0) return;
+#if PAGEDLLM_HAVE_WOQ_VNNI
+  o.w = packed.ptr<const uint8_t>();
+  o.scale = scale.ptr<const float>();
+  o.min = min ? min->ptr<const float>() : nullptr;
+  const int threads = std::max(1, get_num_threads());
+  std::vector<int8_t> xq(static_cast<size_t>(o.M * o.K));
+  std::vector<float> sx(static_cast<size_t>(o.M * o.G)), xsum(o.min ? static_cast<size_t>(o.M * o.G) : 0);
+  std::vector<int32_t> qsum(static_cast<size_t>(o.M * o.G));
+#pragma omp parallel for num_threads(static_cast<int>(std::min<int64_t>(threads, o.M))) schedule(static)
+  for (int64_t m = 0; m < o.M; ++m) {
+    float* xs = o.min ? xsum.data() + m * o.G : nullptr;
+    if (o.group % 16 == 0) {
+      if (x.dtype == DType::kFloat32)
+        quantize_groups_avx512(x.ptr<const float>() + m * x.stride(0), o.K, o.group, xq.data() + m * o.K,
+                               sx.data() + m * o.G, qsum.data() + m * o.G, xs);
+      else
+        quantize_groups_avx512(x.ptr<const cpu::bf16>() + m * x.stride(0), o.K, o.group, xq.data() + m * o.K,
+                               sx.data() + m * o.G, qsum.data() + m * o.G, xs);
+      continue;
+    }
+    if (x.dtype == DType::kFloat32)
+      quantize_groups(x.ptr<const float>() + m * x.stride(0), o.K, o.group, xq.data() + m * o.K, sx.data() + m * o.G,
+                      qsum.data() + m * o.G, xs);
+    else
+      quantize_groups(x.ptr<const cpu::bf16>() + m * x.stride(0), o.K, o.group, xq.data() + m * o.K,
+                      sx.data() + m * o.G, qsum.data() + m * o.G, xs);
+  }
+  o.xq = xq.data();
+  o.sx = sx.data();
+  o.qsum = qsum.data();
+  o.xsum = o.min ? xsum.data() : nullptr;
+  const float* b = bias ? bias->ptr<const float>() : nullptr;
+  const int64_t blocks = o.N / kCols;
+  const bool out_f32 = out.dtype == DType::kFloat32;
+  const int nt = static_cast<int>(std::min<int64_t>(threads, blocks));
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    alignas(64) float acc[kRows][kCols];
+    for (int64_t m0 = 0; m0 < o.M; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, o.M - m0));
+      vnni_tile_rows(o, blk, m0, rows, acc);
+      if (out_f32)
+        store_tile<float>(out, m0, rows, blk * kCols, acc, b);
+      else
+        store_tile<cpu::bf16>(out, m0, rows, blk * kCols, acc, b);
+    }
+  }
+#endif
 }
 
 }  // namespace pagedllm

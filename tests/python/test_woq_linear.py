@@ -461,3 +461,104 @@ def test_quantize_int4_round_to_nearest_with_exact_zero(gen, k, group):
     # the grid's ends: each group's max and min are reached within half a step (15 steps span them)
     g = w.view(32, -1, group)
     assert torch.allclose(qw.scale[4:], (g.amax(-1).clamp(min=0) - g.amin(-1).clamp(max=0))[4:] / 15)
+
+
+# ---- W4A8 / W8A8 on AVX-512 VNNI (bfloat16 models) ---------------------------------------------
+
+needs_vnni = pytest.mark.skipif(not ops.woq_vnni_available(), reason="this build has no AVX-512 VNNI")
+
+
+def reference_a8(x: torch.Tensor, qw: QuantizedWeight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 of woq_vnni_linear's formula: x quantized per token and weight group to int8 (s =
+    max |x_g| / 127, 1 for a zero group, round half to even), exact group dot products, times
+    scale * s; plus min times the float sums of x; plus bias — and its magnitude bound)."""
+    n, k = qw.shape
+    m, g = x.shape[0], qw.group_size
+    xf = x.float().view(m, k // g, g)
+    s = xf.abs().amax(-1) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(xf / s[..., None]).clamp(-127, 127).double()
+    c = qw.codes.double().view(n, k // g, g)
+    dots = torch.einsum("mgk,ngk->mng", q, c)
+    terms = dots * (qw.scale.double()[None] * s.double()[:, None, :])
+    mag = (torch.einsum("mgk,ngk->mng", q.abs(), c.abs()) * (qw.scale.double().abs()[None] * s.double()[:, None, :]))
+    y, bound = terms.sum(-1), mag.sum(-1)
+    if qw.min is not None:
+        xs = xf.sum(-1).double()  # the kernel's float32 sums, in order: their own rounding is in the bound
+        y = y + (qw.min.double()[None] * xs[:, None, :]).sum(-1)
+        bound = bound + (qw.min.double().abs()[None] * xf.abs().sum(-1).double()[:, None, :]).sum(-1)
+    if bias is not None:
+        y, bound = y + bias.double(), bound + bias.double().abs()
+    return y, bound
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group,k,with_min", [(32, 96, True), (16, 64, False), (128, 256, True), (4, 40, True),
+                                              (576, 576, False)])
+@pytest.mark.parametrize("m", [1, 7, 9, 33])
+def test_woq_vnni_linear_matches_a_float64_reference_of_its_formula(gen, bits, group, k, with_min, m):
+    qw = random_qweight(gen, 48, k, bits, group, with_min)
+    bias = torch.randn(48, generator=gen)
+    packed = ops.woq_vnni_pack_weight(qw.codes, qw.bits)
+    st, mt = qw.scale.t().contiguous(), None if qw.min is None else qw.min.t().contiguous()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
+        x[0, : min(group, k)] = 0  # a zero group: scale 1, codes 0
+        for b in (None, bias):
+            y = ops.woq_vnni_linear(x, packed, bits, st, mt, b, out_dtype=torch.float32)
+            ref, bound = reference_a8(x, qw, b)
+            assert ((y.double() - ref).abs() <= (k + 8) * U * bound + 1e-30).all(), (bits, group, m, dtype)
+            y16 = ops.woq_vnni_linear(x, packed, bits, st, mt, b)
+            assert y16.dtype == dtype
+            assert torch.equal(y16, y.to(dtype))  # one rounding of the float32 result
+
+
+@needs_vnni
+def test_woq_vnni_linear_is_close_to_the_float_product_and_propagates_nan(gen):
+    """The activation rounding is the only approximation: within ~1% of the float product here; a
+    NaN in a group makes its row NaN."""
+    qw = random_qweight(gen, 32, 128, 4, 32, True)
+    x = torch.randn(5, 128, generator=gen)
+    y = ops.woq_vnni_linear(x, ops.woq_vnni_pack_weight(qw.codes, 4), 4, qw.scale.t().contiguous(),
+                            qw.min.t().contiguous())
+    full = x.double() @ qw.dequantize(torch.float64).t()
+    assert (y.double() - full).abs().max() < 0.02 * full.abs().max()
+    x[2, 40] = float("nan")
+    y = ops.woq_vnni_linear(x, ops.woq_vnni_pack_weight(qw.codes, 4), 4, qw.scale.t().contiguous(),
+                            qw.min.t().contiguous())
+    assert torch.isnan(y[2]).all() and not torch.isnan(y[[0, 1, 3, 4]]).any()
+
+
+@needs_vnni
+def test_woq_vnni_errors_name_the_bad_value(gen):
+    qw = random_qweight(gen, 32, 64, 4, 32, False)
+    packed = ops.woq_vnni_pack_weight(qw.codes, 4)
+    with pytest.raises(ValueError, match=r"K a multiple of 4"):
+        ops.woq_vnni_pack_weight(torch.zeros(16, 6, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match=r"4-bit codes must be in \[0, 15\], got 16"):
+        ops.woq_vnni_pack_weight(torch.full((16, 8), 16, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match=r"groups of a multiple of 4 inputs"):
+        ops.woq_vnni_linear(torch.randn(2, 64), packed, 4, torch.ones(32, 32), None)  # groups of 2
+    with pytest.raises(ValueError, match=r"packed's last dimension must be 64 for 8 bits"):
+        ops.woq_vnni_linear(torch.randn(2, 64), packed, 8, qw.scale.t().contiguous(), None)
+    with pytest.raises(ValueError, match=r"x must be bfloat16 or float32, got int32"):
+        ops.woq_vnni_linear(torch.zeros(2, 64, dtype=torch.int32), packed, 4, qw.scale.t().contiguous(), None)
+
+
+def test_woq_linear_method_picks_the_vnni_kernel_for_bfloat16_only(gen, monkeypatch):
+    from pagedllm.model_executor.layers.linear import ColumnParallelLinear
+
+    for dtype, env in ((torch.float32, "1"), (torch.bfloat16, "1"), (torch.bfloat16, "0")):
+        monkeypatch.setenv("PAGEDLLM_WOQ_VNNI", env)
+        layer = ColumnParallelLinear(64, 32, False, dtype, torch.device("cpu"))
+        method = WoqLinearMethod(random_qweight(gen, 32, 64, 4, 32, True))
+        layer.set_quant_method(method)
+        assert method.vnni == (dtype == torch.bfloat16 and env == "1" and ops.woq_vnni_available())
+        qw = random_qweight(gen, 32, 64, 4, 32, True)
+        layer = ColumnParallelLinear(64, 32, False, dtype, torch.device("cpu"))
+        layer.set_quant_method(WoqLinearMethod(qw))
+        x = torch.randn(3, 64, generator=gen).to(dtype)
+        ref, bound = (reference_a8 if method.vnni else reference)(x, qw, None)
+        tol = (64 + 8) * U * bound + (bound * 2.0**-8 if dtype == torch.bfloat16 else 0)  # + the bf16 output rounding
+        assert ((layer(x).double() - ref).abs() <= tol).all()

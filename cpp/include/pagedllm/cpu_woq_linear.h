@@ -45,3 +45,36 @@ void woq_linear(const TensorView& out, const TensorView& x, const TensorView& pa
                 const TensorView& scale, const TensorView* min, const TensorView* bias);
 
 }  // namespace pagedllm
+
+// ---- W4A8 / W8A8 on AVX-512 VNNI: the same weights, int8 activations ------------------------------
+//
+// For bfloat16 models the engine uses this instead (what llama.cpp does with Q8 activations): x is
+// quantized per token and per weight group, s_x = max |x_g| / 127 (1 for a zero group; NaN for a
+// group holding one, making its row NaN), q_x = round half to even (x / s_x) in [-127, 127]; each
+// group's dot product is exact in int32 (VPDPBUSD: weight bytes unsigned, activations signed), then
+//   out[m, n] = sum_g ( scale[g, n] * s_x[m, g] * (sum_k a[n, k] q_x[m, k] - 128 sum_k q_x[m, k] [8 bits])
+//                       + min[g, n] * (sum_{k in g} x[m, k]) ) + bias[n]
+// with a = the 4-bit code, or the 8-bit code + 128; the min term uses the float sums of x (exact
+// offsets). About 4x the multiply-adds per instruction of the float kernel; the cost is the
+// activations' rounding (as quantization="int8"'s, per group of the weight's size).
+// Packed layout (N % 16 == 0, group % 4 == 0): bits 8: uint8 [N / 16][K / 4][64], bytes 4 c + t of
+// quad j = code[16 b + c][4 j + t] + 128; bits 4: uint8 [N / 16][K / 4][32], byte 4 c + t (c < 8)
+// = code[16 b + c][4 j + t] | code[16 b + c + 8][4 j + t] << 4 (one 32-byte load, split into low
+// and high nibbles, is the 64-byte VPDPBUSD operand of 16 rows x 4 inputs).
+
+namespace pagedllm {
+
+/// Whether woq_vnni_linear can run here (a build with AVX-512 VNNI).
+bool woq_vnni_available();
+
+/// packed (layout above) <- codes [N, K] (bits 8: int8; bits 4: uint8 in [0, 15]). Throws unless N %
+/// 16 == 0 and K % 4 == 0.
+void woq_vnni_pack_weight(const TensorView& packed, const TensorView& codes, int64_t bits);
+
+/// out [M, N] (see above) for x [M, K] (bfloat16 / float32, contiguous last dimension), scale / min
+/// float32 [G, N] as woq_linear's (group = K / G, a multiple of 4), bias nullptr or float32 [N].
+/// Throws where woq_vnni_available() is false.
+void woq_vnni_linear(const TensorView& out, const TensorView& x, const TensorView& packed, int64_t bits,
+                     const TensorView& scale, const TensorView* min, const TensorView* bias);
+
+}  // namespace pagedllm

@@ -56,6 +56,9 @@ __all__ = [
     "int8_pack_linear_weight",
     "int8_linear",
     "woq_linear_avx512",
+    "woq_vnni_available",
+    "woq_vnni_pack_weight",
+    "woq_vnni_linear",
     "FP8_GEMV_MAX_TOKENS",
     "fp8_gemv",
     "int4_dequantize",
@@ -259,7 +262,14 @@ from pagedllm.ops.quant_linear import (  # noqa: E402
     int8_pack_linear_weight,
     int8_quantize_weight,
 )
-from pagedllm.ops.woq_linear import woq_linear, woq_linear_avx512, woq_pack_weight  # noqa: E402
+from pagedllm.ops.woq_linear import (  # noqa: E402
+    woq_linear,
+    woq_linear_avx512,
+    woq_pack_weight,
+    woq_vnni_available,
+    woq_vnni_linear,
+    woq_vnni_pack_weight,
+)
 from pagedllm.ops.quant_ops import FP8_GEMV_MAX_TOKENS, fp8_gemv, int4_dequantize  # noqa: E402
 from pagedllm.ops.gemv import (  # noqa: E402
     GEMV_MAX_TOKENS,

@@ -48,3 +48,37 @@ def woq_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale_t: torch.
     _C.woq_linear(_view(out), _view(x), _view(packed), int(bits), _view(scale_t),
                   None if min_t is None else _view(min_t), None if bias is None else _view(bias))
     return out
+
+
+def woq_vnni_available() -> bool:
+    """Whether woq_vnni_linear runs here (a build with AVX-512 VNNI)."""
+    return bool(_C.woq_vnni_available())
+
+
+def woq_vnni_pack_weight(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The VNNI layout of codes [N, K] (bits 8: int8; bits 4: uint8 in [0, 15]; N % 16 == 0, K % 4
+    == 0): uint8 [N/16, K/4, 64] (8 bits: code + 128) or [N/16, K/4, 32] (4 bits: rows c and c + 8
+    of 16 in the low and high nibbles). ValueError otherwise."""
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+        raise ValueError(f"woq_vnni_pack_weight: codes must be a 2-D tensor [out_features, in_features], "
+                         f"got {getattr(codes, 'shape', type(codes).__name__)}")
+    if bits not in (4, 8):
+        raise ValueError(f"woq_vnni_pack_weight: bits must be 4 or 8, got {bits}")
+    n, k = codes.shape
+    packed = torch.empty((max(n // 16, 1), max(k // 4, 1), 64 if bits == 8 else 32), dtype=torch.uint8)
+    _C.woq_vnni_pack_weight(_view(packed), _view(codes.contiguous()), int(bits))
+    return packed
+
+
+def woq_vnni_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale_t: torch.Tensor,
+                    min_t: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out [M, N] of x [M, K] and the VNNI-packed weight: x quantized to int8 per token and per
+    weight group (s = max|x_g| / 127, round half to even), exact int32 group sums, float32 scaling
+    (cpp/include/pagedllm/cpu_woq_linear.h); scale_t / min_t float32 [G, N] as woq_linear's."""
+    if out is None:
+        out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=out_dtype or x.dtype)
+    _C.woq_vnni_linear(_view(out), _view(x), _view(packed), int(bits), _view(scale_t),
+                       None if min_t is None else _view(min_t), None if bias is None else _view(bias))
+    return out
+

@@ -10,9 +10,12 @@ same shape:
 GGUF's Q8_0 is (int8 codes, group 32, no min); Q4_0 is (q, 32, scale d, min -8 d); Q4_1 (q, 32, d, m);
 Q4_K (q, 32, d * sc_j, -dmin * m_j); Q6_K (q - 32 as int8, 16, d * sc_j); GPTQ / AWQ
 w = s * (q - z) is (q, group, s, -s z); online int4 (quantization/int4.py) is round-to-nearest with
-a min. ``WoqLinearMethod`` packs the codes once (pagedllm.ops.woq_pack_weight) and computes
-``x @ w^T + bias`` with pagedllm.ops.woq_linear on the CPU (float activations: no activation
-quantization, so a float32 model stays within float32 rounding of its dequantized weights).
+a min. ``WoqLinearMethod`` packs the codes once and computes ``x @ w^T + bias`` on the CPU: for
+float32 models with pagedllm.ops.woq_linear (float activations, no activation quantization: within
+float32 rounding of the dequantized weights); for bfloat16 models, where the build has AVX-512
+VNNI, with pagedllm.ops.woq_vnni_linear (activations quantized to int8 per token and weight group,
+integer dot products: about 4x the multiply-adds per instruction; PAGEDLLM_WOQ_VNNI=0 keeps the
+float kernel).
 
 Parts of one fused projection (q, k, v; gate, up) may come in different formats (a GGUF
 Q4_K_M file keeps v in Q6_K): ``common_form`` re-expresses them exactly in one (8-bit codes when
@@ -22,6 +25,7 @@ any part has them, the smallest group, a zero min where a part had none) so that
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -151,7 +155,11 @@ class WoqLinearMethod(LinearMethodBase):
         if layer.weight is not None and tuple(layer.weight.shape) != tuple(qw.shape):
             raise ValueError(f"{type(layer).__name__}: quantized weight {tuple(qw.shape)} does not match the layer's "
                              f"{tuple(layer.weight.shape)}")
-        layer.woq_packed = ops.woq_pack_weight(qw.codes, qw.bits)
+        dtype = layer.weight.dtype if layer.weight is not None else torch.float32
+        #: bfloat16 models: int8 activations on AVX-512 VNNI (the float kernel keeps float32 models exact)
+        self.vnni = (dtype == torch.bfloat16 and ops.woq_vnni_available() and qw.group_size % 4 == 0
+                     and qw.group_size <= 65536 and os.environ.get("PAGEDLLM_WOQ_VNNI", "1") != "0")
+        layer.woq_packed = (ops.woq_vnni_pack_weight if self.vnni else ops.woq_pack_weight)(qw.codes, qw.bits)
         layer.woq_scale_t = qw.scale.t().contiguous()
         layer.woq_min_t = None if qw.min is None else qw.min.t().contiguous()
         bias = layer.apply_bias()
@@ -167,8 +175,8 @@ class WoqLinearMethod(LinearMethodBase):
             _refuse(layer, fusion, "the weight-only quantized kernel")
         if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
             x = x.reshape(-1, x.shape[-1]).contiguous()
-        return ops.woq_linear(x, layer.woq_packed, self.bits, layer.woq_scale_t, layer.woq_min_t, layer.woq_bias,
-                              out=out)
+        kernel = ops.woq_vnni_linear if self.vnni else ops.woq_linear
+        return kernel(x, layer.woq_packed, self.bits, layer.woq_scale_t, layer.woq_min_t, layer.woq_bias, out=out)
 
     @staticmethod
     def weight_bytes(layer: nn.Module) -> int:
