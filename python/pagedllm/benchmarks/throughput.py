@@ -6,7 +6,8 @@ Workload (shared/peers.md, issue 5): N prompts of P random token ids in, O token
 ignore_eos, the same dtype and the same thread count for every engine. Reports output tokens/s,
 requests/s, the ratios, and start-up seconds (engine construction, and construction to the
 first generated token). Prints JSON and writes it to
-bench/results/<YYYY-MM-DD>-<hostname>-<name>.json (with the git commit) under --results-dir.
+bench/results/<YYYY-MM-DD>-<hostname>-<name>.json (with the git commit, and the tracked files that
+differ from it as "worktree_modified") under --results-dir.
 
 Rounds (--rounds R, default 3): every engine is constructed once and then generates the workload R
 times, the engines taking turns (the order rotates each round: pagedllm, HF, vLLM; HF, vLLM,
@@ -417,6 +418,17 @@ def git_commit(root: Path) -> str:
         return "unknown"
 
 
+def git_modified(root: Path) -> list:
+    """Tracked files that differ from the commit (the run measures them as they are), [] when
+    clean or not a git checkout."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                             capture_output=True, text=True)
+        return [line[3:] for line in out.stdout.splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
 #: --quantization's modes ("none": the checkpoint's dtype)
 QUANTIZATION_MODES = ["none", "int8", "int4", "gguf"]
 
@@ -506,7 +518,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "machine": platform.node(), "cpu_count": os.cpu_count(), "threads": args.threads,
         "tensor_parallel_size": args.tensor_parallel_size,
         "quantization": modes[0] if len(modes) == 1 else [m or "none" for m in modes],
-        "commit": git_commit(root),
+        "commit": git_commit(root), "worktree_modified": git_modified(root),
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
         "workload": {"model": args.model or "HuggingFaceTB/SmolLM2-135M-Instruct (bundled GGUF)",
                      "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
