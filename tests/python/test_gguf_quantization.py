@@ -145,7 +145,7 @@ def test_gguf_under_tensor_parallelism_equals_one_rank(bundled):
     assert rank0_bytes < 0.5 * bundled["llms"]["gguf"].llm_engine.runner.weight_bytes
 
 
-def test_gguf_needs_a_gguf_model_on_the_cpu(tmp_path, monkeypatch):
+def test_gguf_needs_a_gguf_model_and_bfloat16_on_cuda(tmp_path, monkeypatch):
     """...named before any weight is read."""
     import pagedllm.engine.llm_engine as engine_module
     from pagedllm import LLM
@@ -158,8 +158,11 @@ def test_gguf_needs_a_gguf_model_on_the_cpu(tmp_path, monkeypatch):
     folder = build_tiny_engine_folder("llama", tmp_path)
     with pytest.raises(ValueError, match='quantization="gguf" needs a GGUF model'):
         LLM(str(folder), device="cpu", quantization="gguf")
-    with pytest.raises(ValueError, match="quantization='gguf' runs on cpu so far, not on cuda"):
-        get_quantization_config("gguf", None, torch.device("cuda"), Path("model.gguf"))
+    with pytest.raises(ValueError, match="quantization='gguf' on cuda computes with bfloat16 activations, got "
+                                         "dtype=float32"):
+        get_quantization_config("gguf", None, torch.device("cuda"), Path("model.gguf"), dtype=torch.float32)
+    assert get_quantization_config("gguf", None, torch.device("cuda"), Path("model.gguf"),
+                                   dtype=torch.bfloat16).name == "gguf"
 
 
 # ---------------------------------------------------------------- int4

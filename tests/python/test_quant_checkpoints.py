@@ -509,12 +509,15 @@ def test_unsupported_checkpoint_settings_are_named(method, config, match):
         get_quantization_config(None, method, torch.device("cpu"), None, {"quant_method": method, **config})
 
 
-def test_checkpoint_formats_are_cpu_only_and_a_contradicting_name_is_refused():
+def test_checkpoint_formats_on_cuda_need_bfloat16_and_a_contradicting_name_is_refused():
+    """CUDA runs the 4-bit formats through tinygemm (bfloat16 activations: another dtype is refused
+    before loading; 8-bit or other groups are refused per layer at load: woq_cuda.woq_method_for)."""
     from pagedllm.model_executor.quantization import get_quantization_config
 
     cfg = {"quant_method": "awq", "bits": 4, "group_size": 128}
-    with pytest.raises(ValueError, match="'awq' checkpoints run on cpu so far, not on cuda"):
-        get_quantization_config(None, "awq", torch.device("cuda"), None, cfg)
+    with pytest.raises(ValueError, match="'awq' checkpoints on cuda compute with bfloat16 activations, got dtype=float16"):
+        get_quantization_config(None, "awq", torch.device("cuda"), None, cfg, torch.float16)
+    assert get_quantization_config(None, "awq", torch.device("cuda"), None, cfg, torch.bfloat16).group_size == 128
     with pytest.raises(ValueError, match="quantization='int8' contradicts the checkpoint"):
         get_quantization_config("int8", "awq", torch.device("cpu"), None, cfg)
     assert get_quantization_config("awq", "awq", torch.device("cpu"), None, cfg).group_size == 128

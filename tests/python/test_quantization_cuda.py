@@ -244,3 +244,47 @@ def test_llama3_8b_shape_quantized_at_load_matches_a_pytorch_reference(tmp_path,
     # an e4m3 code (1/16 of its value), and 32 layers compound that. Measured on the H200: bf16 0.023,
     # int4 0.020, fp8 0.117 — the issue's 0.05 holds for the weight-only paths only; fp8 gets 0.15.
     assert dev < (0.15 if method == "fp8" else 0.05)
+
+
+def _cuda_logprobs(folder, quantization=None):
+    """Teacher-forced logprobs of two random prompts on CUDA in bf16 (folder None: the bundled model)."""
+    from pagedllm import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(3, 1000, (n,), generator=g).tolist()} for n in (33, 18)]
+    llm = LLM(None if folder is None else str(folder), device="cuda", dtype="bfloat16", quantization=quantization,
+              enforce_eager=True, kv_cache_memory_bytes=256 << 20, max_model_len=512)
+    try:
+        methods = {type(p.quant_method).__name__ for p in llm.llm_engine.runner.model.projections()}
+        outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return torch.tensor([next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs[1:]]), methods
+
+
+def test_gptq_checkpoint_on_cuda_runs_tinygemm_close_to_its_dequantized_weights(tmp_path):
+    """A 4-bit GPTQ checkpoint (test_quant_checkpoints.py's writer) on CUDA: every projection on
+    tinygemm, teacher-forced log-probabilities within 0.05 of the bf16 model holding the dequantized
+    weights (tinygemm's bf16 scale and zero are the difference)."""
+    from test_quant_checkpoints import LLAMA, gptq_folder
+    from tiny_models import build_tiny_engine_folder
+
+    src = build_tiny_engine_folder("llama", tmp_path / "src", **LLAMA)
+    quantized, dequantized = gptq_folder(src, tmp_path, 4, 64, False, "gptq")
+    lq, methods = _cuda_logprobs(quantized)
+    lr, _ = _cuda_logprobs(dequantized)
+    assert methods == {"TinyGemmInt4LinearMethod"}
+    dev = (lq - lr).abs().max().item()
+    print(f"GPTQ 4-bit on CUDA (tinygemm): max |logprob - dequantized bf16 model| = {dev:.4f}")
+    assert dev < 0.05
+
+
+def test_bundled_gguf_on_cuda_runs_its_q4_1_weights_in_tinygemm():
+    """quantization="gguf" on CUDA: the bundled file's Q4_1 projections on tinygemm, close to the
+    dequantized model in bf16."""
+    lq, methods = _cuda_logprobs(None, "gguf")
+    lr, _ = _cuda_logprobs(None)
+    assert methods == {"TinyGemmInt4LinearMethod"}
+    dev = (lq - lr).abs().max().item()
+    print(f"bundled GGUF (Q4_1) on CUDA (tinygemm): max |logprob - dequantized bf16 model| = {dev:.4f}")
+    assert dev < 0.05

@@ -562,3 +562,19 @@ def test_woq_linear_method_picks_the_vnni_kernel_for_bfloat16_only(gen, monkeypa
         ref, bound = (reference_a8 if method.vnni else reference)(x, qw, None)
         tol = (64 + 8) * U * bound + (bound * 2.0**-8 if dtype == torch.bfloat16 else 0)  # + the bf16 output rounding
         assert ((layer(x).double() - ref).abs() <= tol).all()
+
+
+def test_woq_method_for_picks_the_device_kernel_and_names_what_cuda_lacks(gen):
+    """CPU layers: WoqLinearMethod; CUDA layers: tinygemm for 4-bit codes in groups of 32-256, a
+    ValueError naming the form otherwise (checked on a stand-in whose weight says cuda: no GPU needed)."""
+    from pagedllm.model_executor.layers.linear import ColumnParallelLinear
+    from pagedllm.model_executor.quantization.woq_cuda import TinyGemmInt4LinearMethod, woq_method_for
+
+    cpu_layer = ColumnParallelLinear(64, 32, False, torch.bfloat16, torch.device("cpu"))
+    assert isinstance(woq_method_for(cpu_layer, random_qweight(gen, 32, 64, 8, 16, False), "x"), WoqLinearMethod)
+
+    cuda_like = type("L", (), {"weight": type("W", (), {"device": torch.device("cuda")})()})()
+    assert isinstance(woq_method_for(cuda_like, random_qweight(gen, 32, 64, 4, 32, True), "x"),
+                      TinyGemmInt4LinearMethod)
+    with pytest.raises(ValueError, match=r"GGUF y: 8-bit weights in groups of 16 \(\(32, 64\)\) run on the CPU only"):
+        woq_method_for(cuda_like, random_qweight(gen, 32, 64, 8, 16, False), "GGUF y")

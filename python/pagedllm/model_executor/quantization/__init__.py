@@ -37,18 +37,18 @@ from pagedllm.model_executor.quantization.int8 import Int8Config
 QUANTIZATION_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] = {
     "int8": (Int8Config, ("cpu",)),
     "int4": (Int4Config, ("cpu", "cuda")),
-    "gguf": (GGUFConfig, ("cpu",)),
+    "gguf": (GGUFConfig, ("cpu", "cuda")),
     "fp8": (Fp8Config, ("cuda",)),
 }
 
 #: the activation dtype a method computes with on CUDA (tinygemm and the FP8 kernels: bfloat16)
-CUDA_DTYPES: dict[str, torch.dtype] = {"int4": torch.bfloat16, "fp8": torch.bfloat16}
+CUDA_DTYPES: dict[str, torch.dtype] = {"int4": torch.bfloat16, "fp8": torch.bfloat16, "gguf": torch.bfloat16}
 
 #: quant_method of a checkpoint's quantization_config -> (config class with from_config(dict), devices)
 CHECKPOINT_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] = {
-    "gptq": (GPTQConfig, ("cpu",)),
-    "awq": (AWQConfig, ("cpu",)),
-    "compressed-tensors": (CompressedTensorsConfig, ("cpu",)),
+    "gptq": (GPTQConfig, ("cpu", "cuda")),
+    "awq": (AWQConfig, ("cpu", "cuda")),
+    "compressed-tensors": (CompressedTensorsConfig, ("cpu", "cuda")),
     "fp8": (Fp8CheckpointConfig, ("cuda", "cpu")),
 }
 
@@ -78,8 +78,9 @@ def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str
         if device.type not in devices:
             raise ValueError(f"{checkpoint_method!r} checkpoints run on {', '.join(devices)} so far, not on "
                              f"{device.type}")
-        if device.type == "cuda" and isinstance(config, _Fp8CheckpointBase) and dtype not in (None, torch.bfloat16):
-            raise ValueError(f"FP8 checkpoints on cuda compute with bfloat16 activations, got "
+        if device.type == "cuda" and dtype not in (None, torch.bfloat16):
+            kind = "FP8" if isinstance(config, _Fp8CheckpointBase) else f"{checkpoint_method!r}"
+            raise ValueError(f"{kind} checkpoints on cuda compute with bfloat16 activations, got "
                              f"dtype={str(dtype).removeprefix('torch.')}: pass dtype='bfloat16'")
         return config
     if name is None:

@@ -34,7 +34,8 @@ from torch import nn
 
 from pagedllm.model_executor.layers.linear_method import LinearMethodBase
 from pagedllm.model_executor.quantization.base import QuantizationConfig
-from pagedllm.model_executor.quantization.woq import QuantizedWeight, WoqLinearMethod, load_layer
+from pagedllm.model_executor.quantization.woq import QuantizedWeight, load_layer
+from pagedllm.model_executor.quantization.woq_cuda import tinygemm_applies, woq_method_for
 
 logger = logging.getLogger("pagedllm")
 
@@ -188,7 +189,12 @@ class GGUFConfig(QuantizationConfig):
                 qw = unpermute_rows(qw, heads)
             self.types[kind] = self.types.get(kind, 0) + 1
             parts[shard] = qw
-        return WoqLinearMethod(load_layer(layer, parts, f"GGUF {prefix}"))
+        qw = load_layer(layer, parts, f"GGUF {prefix}")
+        if layer.weight is not None and layer.weight.is_cuda and not tinygemm_applies(qw):
+            logger.warning("GGUF %s: %s (%d-bit codes in groups of %d) has no CUDA kernel (4-bit only): it keeps its "
+                           "dequantized weight", prefix, qw.source, qw.bits, qw.group_size)
+            return None
+        return woq_method_for(layer, qw, f"GGUF {prefix}")
 
     def describe(self) -> str:
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted(self.types.items()))

@@ -29,7 +29,8 @@ from torch import nn
 
 from pagedllm.model_executor.layers.linear_method import LinearMethodBase
 from pagedllm.model_executor.quantization.base import HF_PROJECTION_PARTS, QuantizationConfig
-from pagedllm.model_executor.quantization.woq import QuantizedWeight, WoqLinearMethod, load_layer
+from pagedllm.model_executor.quantization.woq import QuantizedWeight, load_layer
+from pagedllm.model_executor.quantization.woq_cuda import woq_method_for
 
 #: a decoder projection part's HF module name (without "model.")
 _PART = re.compile(r"layers\.\d+\.(" + "|".join(re.escape(hf) for parts in HF_PROJECTION_PARTS.values()
@@ -159,8 +160,9 @@ class CheckpointWoqConfig(QuantizationConfig):
         return (converted.bits, converted.group_size)
 
     def build_method(self, layer: nn.Module, parts: dict, what: str) -> LinearMethodBase:
-        """The linear method of `layer` from its converted parts {shard_id: convert()'s result}."""
-        return WoqLinearMethod(load_layer(layer, parts, what))
+        """The linear method of `layer` from its converted parts {shard_id: convert()'s result}: the
+        CPU's weight-only kernel, or CUDA's tinygemm for 4-bit weights (woq_cuda.woq_method_for)."""
+        return woq_method_for(layer, load_layer(layer, parts, what), what)
 
     def describe_forms(self) -> str:
         """"4-bit group 128 x14, 8-bit per channel x2" over the parts converted so far."""

@@ -35,6 +35,22 @@ def tinygemm_applies(qw: QuantizedWeight) -> bool:
     return qw.bits == 4 and qw.group_size in TINYGEMM_GROUPS and n % 8 == 0 and k % 64 == 0
 
 
+def woq_method_for(layer: nn.Module, qw: QuantizedWeight, what: str) -> LinearMethodBase:
+    """The linear method of a layer's QuantizedWeight on the layer's device: the CPU's
+    WoqLinearMethod, or on CUDA this module's tinygemm method (4-bit codes, groups of 32-256; a
+    ValueError naming the form otherwise)."""
+    from pagedllm.model_executor.quantization.woq import WoqLinearMethod
+
+    device = layer.weight.device if layer.weight is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return WoqLinearMethod(qw)
+    if not tinygemm_applies(qw):
+        raise ValueError(f"{what}: {qw.bits}-bit weights in groups of {qw.group_size} ({tuple(qw.shape)}) run on the "
+                         f"CPU only; CUDA takes 4-bit codes in groups of {list(TINYGEMM_GROUPS)}, out_features % 8 == 0 "
+                         "and in_features % 64 == 0")
+    return TinyGemmInt4LinearMethod(qw)
+
+
 class TinyGemmInt4LinearMethod(LinearMethodBase):
     """(module docstring) for one layer's QuantizedWeight (this rank's), on the layer's CUDA device."""
 
