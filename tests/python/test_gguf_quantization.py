@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -458,3 +459,31 @@ def test_gguf_mixed_types_in_fused_projections_equal_the_dequantized_model():
           f"re-encoding moved the reference {moved:.2e} from the unmodified model")
     assert dev < TOL
     assert moved > 10 * TOL  # the swapped tensors matter: a path that ignored them would fail
+
+
+def test_gguf_tensor_index_is_the_readers_view_and_is_cached(tmp_path, monkeypatch):
+    """GGUFConfig's tensors (type, shape, bytes) equal gguf.GGUFReader's for every quantized tensor;
+    a second config over the same file reads the cached index, not the file's metadata."""
+    import gguf
+
+    from pagedllm.model_executor.loader import bundled_gguf_path
+    from pagedllm.model_executor.quantization.gguf import GGUFConfig
+
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    path = bundled_gguf_path()
+    reader = gguf.GGUFReader(str(path))
+    cfg = GGUFConfig(path)
+    assert cfg.architecture == "llama"
+    quantized = [t for t in reader.tensors if t.tensor_type.name in ("Q4_1", "Q8_0")]
+    assert len(quantized) == 211
+    for t in quantized:
+        ours = cfg._tensors[t.name]
+        assert ours.tensor_type == t.tensor_type and list(ours.shape) == list(t.shape)
+        assert np.array_equal(np.asarray(ours.data), np.asarray(t.data)), t.name
+
+    def no_reader(*args, **kwargs):
+        raise AssertionError("the file's metadata was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_reader)
+    again = GGUFConfig(path)
+    assert again.architecture == "llama" and set(again._tensors) == set(cfg._tensors)

@@ -23,7 +23,9 @@ they are permuted back here, as transformers does for the dequantized folder.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Optional
@@ -129,6 +131,27 @@ def unpermute_rows(qw: QuantizedWeight, n_head: int) -> QuantizedWeight:
     return QuantizedWeight(take(qw.codes), qw.bits, qw.group_size, take(qw.scale), take(qw.min), qw.source)
 
 
+_INDEX_VERSION = 1
+
+
+class _GGUFTensor:
+    """A tensor of the file, as gguf.GGUFReader's ReaderTensor gives it: tensor_type, shape (GGML
+    order: shape[0] is the row length), and data — its bytes as uint8 [rows, bytes per row], a
+    read-only memory map."""
+
+    def __init__(self, file: Path, name: str, type_name: str, shape: list, offset: int, n_bytes: int):
+        import gguf
+
+        self.file, self.name, self.offset, self.n_bytes = file, name, offset, n_bytes
+        self.tensor_type = gguf.GGMLQuantizationType[type_name]
+        self.shape = np.array(shape, dtype=np.uint64)
+
+    @property
+    def data(self) -> np.ndarray:
+        rows = int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
+        return np.memmap(self.file, dtype=np.uint8, mode="r", offset=self.offset, shape=(rows, self.n_bytes // rows))
+
+
 #: our projection -> GGUF tensor names of its parts (shard ids in order)
 _GGUF_PARTS = {
     "qkv_proj": (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v")),
@@ -151,19 +174,43 @@ class GGUFConfig(QuantizationConfig):
         self.types: dict[str, int] = {}
 
     @cached_property
-    def _reader(self):
+    def _index(self) -> dict:
+        """{"architecture", "tensors": {name: [GGML type name, dims, data offset, bytes]}} of the
+        file: gguf.GGUFReader's (which parses every metadata field: ~6 s for the bundled file's
+        49k-token vocabulary), kept as JSON in the conversion cache (keyed by the file's content,
+        loader.gguf_cache_key) so that later start-ups read it in milliseconds."""
+        from pagedllm.model_executor.loader import cache_root, gguf_cache_key
+
+        path = cache_root() / "gguf" / f"{self.gguf_file.stem}-{gguf_cache_key(self.gguf_file)}.tensors.json"
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == _INDEX_VERSION:
+                return data
+        except (OSError, ValueError):
+            pass
         import gguf
 
-        return gguf.GGUFReader(str(self.gguf_file))
+        reader = gguf.GGUFReader(str(self.gguf_file))
+        field = reader.fields.get("general.architecture")
+        data = {"version": _INDEX_VERSION, "architecture": str(field.contents()) if field is not None else "",
+                "tensors": {t.name: [t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes)]
+                            for t in reader.tensors}}
+        try:  # a cache, not a requirement: a read-only cache folder only costs the next start-up
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(path)
+        except OSError:
+            pass
+        return data
 
     @cached_property
     def _tensors(self) -> dict:
-        return {t.name: t for t in self._reader.tensors}
+        return {name: _GGUFTensor(self.gguf_file, name, *info) for name, info in self._index["tensors"].items()}
 
     @cached_property
     def architecture(self) -> str:
-        field = self._reader.fields.get("general.architecture")
-        return str(field.contents()) if field is not None else ""
+        return self._index["architecture"]
 
     def linear_method(self, layer: nn.Module, prefix: str = "") -> Optional[LinearMethodBase]:
         """WoqLinearMethod of the projection `prefix` ("layers.<i>.<qkv_proj|o_proj|gate_up_proj|down_proj>"),
