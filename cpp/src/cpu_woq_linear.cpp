@@ -328,7 +328,8 @@ void quantize_groups(const T* x, int64_t K, int64_t group, int8_t* q, float* sx,
       amax = std::max(amax, std::fabs(v));
       sum += v;
     }
-    float s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+    // a NaN or an infinity makes the group's scale NaN: its row of the output is NaN
+    float s = nan || std::isinf(amax) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
     if (s == 0.0f) s = 1.0f;
     int32_t qs = 0;
     for (int64_t k = k0; k < k0 + group; ++k) {
@@ -366,7 +367,8 @@ void quantize_groups_avx512(const T* x, int64_t K, int64_t group, int8_t* q, flo
       m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
       sum = _mm512_add_ps(sum, v);
     }
-    float s = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(m) / 127.0f;
+    const float amax = _mm512_reduce_max_ps(m);
+    float s = nan || std::isinf(amax) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
     if (s == 0.0f) s = 1.0f;
     const __m512 sv = _mm512_set1_ps(s);
     __m512i qs = _mm512_setzero_si512();

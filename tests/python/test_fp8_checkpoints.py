@@ -66,6 +66,10 @@ def fp8_folder(src: Path, out: Path, block: int | None):
             q, s = _e4m3_rows(w, per_tensor=True)
             q_t[name], q_t[f"{module}.weight_scale"] = q, s.reshape(())
             deq[name] = q.float() * s
+            if module.endswith("k_proj"):  # an "-FP8-KV" checkpoint's KV-cache scales: read and dropped
+                attn = module.rpartition(".")[0]
+                q_t[f"{attn}.k_scale"], q_t[f"{attn}.v_scale"] = torch.tensor(0.02), torch.tensor(0.03)
+                q_t[f"{module}.output_scale"] = torch.tensor(0.02)
         else:
             n, k = w.shape
             rows, cols = -(-n // block), -(-k // block)

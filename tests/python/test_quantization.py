@@ -191,3 +191,15 @@ def test_unsupported_methods_checkpoints_and_devices_are_named(tmp_path, monkeyp
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"GPTQ bits=3 is not supported: supported bits are \[4, 8\]"):
         LLM(str(folder), device="cpu")
+
+
+def test_auto_dtype_takes_bfloat16_for_cudas_quantized_kernels():
+    """dtype="auto" on CUDA becomes bfloat16 for methods whose kernels need it (a float16 GPTQ
+    checkpoint, online fp8 / int4); an explicit other dtype is refused by get_quantization_config."""
+    from pagedllm.model_executor.quantization import required_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert required_dtype(None, "gptq", cuda) == torch.bfloat16
+    assert required_dtype("fp8", None, cuda) == torch.bfloat16 and required_dtype("int4", None, cuda) == torch.bfloat16
+    assert required_dtype("int8", None, cuda) is None and required_dtype(None, None, cuda) is None
+    assert required_dtype(None, "gptq", cpu) is None and required_dtype("int4", None, cpu) is None

@@ -525,9 +525,16 @@ def test_woq_vnni_linear_is_close_to_the_float_product_and_propagates_nan(gen):
     full = x.double() @ qw.dequantize(torch.float64).t()
     assert (y.double() - full).abs().max() < 0.02 * full.abs().max()
     x[2, 40] = float("nan")
+    x[4, 3] = float("inf")  # an infinity: the row is NaN too (not a finite or wrongly signed value)
     y = ops.woq_vnni_linear(x, ops.woq_vnni_pack_weight(qw.codes, 4), 4, qw.scale.t().contiguous(),
                             qw.min.t().contiguous())
-    assert torch.isnan(y[2]).all() and not torch.isnan(y[[0, 1, 3, 4]]).any()
+    assert torch.isnan(y[2]).all() and torch.isnan(y[4]).all() and not torch.isnan(y[[0, 1, 3]]).any()
+    # the scalar quantizer (groups not a multiple of 16) agrees
+    qw4 = random_qweight(gen, 32, 40, 8, 4, False)
+    x4 = torch.randn(3, 40, generator=gen)
+    x4[1, 7] = -float("inf")
+    y4 = ops.woq_vnni_linear(x4, ops.woq_vnni_pack_weight(qw4.codes, 8), 8, qw4.scale.t().contiguous(), None)
+    assert torch.isnan(y4[1]).all() and not torch.isnan(y4[[0, 2]]).any()
 
 
 @needs_vnni

@@ -50,7 +50,7 @@ void woq_linear(const TensorView& out, const TensorView& x, const TensorView& pa
 //
 // For bfloat16 models the engine uses this instead (what llama.cpp does with Q8 activations): x is
 // quantized per token and per weight group, s_x = max |x_g| / 127 (1 for a zero group; NaN for a
-// group holding one, making its row NaN), q_x = round half to even (x / s_x) in [-127, 127]; each
+// group holding a NaN or an infinity, making its row NaN), q_x = round half to even (x / s_x) in [-127, 127]; each
 // group's dot product is exact in int32 (VPDPBUSD: weight bytes unsigned, activations signed), then
 //   out[m, n] = sum_g ( scale[g, n] * s_x[m, g] * (sum_k a[n, k] q_x[m, k] - 128 sum_k q_x[m, k] [8 bits])
 //                       + min[g, n] * (sum_{k in g} x[m, k]) ) + bias[n]

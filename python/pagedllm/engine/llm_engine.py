@@ -62,7 +62,7 @@ from pagedllm.sample.sampler import PendingSample
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.executor import EXECUTOR_BACKENDS, ExecutorConfig, make_executor
 from pagedllm.model_executor.layers.linear import partition_heads
-from pagedllm.model_executor.quantization import get_quantization_config
+from pagedllm.model_executor.quantization import get_quantization_config, required_dtype
 
 logger = logging.getLogger("pagedllm")
 
@@ -132,6 +132,11 @@ class LLMEngine:
         if tp > 1:  # before any process starts
             _check_tensor_parallel(cfg, tp, self.device)
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
+        needed = required_dtype(args.quantization, cfg.quantization, self.device)
+        if needed is not None and args.dtype in (None, "auto") and self.dtype != needed:
+            logger.info("dtype auto: %s (the checkpoint's is %s) for quantization's CUDA kernels",
+                        str(needed).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
+            self.dtype = needed
         self.gguf_file = gguf_source(args.model)
         get_quantization_config(args.quantization, cfg.quantization, self.device, self.gguf_file,
                                 cfg.quantization_config, self.dtype)  # ValueError before any load

@@ -53,6 +53,16 @@ CHECKPOINT_METHODS: dict[str, tuple[type[QuantizationConfig], tuple[str, ...]]] 
 }
 
 
+def required_dtype(name: Optional[str], checkpoint_method: Optional[str], device: torch.device) -> Optional[torch.dtype]:
+    """The activation dtype the method computes with on `device`, where it needs one (CUDA's
+    tinygemm and FP8 kernels: bfloat16), else None; dtype="auto" takes it."""
+    if device.type != "cuda":
+        return None
+    if checkpoint_method is not None:
+        return torch.bfloat16 if checkpoint_method in CHECKPOINT_METHODS else None
+    return CUDA_DTYPES.get(name) if name is not None else None
+
+
 def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str], device: torch.device,
                             gguf_file: Optional[Path] = None, checkpoint_config: Optional[dict] = None,
                             dtype: Optional[torch.dtype] = None) -> Optional[QuantizationConfig]:
@@ -104,4 +114,5 @@ def get_quantization_config(name: Optional[str], checkpoint_method: Optional[str
     return cls()
 
 
-__all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config"]
+__all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config",
+           "required_dtype"]

@@ -70,8 +70,25 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, module: str,
                      f"or [{n}, 1] (a per-block scale needs the config's block size)")
 
 
+#: attention-side FP8 scales some checkpoints carry (KV-cache and attention quantization): the KV
+#: cache stays in the model dtype here, so they are read and dropped
+_ATTENTION_SCALES = ("k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale", "output_scale")
+
+
 class _Fp8CheckpointBase(CheckpointWoqConfig):
     """FP8 parts collected and stacked as the integer formats' are (woq_checkpoint.py)."""
+
+    def is_checkpoint_tensor(self, name: str) -> bool:
+        return name.rpartition(".")[2] in _ATTENTION_SCALES or super().is_checkpoint_tensor(name)
+
+    def take_checkpoint_tensor(self, name: str, tensor) -> None:
+        if name.rpartition(".")[2] in _ATTENTION_SCALES:
+            if not getattr(self, "_dropped_scales", False):
+                self._dropped_scales = True
+                logger.info("%s checkpoint: KV-cache / attention scales (%s, ...) dropped: the KV cache stays in the "
+                            "model dtype", self.name, name)
+            return
+        super().take_checkpoint_tensor(name, tensor)
 
     #: where these checkpoints run: CUDA's FP8 kernels, or the CPU (torch._scaled_mm; correct, not fast)
     devices = ("cuda", "cpu")
