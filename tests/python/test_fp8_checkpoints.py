@@ -7,7 +7,7 @@ test_quantization_cuda.py):
   checkpoint's dequantization; errors name the bad dtype or shape;
 - a tiny Llama / Qwen2 written as an FP8 checkpoint — by the compressed-tensors package
   (apply_quantization_config, its qparams, ModelCompressor: "float-quantized"; per channel and per
-  tensor) and in the "fp8" quant_method layout (per tensor; block-scaled weight_scale_inv) — loads
+  tensor) and in the "fp8" quant_method layout (per tensor, with KV-cache scales that are dropped; block-scaled weight_scale_inv) — loads
   from its config.json: every projection on the fp8 method, holding exactly the weights the
   package's decompress (or the layout's formula) gives, and teacher-forced log-probabilities within
   1e-3 of the float32 model holding those weights (measured 0.0). Block scales are re-quantized per
