@@ -227,16 +227,7 @@ void store_rows_vnni(Out* out, int64_t ldo, int64_t m0, int64_t rows, int64_t n0
 template <int kB>
 void sums_vnni_rows(const uint8_t* xq, const float* sx, int64_t m0, int64_t rows, int64_t nb0, const Operands& g,
                     float (*acc)[kRows][kCols]) {
-  switch (rows) {
-    case 1: sums_vnni<1, kB>(xq, sx, m0, nb0, g, acc); break;
-    case 2: sums_vnni<2, kB>(xq, sx, m0, nb0, g, acc); break;
-    case 3: sums_vnni<3, kB>(xq, sx, m0, nb0, g, acc); break;
-    case 4: sums_vnni<4, kB>(xq, sx, m0, nb0, g, acc); break;
-    case 5: sums_vnni<5, kB>(xq, sx, m0, nb0, g, acc); break;
-    case 6: sums_vnni<6, kB>(xq, sx, m0, nb0, g, acc); break;
-    case 7: sums_vnni<7, kB>(xq, sx, m0, nb0, g, acc); break;
-    default: sums_vnni<8, kB>(xq, sx, m0, nb0, g, acc); break;
-  }
+  cpu::with_rows(rows, [&]<int R>() { sums_vnni<R, kB>(xq, sx, m0, nb0, g, acc); });
 }
 #endif
 

@@ -84,4 +84,20 @@ inline float dot(const float* __restrict a, const float* __restrict b) {
   return s;
 }
 
+/// f.template operator()<R>() for a runtime row count rows = R in 1..8 (more than 8: R = 8): the
+/// register-blocked kernels' tails, each a compile-time row count.
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    case 7: f.template operator()<7>(); break;
+    default: f.template operator()<8>(); break;
+  }
+}
+
 }  // namespace pagedllm::cpu

@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -127,18 +129,6 @@ void tile_dispatch(const Operands& o, int64_t b, int64_t m0, float (*acc)[kCols]
     o.min ? tile_avx512<R, 4, true>(o, b, m0, acc) : tile_avx512<R, 4, false>(o, b, m0, acc);
 }
 
-void tile_avx512_rows(const Operands& o, int64_t b, int64_t m0, int rows, float (*acc)[kCols]) {
-  switch (rows) {
-    case 1: tile_dispatch<1>(o, b, m0, acc); break;
-    case 2: tile_dispatch<2>(o, b, m0, acc); break;
-    case 3: tile_dispatch<3>(o, b, m0, acc); break;
-    case 4: tile_dispatch<4>(o, b, m0, acc); break;
-    case 5: tile_dispatch<5>(o, b, m0, acc); break;
-    case 6: tile_dispatch<6>(o, b, m0, acc); break;
-    case 7: tile_dispatch<7>(o, b, m0, acc); break;
-    default: tile_dispatch<8>(o, b, m0, acc); break;
-  }
-}
 #endif
 
 template <typename Out>
@@ -157,6 +147,70 @@ void check_cpu(const char* op, const TensorView& t) {
 
 void check_bits(const char* op, int64_t bits) {
   PAGEDLLM_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+}
+
+/// The checks both products share, for a packed weight of N outputs and K inputs: x [M, K] and
+/// out [M, N] (bfloat16 / float32, contiguous last dimension, not overlapping), scale float32
+/// [G, N] with G dividing K, min nullptr or like scale, bias nullptr or float32 [N]. Returns (M, G).
+std::pair<int64_t, int64_t> check_operands(const char* op, const TensorView& out, const TensorView& x, int64_t N,
+                                           int64_t K, const TensorView& scale, const TensorView* min,
+                                           const TensorView* bias) {
+  for (const TensorView* t : {&out, &x, &scale}) check_cpu(op, *t);
+  detail::check_ndim(op, "x", x, 2, "[num_tokens, in_features]");
+  PAGEDLLM_CHECK(x.dtype == DType::kBFloat16 || x.dtype == DType::kFloat32, op,
+                 ": x must be bfloat16 or float32, got ", dtype_name(x.dtype));
+  detail::check_dim(op, "x", x, 1, K, "in_features, must match packed");
+  PAGEDLLM_CHECK(K <= 1 || x.stride(1) == 1, op, ": x must have a contiguous last dimension, got ", x.describe());
+  const int64_t M = x.size(0);
+  detail::check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
+  PAGEDLLM_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
+                 ": out must be bfloat16 or float32, got ", dtype_name(out.dtype));
+  detail::check_dim(op, "out", out, 0, M, "num_tokens, must match x");
+  detail::check_dim(op, "out", out, 1, N, "out_features, must match packed");
+  PAGEDLLM_CHECK(N <= 1 || out.stride(1) == 1, op, ": out must have a contiguous last dimension, got ",
+                 out.describe());
+  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x");
+  detail::check_ndim(op, "scale", scale, 2, "[K / group_size, out_features]");
+  detail::check_dtype(op, "scale", scale, DType::kFloat32);
+  detail::check_contiguous(op, "scale", scale);
+  detail::check_dim(op, "scale", scale, 1, N, "out_features, must match packed");
+  const int64_t G = scale.size(0);
+  PAGEDLLM_CHECK(G > 0 && K % G == 0, op, ": scale has ", G, " groups, which does not divide in_features=", K);
+  if (min != nullptr) {
+    check_cpu(op, *min);
+    detail::check_dtype(op, "min", *min, DType::kFloat32);
+    detail::check_contiguous(op, "min", *min);
+    PAGEDLLM_CHECK(min->ndim == 2 && min->size(0) == G && min->size(1) == N, op, ": min must be [", G, ", ", N,
+                   "] like scale, got ", min->describe());
+  }
+  if (bias != nullptr) {
+    PAGEDLLM_CHECK(bias->device == DeviceType::kCPU && bias->ndim == 1 && bias->size(0) == N &&
+                       (N <= 1 || bias->stride(0) == 1) && bias->dtype == DType::kFloat32,
+                   op, ": bias must be a contiguous float32 [", N, "] cpu tensor, got ", bias->describe());
+  }
+  return {M, G};
+}
+
+/// out [M, N] + bias from tile(block, m0, rows, acc): threads claim 16-output blocks; each block's
+/// tiles of up to 8 rows run over all of K (the block's codes stay in L1/L2), then store.
+template <typename Tile>
+void for_each_block(const TensorView& out, int64_t M, int64_t N, const TensorView* bias, const Tile& tile) {
+  const float* b = bias ? bias->ptr<const float>() : nullptr;
+  const int64_t blocks = N / kCols;
+  const bool out_f32 = out.dtype == DType::kFloat32;
+  const int nt = static_cast<int>(std::min<int64_t>(std::max(1, get_num_threads()), blocks));
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    alignas(64) float acc[kRows][kCols];
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+      tile(blk, m0, rows, acc);
+      if (out_f32)
+        store_tile<float>(out, m0, rows, blk * kCols, acc, b);
+      else
+        store_tile<cpu::bf16>(out, m0, rows, blk * kCols, acc, b);
+    }
+  }
 }
 
 }  // namespace
@@ -203,7 +257,7 @@ void woq_pack_weight(const TensorView& packed, const TensorView& codes, int64_t 
 void woq_linear(const TensorView& out, const TensorView& x, const TensorView& packed, int64_t bits,
                 const TensorView& scale, const TensorView* min, const TensorView* bias) {
   const char* op = "woq_linear";
-  for (const TensorView* t : {&out, &x, &packed, &scale}) check_cpu(op, *t);
+  check_cpu(op, packed);
   check_bits(op, bits);
   detail::check_ndim(op, "packed", packed, 3, bits == 8 ? "[N / 16, K, 16]" : "[N / 16, K / 2, 16]");
   detail::check_dtype(op, "packed", packed, bits == 8 ? DType::kInt8 : DType::kUInt8);
@@ -213,46 +267,13 @@ void woq_linear(const TensorView& out, const TensorView& x, const TensorView& pa
   o.bits = static_cast<int>(bits);
   o.N = packed.size(0) * kCols;
   o.K = bits == 8 ? packed.size(1) : packed.size(1) * 2;
-  detail::check_ndim(op, "x", x, 2, "[num_tokens, in_features]");
-  PAGEDLLM_CHECK(x.dtype == DType::kBFloat16 || x.dtype == DType::kFloat32, op,
-                 ": x must be bfloat16 or float32, got ", dtype_name(x.dtype));
-  detail::check_dim(op, "x", x, 1, o.K, "in_features, must match packed");
-  PAGEDLLM_CHECK(o.K <= 1 || x.stride(1) == 1, op, ": x must have a contiguous last dimension, got ", x.describe());
-  o.M = x.size(0);
-  detail::check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
-  PAGEDLLM_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
-                 ": out must be bfloat16 or float32, got ", dtype_name(out.dtype));
-  detail::check_dim(op, "out", out, 0, o.M, "num_tokens, must match x");
-  detail::check_dim(op, "out", out, 1, o.N, "out_features, must match packed");
-  PAGEDLLM_CHECK(o.N <= 1 || out.stride(1) == 1, op, ": out must have a contiguous last dimension, got ",
-                 out.describe());
-  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x");
-  detail::check_ndim(op, "scale", scale, 2, "[K / group_size, out_features]");
-  detail::check_dtype(op, "scale", scale, DType::kFloat32);
-  detail::check_contiguous(op, "scale", scale);
-  detail::check_dim(op, "scale", scale, 1, o.N, "out_features, must match packed");
-  o.G = scale.size(0);
-  PAGEDLLM_CHECK(o.G > 0 && o.K % o.G == 0, op, ": scale has ", o.G, " groups, which does not divide in_features=",
-                 o.K);
+  std::tie(o.M, o.G) = check_operands(op, out, x, o.N, o.K, scale, min, bias);
   o.group = o.K / o.G;
   PAGEDLLM_CHECK(bits == 8 || o.group % 2 == 0, op, ": 4-bit weights need an even group size, got ", o.group);
-  if (min != nullptr) {
-    check_cpu(op, *min);
-    detail::check_dtype(op, "min", *min, DType::kFloat32);
-    detail::check_contiguous(op, "min", *min);
-    PAGEDLLM_CHECK(min->ndim == 2 && min->size(0) == o.G && min->size(1) == o.N, op, ": min must be [", o.G, ", ",
-                   o.N, "] like scale, got ", min->describe());
-  }
-  if (bias != nullptr) {
-    PAGEDLLM_CHECK(bias->device == DeviceType::kCPU && bias->ndim == 1 && bias->size(0) == o.N &&
-                       (o.N <= 1 || bias->stride(0) == 1) && bias->dtype == DType::kFloat32,
-                   op, ": bias must be a contiguous float32 [", o.N, "] cpu tensor, got ", bias->describe());
-  }
   if (o.M == 0) return;
   o.w = packed.ptr<const uint8_t>();
   o.scale = scale.ptr<const float>();
   o.min = min ? min->ptr<const float>() : nullptr;
-  const int threads = std::max(1, get_num_threads());
 
   std::vector<float> xf;
   if (x.dtype == DType::kFloat32) {
@@ -276,26 +297,13 @@ void woq_linear(const TensorView& out, const TensorView& x, const TensorView& pa
       }
     o.xsum = xsum.data();
   }
-  const float* b = bias ? bias->ptr<const float>() : nullptr;
-  const int64_t blocks = o.N / kCols;
-  const bool out_f32 = out.dtype == DType::kFloat32;
-  const int nt = static_cast<int>(std::min<int64_t>(threads, blocks));
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    alignas(64) float acc[kRows][kCols];
-    for (int64_t m0 = 0; m0 < o.M; m0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, o.M - m0));
+  for_each_block(out, o.M, o.N, bias, [&](int64_t blk, int64_t m0, int rows, float (*acc)[kCols]) {
 #if PAGEDLLM_HAVE_WOQ_AVX512
-      tile_avx512_rows(o, blk, m0, rows, acc);
+    cpu::with_rows(rows, [&]<int R>() { tile_dispatch<R>(o, blk, m0, acc); });
 #else
-      tile_portable(o, blk, m0, rows, acc);
+    tile_portable(o, blk, m0, rows, acc);
 #endif
-      if (out_f32)
-        store_tile<float>(out, m0, rows, blk * kCols, acc, b);
-      else
-        store_tile<cpu::bf16>(out, m0, rows, blk * kCols, acc, b);
-    }
-  }
+  });
 }
 
 // ---- W4A8 / W8A8 on AVX-512 VNNI ----------------------------------------------------------------
@@ -435,18 +443,6 @@ void vnni_dispatch(const VnniOperands& o, int64_t b, int64_t m0, float (*acc)[kC
     o.min ? vnni_tile<R, 4, true>(o, b, m0, acc) : vnni_tile<R, 4, false>(o, b, m0, acc);
 }
 
-void vnni_tile_rows(const VnniOperands& o, int64_t b, int64_t m0, int rows, float (*acc)[kCols]) {
-  switch (rows) {
-    case 1: vnni_dispatch<1>(o, b, m0, acc); break;
-    case 2: vnni_dispatch<2>(o, b, m0, acc); break;
-    case 3: vnni_dispatch<3>(o, b, m0, acc); break;
-    case 4: vnni_dispatch<4>(o, b, m0, acc); break;
-    case 5: vnni_dispatch<5>(o, b, m0, acc); break;
-    case 6: vnni_dispatch<6>(o, b, m0, acc); break;
-    case 7: vnni_dispatch<7>(o, b, m0, acc); break;
-    default: vnni_dispatch<8>(o, b, m0, acc); break;
-  }
-}
 #endif
 
 }  // namespace
@@ -497,7 +493,7 @@ void woq_vnni_linear(const TensorView& out, const TensorView& x, const TensorVie
                      const TensorView& scale, const TensorView* min, const TensorView* bias) {
   const char* op = "woq_vnni_linear";
   PAGEDLLM_CHECK(woq_vnni_available(), op, ": this build has no AVX-512 VNNI (use woq_linear)");
-  for (const TensorView* t : {&out, &x, &packed, &scale}) check_cpu(op, *t);
+  check_cpu(op, packed);
   check_bits(op, bits);
   const int64_t qb = bits == 8 ? 64 : 32;
   detail::check_ndim(op, "packed", packed, 3, bits == 8 ? "[N / 16, K / 4, 64]" : "[N / 16, K / 4, 32]");
@@ -509,42 +505,12 @@ void woq_vnni_linear(const TensorView& out, const TensorView& x, const TensorVie
   o.bits = static_cast<int>(bits);
   o.N = packed.size(0) * kCols;
   o.K = packed.size(1) * 4;
-  detail::check_ndim(op, "x", x, 2, "[num_tokens, in_features]");
-  PAGEDLLM_CHECK(x.dtype == DType::kBFloat16 || x.dtype == DType::kFloat32, op,
-                 ": x must be bfloat16 or float32, got ", dtype_name(x.dtype));
-  detail::check_dim(op, "x", x, 1, o.K, "in_features, must match packed");
-  PAGEDLLM_CHECK(x.stride(1) == 1, op, ": x must have a contiguous last dimension, got ", x.describe());
-  o.M = x.size(0);
-  detail::check_ndim(op, "out", out, 2, "[num_tokens, out_features]");
-  PAGEDLLM_CHECK(out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, op,
-                 ": out must be bfloat16 or float32, got ", dtype_name(out.dtype));
-  detail::check_dim(op, "out", out, 0, o.M, "num_tokens, must match x");
-  detail::check_dim(op, "out", out, 1, o.N, "out_features, must match packed");
-  PAGEDLLM_CHECK(o.N <= 1 || out.stride(1) == 1, op, ": out must have a contiguous last dimension, got ",
-                 out.describe());
-  PAGEDLLM_CHECK(!detail::overlaps(out, x), op, ": out must not overlap x");
-  detail::check_ndim(op, "scale", scale, 2, "[K / group_size, out_features]");
-  detail::check_dtype(op, "scale", scale, DType::kFloat32);
-  detail::check_contiguous(op, "scale", scale);
-  detail::check_dim(op, "scale", scale, 1, o.N, "out_features, must match packed");
-  o.G = scale.size(0);
-  PAGEDLLM_CHECK(o.G > 0 && o.K % o.G == 0 && (o.K / o.G) % 4 == 0, op, ": scale has ", o.G,
-                 " groups; in_features=", o.K, " must split into groups of a multiple of 4 inputs");
+  std::tie(o.M, o.G) = check_operands(op, out, x, o.N, o.K, scale, min, bias);
   o.group = o.K / o.G;
+  PAGEDLLM_CHECK(o.group % 4 == 0, op, ": scale has ", o.G, " groups; in_features=", o.K,
+                 " must split into groups of a multiple of 4 inputs");
   PAGEDLLM_CHECK(o.group <= kMaxVnniGroup, op, ": groups of ", o.group, " inputs are above ", kMaxVnniGroup,
                  " (int32 sums could overflow)");
-  if (min != nullptr) {
-    check_cpu(op, *min);
-    detail::check_dtype(op, "min", *min, DType::kFloat32);
-    detail::check_contiguous(op, "min", *min);
-    PAGEDLLM_CHECK(min->ndim == 2 && min->size(0) == o.G && min->size(1) == o.N, op, ": min must be [", o.G, ", ",
-                   o.N, "] like scale, got ", min->describe());
-  }
-  if (bias != nullptr) {
-    PAGEDLLM_CHECK(bias->device == DeviceType::kCPU && bias->ndim == 1 && bias->size(0) == o.N &&
-                       (o.N <= 1 || bias->stride(0) == 1) && bias->dtype == DType::kFloat32,
-                   op, ": bias must be a contiguous float32 [", o.N, "] cpu tensor, got ", bias->describe());
-  }
   if (o.M == 0) return;
 #if PAGEDLLM_HAVE_WOQ_VNNI
   o.w = packed.ptr<const uint8_t>();
@@ -556,43 +522,25 @@ void woq_vnni_linear(const TensorView& out, const TensorView& x, const TensorVie
   std::vector<int32_t> qsum(static_cast<size_t>(o.M * o.G));
 #pragma omp parallel for num_threads(static_cast<int>(std::min<int64_t>(threads, o.M))) schedule(static)
   for (int64_t m = 0; m < o.M; ++m) {
-    float* xs = o.min ? xsum.data() + m * o.G : nullptr;
-    if (o.group % 16 == 0) {
-      if (x.dtype == DType::kFloat32)
-        quantize_groups_avx512(x.ptr<const float>() + m * x.stride(0), o.K, o.group, xq.data() + m * o.K,
-                               sx.data() + m * o.G, qsum.data() + m * o.G, xs);
+    const auto quantize = [&](const auto* row) {
+      float* xs = o.min ? xsum.data() + m * o.G : nullptr;
+      if (o.group % 16 == 0)
+        quantize_groups_avx512(row, o.K, o.group, xq.data() + m * o.K, sx.data() + m * o.G, qsum.data() + m * o.G, xs);
       else
-        quantize_groups_avx512(x.ptr<const cpu::bf16>() + m * x.stride(0), o.K, o.group, xq.data() + m * o.K,
-                               sx.data() + m * o.G, qsum.data() + m * o.G, xs);
-      continue;
-    }
+        quantize_groups(row, o.K, o.group, xq.data() + m * o.K, sx.data() + m * o.G, qsum.data() + m * o.G, xs);
+    };
     if (x.dtype == DType::kFloat32)
-      quantize_groups(x.ptr<const float>() + m * x.stride(0), o.K, o.group, xq.data() + m * o.K, sx.data() + m * o.G,
-                      qsum.data() + m * o.G, xs);
+      quantize(x.ptr<const float>() + m * x.stride(0));
     else
-      quantize_groups(x.ptr<const cpu::bf16>() + m * x.stride(0), o.K, o.group, xq.data() + m * o.K,
-                      sx.data() + m * o.G, qsum.data() + m * o.G, xs);
+      quantize(x.ptr<const cpu::bf16>() + m * x.stride(0));
   }
   o.xq = xq.data();
   o.sx = sx.data();
   o.qsum = qsum.data();
   o.xsum = o.min ? xsum.data() : nullptr;
-  const float* b = bias ? bias->ptr<const float>() : nullptr;
-  const int64_t blocks = o.N / kCols;
-  const bool out_f32 = out.dtype == DType::kFloat32;
-  const int nt = static_cast<int>(std::min<int64_t>(threads, blocks));
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    alignas(64) float acc[kRows][kCols];
-    for (int64_t m0 = 0; m0 < o.M; m0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, o.M - m0));
-      vnni_tile_rows(o, blk, m0, rows, acc);
-      if (out_f32)
-        store_tile<float>(out, m0, rows, blk * kCols, acc, b);
-      else
-        store_tile<cpu::bf16>(out, m0, rows, blk * kCols, acc, b);
-    }
-  }
+  for_each_block(out, o.M, o.N, bias, [&](int64_t blk, int64_t m0, int rows, float (*acc)[kCols]) {
+    cpu::with_rows(rows, [&]<int R>() { vnni_dispatch<R>(o, blk, m0, acc); });
+  });
 #endif
 }
 
