@@ -63,6 +63,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 using layer_ops::from_float;
+using layer_ops::ld_weight16;
 using layer_ops::rotate_pair;
 using layer_ops::round_to;
 using layer_ops::to_float;
@@ -125,14 +126,6 @@ struct Mma<__half> {
   }
 };
 
-/// 16 weight bytes, streamed: not cached in L1, L2 fetches 256-byte blocks.
-__device__ __forceinline__ uint4 ld_weight16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 /// 16 bytes of activations (written by the previous kernel: read after pdl_wait, coherently).
 __device__ __forceinline__ uint4 ld_act16(const void* p) {

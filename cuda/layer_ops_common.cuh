@@ -57,21 +57,46 @@ struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
 };
 
-/// Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
-/// `shared` holds 32 floats. Call once per kernel (no trailing barrier for reuse).
-__device__ __forceinline__ float block_sum(float v, float* shared) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+/// op-reduction of v over the block (blockDim.x a multiple of 32, at most 1024; `identity` fills
+/// the absent warps); every thread gets it. `shared` holds 32 floats. Call once per buffer (no
+/// trailing barrier for reuse).
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, float* shared, Op op, float identity) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   if (warp == 0) {
     const int num_warps = blockDim.x / 32;
-    v = lane < num_warps ? shared[lane] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = lane < num_warps ? shared[lane] : identity;
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     if (lane == 0) shared[0] = v;
   }
   __syncthreads();
   return shared[0];
+}
+
+/// Sum of v over the block (block_reduce's conditions).
+__device__ __forceinline__ float block_sum(float v, float* shared) { return block_reduce(v, shared, SumOp{}, 0.f); }
+
+/// max over the block of v >= 0 (block_reduce's conditions).
+__device__ __forceinline__ float block_max(float v, float* shared) { return block_reduce(v, shared, MaxOp{}, 0.f); }
+
+/// 16 bytes at p, streamed: not kept in L1 (read once), L2 fetches 256-byte blocks — the GEMVs'
+/// weight loads.
+__device__ __forceinline__ uint4 ld_weight16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
 }
 
 using detail::DeviceGuard;  // device_guard.h
@@ -83,22 +108,6 @@ inline int round_up_warps(int64_t threads, int lo, int hi) {
   if (t < lo) t = lo;
   if (t > hi) t = hi;
   return static_cast<int>(t);
-}
-
-/// max over the block of v (every thread gets it); `shared` holds 32 floats, its own buffer.
-__device__ __forceinline__ float block_max(float v, float* shared) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const int num_warps = blockDim.x / 32;
-    v = lane < num_warps ? shared[lane] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (lane == 0) shared[0] = v;
-  }
-  __syncthreads();
-  return shared[0];
 }
 
 /// The per-token FP8 scale of a row whose max |x| is amax: max(amax * float(1/448), FLT_MIN)

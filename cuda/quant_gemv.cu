@@ -30,14 +30,6 @@ using namespace layer_ops;
 constexpr int kWarps = 8;
 constexpr int kChunks = 4;  // 16-byte chunks per lane per iteration
 
-__device__ __forceinline__ uint4 ld_stream16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 /// 16 e4m3 weights (a uint4) -> 16 floats.
 __device__ __forceinline__ void e4m3x16_to_float(const uint4& v, float* f) {
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
@@ -89,7 +81,7 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_gemv_kernel(T* __restrict__ o
 #pragma unroll
     for (int u = 0; u < kChunks; ++u) {
       const int c = c0 + 32 * u;
-      wv[u] = c < chunks ? ld_stream16(wr + 16 * c) : make_uint4(0, 0, 0, 0);
+      wv[u] = c < chunks ? ld_weight16(wr + 16 * c) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kChunks; ++u) {

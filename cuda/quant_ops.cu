@@ -24,25 +24,13 @@ using namespace layer_ops;
 
 constexpr int kThreads = 256;
 
-/// max |x| of the block's row (every thread gets it) -> s = max(max|x| * float(1/448), FLT_MIN), also
-/// written to *scale by thread 0.
+/// The row's FP8 scale from each thread's max |x| (fp8_row_scale of the block's max); thread 0
+/// also writes it to *scale.
 __device__ __forceinline__ float row_scale(float amax, float* scale) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  __shared__ float warp_max[kThreads / 32];
-  __shared__ float shared_scale;
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float m = warp_max[0];
-#pragma unroll
-    for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-    const float s = fp8_row_scale(m);
-    shared_scale = s;
-    *scale = s;
-  }
-  __syncthreads();
-  return shared_scale;
+  __shared__ float shared[32];
+  const float s = fp8_row_scale(block_max(amax, shared));
+  if (threadIdx.x == 0) *scale = s;
+  return s;
 }
 
 template <int VEC>
