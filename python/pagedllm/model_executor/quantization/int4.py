@@ -52,8 +52,9 @@ class Int4Config(QuantizationConfig):
                 "the CPU's woq_linear, CUDA's tinygemm)")
 
 
-class _OnlineInt4Method(WoqLinearMethod):
-    """Quantizes the loaded weight, then computes as WoqLinearMethod."""
+class _QuantizeAtLoad:
+    """Mixin of a method over a QuantizedWeight: quantize_int4 of the loaded weight (on its device)
+    becomes that QuantizedWeight, then the method computes as it does."""
 
     def __init__(self):
         super().__init__(None)
@@ -63,12 +64,9 @@ class _OnlineInt4Method(WoqLinearMethod):
         super().process_weights_after_loading(layer)
 
 
-class _OnlineInt4CudaMethod(TinyGemmInt4LinearMethod):
-    """Quantizes the loaded weight (on its device), then computes as TinyGemmInt4LinearMethod."""
+class _OnlineInt4Method(_QuantizeAtLoad, WoqLinearMethod):
+    pass
 
-    def __init__(self):
-        super().__init__(None)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        self.qweight = quantize_int4(layer.weight)
-        super().process_weights_after_loading(layer)
+class _OnlineInt4CudaMethod(_QuantizeAtLoad, TinyGemmInt4LinearMethod):
+    pass
