@@ -89,7 +89,8 @@ def fp8_folder(src: Path, out: Path, block: int | None):
 def ct_fp8_folder(src: Path, out: Path, strategy: str):
     """A folder written by the compressed-tensors package (FP8 W8A8, dynamic per-token activations),
     and the float32 folder of the package's decompress of each module."""
-    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.compressors import BaseCompressor
+    from test_quant_checkpoints import ct_save
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -108,14 +109,7 @@ def ct_fp8_folder(src: Path, out: Path, strategy: str):
                                          if strategy == "tensor" else hi, weights)
             m.weight_scale = torch.nn.Parameter(scale.reshape(m.weight_scale.shape).to(m.weight_scale.dtype),
                                                 requires_grad=False)
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    qfolder = out / f"ct-{strategy}"
-    model.save_pretrained(qfolder)
-    compressor.update_config(qfolder)
-    for f in src.iterdir():
-        if not (qfolder / f.name).exists():
-            shutil.copy(f, qfolder / f.name)
+    qfolder = ct_save(model, src, out / f"ct-{strategy}")
     saved = load_file(str(qfolder / "model.safetensors"))
     decompress = BaseCompressor.get_value_from_registry("float-quantized").decompress
     deq = {}

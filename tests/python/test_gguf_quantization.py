@@ -16,7 +16,6 @@ int4.py, woq.py; the weight-only CPU kernel).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -167,26 +166,11 @@ def test_gguf_needs_a_gguf_model_and_bfloat16_on_cuda(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- int4
-def _perplexity(llm, ids) -> float:
-    from pagedllm import SamplingParams
-
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    lps = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-    return math.exp(-sum(lps) / len(lps))
-
-
 @pytest.mark.slow
 def test_bundled_model_int4_perplexity_close_to_bf16():
-    from pagedllm import LLM
+    from test_quantization import bundled_perplexity
 
-    text = (DATA / "perplexity_text.md").read_text()
-    ppl = {}
-    for q in (None, "int4"):
-        llm = LLM(dtype="bfloat16", device="cpu", quantization=q, max_model_len=4096, kv_cache_memory_bytes=512 << 20)
-        ids = llm.get_tokenizer()(text)["input_ids"][:3000]
-        assert len(ids) == 3000
-        ppl[q] = _perplexity(llm, ids)
-        llm.shutdown()
+    ppl = {q: bundled_perplexity(q) for q in (None, "int4")}
     ratio = ppl["int4"] / ppl[None]
     print(f"bundled SmolLM2-135M, 3,000 tokens of {DATA / 'perplexity_text.md'}: perplexity bf16 {ppl[None]:.3f}, "
           f"int4 {ppl['int4']:.3f}, ratio {ratio:.4f}")

@@ -319,11 +319,27 @@ def awq_folder(src: Path, out: Path, group: int):
     return write_quantized(src, out, lambda w: awq_module(w, group), config)
 
 
+def ct_save(model, src: Path, qfolder: Path) -> Path:
+    """qfolder: `model` (its quantization applied) compressed and saved by the package's
+    ModelCompressor in the scheme's format, config.json's quantization_config by the package, and
+    src's other files (tokenizer)."""
+    from compressed_tensors.compressors import ModelCompressor
+
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(qfolder)
+    compressor.update_config(qfolder)
+    for f in src.iterdir():
+        if not (qfolder / f.name).exists():
+            shutil.copy(f, qfolder / f.name)
+    return qfolder
+
+
 def ct_folder(arch: str, overrides: dict, out: Path, bits: int, group: int, sym: bool, fmt: str = "pack-quantized",
               ignore=("lm_head",)):
     """The whole model quantized and saved by the package (apply_quantization_config, qparams,
     ModelCompressor), and the float32 folder of the package's decompress of each module."""
-    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
 
     src = build_tiny_engine_folder(arch, out / "src", **overrides)
@@ -337,14 +353,7 @@ def ct_folder(arch: str, overrides: dict, out: Path, bits: int, group: int, sym:
             scale, zp = ct_qparams(m.weight.detach(), args)
             m.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
             m.weight_zero_point = torch.nn.Parameter(zp, requires_grad=False)
-    compressor = ModelCompressor.from_pretrained_model(model)  # the scheme's format
-    compressor.compress_model(model)
-    qfolder = out / "quantized"
-    model.save_pretrained(qfolder)
-    compressor.update_config(qfolder)
-    for f in src.iterdir():
-        if not (qfolder / f.name).exists():
-            shutil.copy(f, qfolder / f.name)
+    qfolder = ct_save(model, src, out / "quantized")
     # the dequantized folder: the package's decompress of each module's saved tensors
     saved = load_file(str(qfolder / "model.safetensors"))
     scheme = QuantizationScheme(targets=["Linear"], weights=args)

@@ -91,26 +91,28 @@ def test_int8_model_equals_a_pytorch_reference_of_the_same_quantization(tmp_path
     assert (outs["quant"].argmax(-1) == outs["ref"].argmax(-1)).float().mean().item() >= (1.0 if dtype == torch.float32 else 0.9)
 
 
-def _perplexity(llm, ids) -> float:
-    from pagedllm import SamplingParams
+def bundled_perplexity(quantization) -> float:
+    """Perplexity of the bundled SmolLM2-135M in bfloat16 (with `quantization`) on the first 3,000
+    tokens of tests/python/data/perplexity_text.md (teacher-forced prompt logprobs)."""
+    from pagedllm import LLM, SamplingParams
 
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    text = (DATA / "perplexity_text.md").read_text()
+    llm = LLM(dtype="bfloat16", device="cpu", quantization=quantization, max_model_len=4096,
+              kv_cache_memory_bytes=512 << 20)
+    try:
+        ids = llm.get_tokenizer()(text)["input_ids"][:3000]
+        assert len(ids) == 3000
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
     lps = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
     return math.exp(-sum(lps) / len(lps))
 
 
 @pytest.mark.slow
 def test_bundled_model_int8_perplexity_within_3_percent_of_bf16():
-    from pagedllm import LLM
-
-    text = (DATA / "perplexity_text.md").read_text()
-    ppl = {}
-    for q in (None, "int8"):
-        llm = LLM(dtype="bfloat16", device="cpu", quantization=q, max_model_len=4096, kv_cache_memory_bytes=512 << 20)
-        ids = llm.get_tokenizer()(text)["input_ids"][:3000]
-        assert len(ids) == 3000
-        ppl[q] = _perplexity(llm, ids)
-        llm.shutdown()
+    ppl = {q: bundled_perplexity(q) for q in (None, "int8")}
     ratio = ppl["int8"] / ppl[None]
     print(f"bundled SmolLM2-135M, 3,000 tokens of {DATA / 'perplexity_text.md'}: perplexity bf16 {ppl[None]:.3f}, "
           f"int8 {ppl['int8']:.3f}, ratio {ratio:.4f}")
