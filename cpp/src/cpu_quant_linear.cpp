@@ -146,8 +146,8 @@ void sums_vnni(const uint8_t* xq, const float* sx, int64_t m0, int64_t nb0, cons
         int32_t four;
         std::memcpy(&four, x + r * g.K + gi * kGroup, 4);
         const __m512i xv = _mm512_set1_epi32(four);
-        a0[r] = _mm512_dpbusd_epi32(a0[r], xv, b0);
-        if constexpr (kB == 2) a1[r] = _mm512_dpbusd_epi32(a1[r], xv, b1);
+        a0[r] = cpu::dpbusd(a0[r], xv, b0);
+        if constexpr (kB == 2) a1[r] = cpu::dpbusd(a1[r], xv, b1);
       }
     }
     const int32_t* comp = g.comp + a * g.N + nb0 * kCols;

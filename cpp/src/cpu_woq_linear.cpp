@@ -132,12 +132,13 @@ void tile_dispatch(const Operands& o, int64_t b, int64_t m0, float (*acc)[kCols]
 #endif
 
 template <typename Out>
-void store_tile(const TensorView& out, int64_t m0, int rows, int64_t n0, const float (*acc)[kCols],
+void store_tile(const TensorView& out, int64_t m0, int rows, int64_t n0, int64_t width, const float* acc, int64_t lda,
                 const float* bias) {
   Out* base = out.ptr<Out>();
   for (int r = 0; r < rows; ++r) {
     Out* o = base + (m0 + r) * out.stride(0) + n0;
-    for (int64_t c = 0; c < kCols; ++c) o[c] = cpu::from_float<Out>(bias ? acc[r][c] + bias[n0 + c] : acc[r][c]);
+    const float* a = acc + r * lda;
+    for (int64_t c = 0; c < width; ++c) o[c] = cpu::from_float<Out>(bias ? a[c] + bias[n0 + c] : a[c]);
   }
 }
 
@@ -191,24 +192,36 @@ std::pair<int64_t, int64_t> check_operands(const char* op, const TensorView& out
   return {M, G};
 }
 
-/// out [M, N] + bias from tile(block, m0, rows, acc): threads claim 16-output blocks; each block's
-/// tiles of up to 8 rows run over all of K (the block's codes stay in L1/L2), then store.
-template <typename Tile>
-void for_each_block(const TensorView& out, int64_t M, int64_t N, const TensorView* bias, const Tile& tile) {
+/// Rows per panel for activations of row_bytes bytes each: a panel's activations stay in L2
+/// (256 KiB of them) while every unit of outputs runs over it. A multiple of 8, at least 8.
+inline int64_t panel_rows(int64_t row_bytes) {
+  return std::max<int64_t>(kRows, (256 << 10) / std::max<int64_t>(row_bytes, 1) / kRows * kRows);
+}
+
+/// out [M, N] + bias from tile(blk0, nb, m0, rows, acc): the rows go in panels of `panel` rows;
+/// threads claim (panel, unit) pairs in panel order, a unit being NB 16-output blocks (the last unit
+/// may have fewer: nb of them); in a pair, tiles of up to 8 rows run over all of K (the unit's codes
+/// stay in L1/L2, the panel's activations in L2), then store. acc is float [8][NB * 16]. The
+/// weight is read from memory once per panel (one panel up to 256 KiB of activations).
+template <int NB, typename Tile>
+void for_each_block(const TensorView& out, int64_t M, int64_t N, const TensorView* bias, int64_t panel,
+                    const Tile& tile) {
   const float* b = bias ? bias->ptr<const float>() : nullptr;
-  const int64_t blocks = N / kCols;
+  const int64_t blocks = N / kCols, units = (blocks + NB - 1) / NB, panels = (M + panel - 1) / panel;
   const bool out_f32 = out.dtype == DType::kFloat32;
-  const int nt = static_cast<int>(std::min<int64_t>(std::max(1, get_num_threads()), blocks));
+  const int nt = static_cast<int>(std::min<int64_t>(std::max(1, get_num_threads()), units * panels));
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    alignas(64) float acc[kRows][kCols];
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-      tile(blk, m0, rows, acc);
+  for (int64_t item = 0; item < units * panels; ++item) {
+    alignas(64) float acc[kRows][NB * kCols];
+    const int64_t blk0 = item % units * NB, p0 = item / units * panel, p1 = std::min(M, p0 + panel);
+    const int nb = static_cast<int>(std::min<int64_t>(NB, blocks - blk0));
+    for (int64_t m0 = p0; m0 < p1; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, p1 - m0));
+      tile(blk0, nb, m0, rows, &acc[0][0]);
       if (out_f32)
-        store_tile<float>(out, m0, rows, blk * kCols, acc, b);
+        store_tile<float>(out, m0, rows, blk0 * kCols, nb * kCols, &acc[0][0], NB * kCols, b);
       else
-        store_tile<cpu::bf16>(out, m0, rows, blk * kCols, acc, b);
+        store_tile<cpu::bf16>(out, m0, rows, blk0 * kCols, nb * kCols, &acc[0][0], NB * kCols, b);
     }
   }
 }
@@ -297,7 +310,8 @@ void woq_linear(const TensorView& out, const TensorView& x, const TensorView& pa
       }
     o.xsum = xsum.data();
   }
-  for_each_block(out, o.M, o.N, bias, [&](int64_t blk, int64_t m0, int rows, float (*acc)[kCols]) {
+  for_each_block<1>(out, o.M, o.N, bias, panel_rows(o.K * 4), [&](int64_t blk, int, int64_t m0, int rows, float* acc_flat) {
+    auto* acc = reinterpret_cast<float(*)[kCols]>(acc_flat);
 #if PAGEDLLM_HAVE_WOQ_AVX512
     cpu::with_rows(rows, [&]<int R>() { tile_dispatch<R>(o, blk, m0, acc); });
 #else
@@ -320,13 +334,13 @@ struct VnniOperands {
   const float* min = nullptr;      // [G][N] or nullptr
   const int8_t* xq = nullptr;      // [M][K]
   const float* sx = nullptr;       // [M][G]
-  const int32_t* qsum = nullptr;   // [M][G]
+  const int32_t* qoff = nullptr;   // [M][G]: 128 x the group's sum of codes (the 8-bit offset)
   const float* xsum = nullptr;     // [M][G] or nullptr
 };
 
 /// Row m of x: int8 codes, and per group the scale, the sum of the codes and the float sum of x.
 template <typename T>
-void quantize_groups(const T* x, int64_t K, int64_t group, int8_t* q, float* sx, int32_t* qsum, float* xsum) {
+void quantize_groups(const T* x, int64_t K, int64_t group, int8_t* q, float* sx, int32_t* qoff, float* xsum) {
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
     float amax = 0.0f, sum = 0.0f;
     bool nan = false;
@@ -347,7 +361,7 @@ void quantize_groups(const T* x, int64_t K, int64_t group, int8_t* q, float* sx,
       qs += static_cast<int32_t>(v);
     }
     sx[g] = s;
-    qsum[g] = qs;
+    qoff[g] = 128 * qs;
     if (xsum) xsum[g] = sum;
   }
 }
@@ -363,7 +377,7 @@ inline __m512 load16f(const cpu::bf16* p) {
 /// NaN, its codes whatever the conversion gives — the row is NaN either way); the float sum of x
 /// in another order.
 template <typename T>
-void quantize_groups_avx512(const T* x, int64_t K, int64_t group, int8_t* q, float* sx, int32_t* qsum, float* xsum) {
+void quantize_groups_avx512(const T* x, int64_t K, int64_t group, int8_t* q, float* sx, int32_t* qoff, float* xsum) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
@@ -387,60 +401,91 @@ void quantize_groups_avx512(const T* x, int64_t K, int64_t group, int8_t* q, flo
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(v));
     }
     sx[g] = s;
-    qsum[g] = _mm512_reduce_add_epi32(qs);
+    qoff[g] = 128 * _mm512_reduce_add_epi32(qs);
     if (xsum) xsum[g] = _mm512_reduce_add_ps(sum);
   }
 }
 
-template <int R, int Bits, bool HasMin>
-void vnni_tile(const VnniOperands& o, int64_t b, int64_t m0, float (*acc_out)[kCols]) {
+/// acc rows [m0, m0 + R) x outputs [16 b0, 16 (b0 + NB)) (row stride lda). Per quad of inputs:
+/// NB weight loads (4 bits: split into nibbles), R broadcasts of the rows' four activation bytes,
+/// R x NB VPDPBUSD into int32 group sums; per group those are scaled into float32 totals.
+template <int R, int NB, int Bits, bool HasMin>
+void vnni_tile(const VnniOperands& o, int64_t b0, int64_t m0, float* acc, int64_t lda) {
   const int64_t quads = o.K / 4, per = o.group / 4;
   constexpr int64_t kQuadBytes = Bits == 8 ? 64 : 32;
-  const uint8_t* wb = o.w + b * quads * kQuadBytes;
+  // NB = 1: the float totals stay in registers (R of them beside R int32 group sums); NB = 2: in
+  // acc (L1), updated once per group (float ones beside 16 int32 sums would spill)
+  constexpr bool kRegs = NB == 1;
+  const uint8_t* wb = o.w + b0 * quads * kQuadBytes;
+  const int64_t wstride = quads * kQuadBytes;  // bytes from one block to the next
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  __m512 accf[R];
-  for (int r = 0; r < R; ++r) accf[r] = _mm512_setzero_ps();
+  __m512 accf[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NB; ++n) {
+      accf[r][n] = _mm512_setzero_ps();
+      if constexpr (!kRegs) _mm512_storeu_ps(acc + r * lda + n * kCols, accf[r][n]);
+    }
+  const int8_t* xq = o.xq + m0 * o.K;
+  const float* sx = o.sx + m0 * o.G;
+  const int32_t* qoff = o.qoff + m0 * o.G;
+  const float* xsum = o.xsum + m0 * o.G;
   for (int64_t g = 0; g < o.G; ++g) {
-    __m512i acci[R];
-    for (int r = 0; r < R; ++r) acci[r] = _mm512_setzero_si512();
+    __m512i acci[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < NB; ++n) acci[r][n] = _mm512_setzero_si512();
     for (int64_t j = g * per; j < (g + 1) * per; ++j) {
-      __m512i w;
-      if constexpr (Bits == 8) {
-        w = _mm512_loadu_si512(wb + j * kQuadBytes);
-      } else {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * kQuadBytes));
-        const __m256i lo = _mm256_and_si256(v, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      __m512i w[NB];
+      for (int n = 0; n < NB; ++n) {
+        const uint8_t* p = wb + n * wstride + j * kQuadBytes;
+        if constexpr (Bits == 8) {
+          w[n] = _mm512_loadu_si512(p);
+        } else {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+          const __m256i lo = _mm256_and_si256(v, nibble);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          w[n] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
       }
       for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, o.xq + (m0 + r) * o.K + 4 * j, 4);
-        acci[r] = _mm512_dpbusd_epi32(acci[r], w, _mm512_set1_epi32(four));
+        const int8_t* four = xq + r * o.K + 4 * j;  // the row's four activation bytes
+        if constexpr (NB == 1) {  // measured faster with the broadcast folded in at one block, slower at two
+          acci[r][0] = cpu::dpbusd_bcast(acci[r][0], w[0], four);
+        } else {
+          int32_t v;
+          std::memcpy(&v, four, 4);
+          const __m512i xv = _mm512_set1_epi32(v);
+          for (int n = 0; n < NB; ++n) acci[r][n] = cpu::dpbusd(acci[r][n], w[n], xv);
+        }
       }
     }
-    const __m512 sw = _mm512_loadu_ps(o.scale + g * o.N + b * kCols);
-    for (int r = 0; r < R; ++r) {
-      __m512i d = acci[r];
-      if constexpr (Bits == 8) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * o.qsum[(m0 + r) * o.G + g]));
-      accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sw, _mm512_set1_ps(o.sx[(m0 + r) * o.G + g])),
-                                accf[r]);
-    }
-    if constexpr (HasMin) {
-      const __m512 mn = _mm512_loadu_ps(o.min + g * o.N + b * kCols);
-      for (int r = 0; r < R; ++r)
-        accf[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xsum[(m0 + r) * o.G + g]), accf[r]);
+    for (int n = 0; n < NB; ++n) {
+      const __m512 sw = _mm512_loadu_ps(o.scale + g * o.N + (b0 + n) * kCols);
+      __m512 mn;
+      if constexpr (HasMin) mn = _mm512_loadu_ps(o.min + g * o.N + (b0 + n) * kCols);
+      for (int r = 0; r < R; ++r) {
+        float* a = acc + r * lda + n * kCols;
+        __m512i d = acci[r][n];
+        if constexpr (Bits == 8) d = _mm512_sub_epi32(d, _mm512_set1_epi32(qoff[r * o.G + g]));
+        __m512 t = kRegs ? accf[r][n] : _mm512_loadu_ps(a);
+        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sw, _mm512_set1_ps(sx[r * o.G + g])), t);
+        if constexpr (HasMin) t = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * o.G + g]), t);
+        if constexpr (kRegs)
+          accf[r][n] = t;
+        else
+          _mm512_storeu_ps(a, t);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_out[r], accf[r]);
+  if constexpr (kRegs)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * lda, accf[r][0]);
 }
 
-template <int R>
-void vnni_dispatch(const VnniOperands& o, int64_t b, int64_t m0, float (*acc)[kCols]) {
+template <int R, int NB>
+void vnni_dispatch(const VnniOperands& o, int64_t b0, int64_t m0, float* acc, int64_t lda) {
   if (o.bits == 8)
-    o.min ? vnni_tile<R, 8, true>(o, b, m0, acc) : vnni_tile<R, 8, false>(o, b, m0, acc);
+    o.min ? vnni_tile<R, NB, 8, true>(o, b0, m0, acc, lda) : vnni_tile<R, NB, 8, false>(o, b0, m0, acc, lda);
   else
-    o.min ? vnni_tile<R, 4, true>(o, b, m0, acc) : vnni_tile<R, 4, false>(o, b, m0, acc);
+    o.min ? vnni_tile<R, NB, 4, true>(o, b0, m0, acc, lda) : vnni_tile<R, NB, 4, false>(o, b0, m0, acc, lda);
 }
 
 #endif
@@ -519,15 +564,15 @@ void woq_vnni_linear(const TensorView& out, const TensorView& x, const TensorVie
   const int threads = std::max(1, get_num_threads());
   std::vector<int8_t> xq(static_cast<size_t>(o.M * o.K));
   std::vector<float> sx(static_cast<size_t>(o.M * o.G)), xsum(o.min ? static_cast<size_t>(o.M * o.G) : 0);
-  std::vector<int32_t> qsum(static_cast<size_t>(o.M * o.G));
+  std::vector<int32_t> qoff(static_cast<size_t>(o.M * o.G));
 #pragma omp parallel for num_threads(static_cast<int>(std::min<int64_t>(threads, o.M))) schedule(static)
   for (int64_t m = 0; m < o.M; ++m) {
     const auto quantize = [&](const auto* row) {
       float* xs = o.min ? xsum.data() + m * o.G : nullptr;
       if (o.group % 16 == 0)
-        quantize_groups_avx512(row, o.K, o.group, xq.data() + m * o.K, sx.data() + m * o.G, qsum.data() + m * o.G, xs);
+        quantize_groups_avx512(row, o.K, o.group, xq.data() + m * o.K, sx.data() + m * o.G, qoff.data() + m * o.G, xs);
       else
-        quantize_groups(row, o.K, o.group, xq.data() + m * o.K, sx.data() + m * o.G, qsum.data() + m * o.G, xs);
+        quantize_groups(row, o.K, o.group, xq.data() + m * o.K, sx.data() + m * o.G, qoff.data() + m * o.G, xs);
     };
     if (x.dtype == DType::kFloat32)
       quantize(x.ptr<const float>() + m * x.stride(0));
@@ -536,11 +581,25 @@ void woq_vnni_linear(const TensorView& out, const TensorView& x, const TensorVie
   }
   o.xq = xq.data();
   o.sx = sx.data();
-  o.qsum = qsum.data();
+  o.qoff = qoff.data();
   o.xsum = o.min ? xsum.data() : nullptr;
-  for_each_block(out, o.M, o.N, bias, [&](int64_t blk, int64_t m0, int rows, float (*acc)[kCols]) {
-    cpu::with_rows(rows, [&]<int R>() { vnni_dispatch<R>(o, blk, m0, acc); });
-  });
+  // groups of at most 32 inputs (GGUF): a unit of one 16-output block, float totals in registers
+  // (the per-group scaling dominates: measured faster); longer groups: two blocks (32 outputs, 8
+  // rows: 16 int32 sums), the totals in L1 (group 64 measured 1.2x faster so than with one block)
+  const auto run = [&]<int kUnit>() {
+    for_each_block<kUnit>(out, o.M, o.N, bias, panel_rows(o.K), [&](int64_t b0, int nb, int64_t m0, int rows, float* acc) {
+      cpu::with_rows(rows, [&]<int R>() {
+        if (nb == kUnit)
+          vnni_dispatch<R, kUnit>(o, b0, m0, acc, kUnit * kCols);
+        else
+          vnni_dispatch<R, 1>(o, b0, m0, acc, kUnit * kCols);
+      });
+    });
+  };
+  if (o.group < 64)
+    run.template operator()<1>();
+  else
+    run.template operator()<2>();
 #endif
 }
 
