@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 #: Temperatures below this are greedy (argmax), as in vLLM.
 _SAMPLING_EPS = 1e-5
+#: repetition_penalty's range: float32 logits (|logit| < ~1e4) divided or multiplied by it stay finite.
+_REPETITION_PENALTY_MIN, _REPETITION_PENALTY_MAX = 1e-30, 1e30
 
 #: torch.Generator.manual_seed accepts seeds in this range.
 _SEED_MIN = -(2**63)
@@ -59,7 +61,7 @@ class SamplingParams:
         prompt's KV blocks copy-on-write; each child samples independently.
       presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of every token
         that appears in the output so far (presence: once; frequency: times its count).
-      repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it
+      repetition_penalty: > 0 (in [1e-30, 1e30]); logits of tokens in the prompt or the output are divided by it
         when positive and multiplied by it when negative (CTRL, Keskar et al. 2019, sec. 4.1).
       temperature: >= 0; 0 (below 1e-5) = greedy.
       top_p: in (0, 1]; keep the smallest set of most likely tokens whose probability sum
@@ -166,8 +168,12 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if not _REPETITION_PENALTY_MIN <= self.repetition_penalty <= _REPETITION_PENALTY_MAX:
+            # the sampler divides / multiplies float32 logits by it: outside this range they become
+            # 0 or inf (1e-60 is 0 in float32), and the step's sampling would fail for every request
+            raise ValueError(f"repetition_penalty must be greater than zero, in [{_REPETITION_PENALTY_MIN:g}, "
+                             f"{_REPETITION_PENALTY_MAX:g}] (penalised float32 logits stay finite), got "
+                             f"{self.repetition_penalty}.")
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be non-negative and finite, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:

@@ -106,7 +106,8 @@ class RemoteServer:
     def metrics(self) -> dict[str, float]:
         """/metrics parsed: {'name{labels}': value} plus {'name': value} for unlabelled lookups
         by name (the model_name label is dropped)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):

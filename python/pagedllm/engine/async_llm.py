@@ -460,4 +460,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         pass
 
 
-__all__ = ["AsyncLLM", "AsyncEngineArgs", "EngineDeadError", "RequestOutputCollector"]
+#: vLLM's older name of AsyncLLM (vllm.AsyncLLMEngine is an alias of AsyncLLM in vLLM's v1 engine), so
+#: scripts written as ``AsyncLLMEngine.from_engine_args(AsyncEngineArgs(...))`` run unchanged.
+AsyncLLMEngine = AsyncLLM
+
+__all__ = ["AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineDeadError", "RequestOutputCollector"]

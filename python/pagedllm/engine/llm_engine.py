@@ -210,7 +210,13 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty (0 tokens)")
-        arr = np.asarray(prompt_token_ids, dtype=np.int64)
+        try:
+            arr = np.asarray(prompt_token_ids, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):  # an id beyond int64, or not an integer
+            bad_id = next((t for t in prompt_token_ids if not (isinstance(t, (int, np.integer))
+                                                               and 0 <= t < self.model_config.vocab_size)), None)
+            raise ValueError(f"prompt token id {bad_id!r} is outside the vocabulary [0, "
+                             f"{self.model_config.vocab_size})") from None
         bad = arr[(arr < 0) | (arr >= self.model_config.vocab_size)]
         if bad.size:
             raise ValueError(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {self.model_config.vocab_size})")

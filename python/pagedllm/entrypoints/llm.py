@@ -22,14 +22,36 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
-# vLLM arguments that do not apply here (single device, no LoRA/speculation...): accepted, logged.
-_IGNORED_ARGS = {
-    "trust_remote_code", "tokenizer_mode", "skip_tokenizer_init", "revision", "tokenizer_revision",
-    "swap_space", "cpu_offload_gb", "disable_custom_all_reduce", "disable_log_stats",
-    "max_seq_len_to_capture", "compilation_config", "hf_overrides",
-    "mm_processor_kwargs", "allowed_local_media_path", "download_dir",
-    "pipeline_parallel_size", "enable_lora", "max_logprobs", "kv_cache_dtype",
+# vLLM arguments with no effect on what runs or what comes out here: accepted, logged.
+_NO_EFFECT_ARGS = {
+    "trust_remote_code", "revision", "tokenizer_revision", "download_dir", "disable_log_stats",
+    "disable_custom_all_reduce", "max_seq_len_to_capture", "compilation_config", "allowed_local_media_path",
+    "mm_processor_kwargs",
+    "swap_space",  # vLLM swaps preempted sequences' KV to the CPU; pagedllm recomputes them: same tokens
 }
+# vLLM arguments that would change what runs, not implemented here: accepted only at the value
+# that asks for nothing (vLLM's default), else a ValueError naming the argument — a user who asks
+# for fp8 KV or two pipeline stages must not silently get neither.
+_UNIMPLEMENTED_ARGS = {
+    "pipeline_parallel_size": 1, "enable_lora": False, "kv_cache_dtype": "auto",
+    "cpu_offload_gb": 0, "max_logprobs": 20, "hf_overrides": None, "tokenizer_mode": "auto",
+    "skip_tokenizer_init": False,
+}
+
+
+def check_vllm_args(kwargs: dict[str, Any], where: str = "LLM") -> None:
+    """Refuse what LLM(...) does not implement (TypeError for an unknown argument, ValueError for
+    one of _UNIMPLEMENTED_ARGS at another value than its neutral one); log the no-effect ones."""
+    unknown = sorted(set(kwargs) - _NO_EFFECT_ARGS - set(_UNIMPLEMENTED_ARGS))
+    if unknown:
+        raise TypeError(f"{where}() got unexpected keyword argument(s): {', '.join(unknown)}")
+    for name in sorted(kwargs):
+        if name in _UNIMPLEMENTED_ARGS:
+            neutral, value = _UNIMPLEMENTED_ARGS[name], kwargs[name]
+            if value != neutral and not (neutral is None and not value):
+                raise ValueError(f"{name}={value!r} is not supported by pagedllm (only {neutral!r}, which is "
+                                 f"the same as leaving it out); see the project's issues for what is planned")
+        logger.info("%s(%s=...) is accepted for vLLM compatibility and has no effect here", where, name)
 
 
 class LLM:
@@ -83,11 +105,7 @@ class LLM:
         async_scheduling: Optional[bool] = None,
         **kwargs: Any,
     ):
-        unknown = sorted(set(kwargs) - _IGNORED_ARGS)
-        if unknown:
-            raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}")
-        for name in sorted(kwargs):
-            logger.info("LLM(%s=...) is accepted for vLLM compatibility and has no effect here", name)
+        check_vllm_args(kwargs)
         start = time.perf_counter()
         self.llm_engine = LLMEngine(EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,

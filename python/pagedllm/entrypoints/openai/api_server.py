@@ -2,11 +2,12 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize,
-GET /version. With an API key, every /v1/ route needs ``Authorization: Bearer <key>`` (compared
-in constant time, ``secrets.compare_digest``); /health, /metrics, /version stay open, as vLLM's.
+GET /version, and FastAPI's /openapi.json, /docs, /redoc. With an API key every route but /health
+needs ``Authorization: Bearer <key>`` (compared in constant time, ``secrets.compare_digest``);
+/metrics too unless --metrics-public (Prometheus scrapers without the key).
 
     pagedllm serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY] [--served-model-name NAME]
-                   [--max-queued-requests N] [every LLM engine argument as --flag]
+                   [--metrics-public] [--max-queued-requests N] [every LLM engine argument as --flag]
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"
 
 
 def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, api_key: Optional[str] = None,
-              max_queued_requests: Optional[int] = None, shutdown_engine: bool = False) -> FastAPI:
+              max_queued_requests: Optional[int] = None, shutdown_engine: bool = False,
+              metrics_public: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`. served_model_names: names accepted in "model" (the first
-    is reported); default the engine's model name. shutdown_engine: shut the engine down when
-    the app stops."""
+    is reported); default the engine's model name. api_key: required on every route but /health
+    (and /metrics with metrics_public). shutdown_engine: shut the engine down when the app stops."""
     names = list(served_model_names or [engine.model_name])
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
@@ -65,10 +67,11 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, 
 
     if api_key:
         expected = api_key.encode()
+        open_paths = {"/health"} | ({"/metrics"} if metrics_public else set())
 
         @app.middleware("http")
         async def _auth(request: Request, call_next):
-            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+            if request.method != "OPTIONS" and request.url.path not in open_paths:
                 header = request.headers.get("authorization", "")
                 given = header[7:].encode() if header.lower().startswith("bearer ") else b""
                 if not secrets.compare_digest(given, expected):
@@ -140,7 +143,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback; "
                         "0.0.0.0 exposes the server to the network)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but "
+                        "/health")
+    parser.add_argument("--metrics-public", action="store_true",
+                        help="with --api-key, leave /metrics open (for Prometheus scrapers without the key)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) accepted in requests; the first is reported (default: MODEL)")
     parser.add_argument("--max-queued-requests", type=int, default=None,
@@ -170,7 +176,8 @@ def run_server(args: argparse.Namespace) -> int:
     if args.model_tag is not None:
         engine_args.model = args.model_tag
     engine = AsyncLLM.from_engine_args(engine_args)
-    app = build_app(engine, args.served_model_name, args.api_key, args.max_queued_requests, shutdown_engine=True)
+    app = build_app(engine, args.served_model_name, args.api_key, args.max_queued_requests, shutdown_engine=True,
+                    metrics_public=args.metrics_public)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -10,21 +10,44 @@ ValueError messages start with the field's name.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, (list, tuple)):
+        return any(_has_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    return False
+
+
 class _Request(BaseModel):
     # strict: no type coercion; allow_inf_nan=False: Infinity / NaN (Python's json accepts them)
     # are rejected as the field's error instead of reaching the sampler.
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """JSON's "\\ud800" escape gives Python a lone UTF-16 surrogate, which no tokenizer can
+        encode: a 400 naming the field, before the request goes further."""
+        if _has_surrogate(value):
+            raise ValueError("contains a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode text")
+        return value
 
 
 class _Response(BaseModel):
@@ -76,6 +99,8 @@ class CompletionRequest(_SamplingFields):
     lists (one choice group per prompt; choice index = prompt index * n + sequence index)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=None, description="omitted: 16 (OpenAI's and vLLM's default), "
+                                      "at most max_model_len - prompt tokens")
     best_of: Optional[int] = None
     echo: Optional[bool] = False
     logprobs: Optional[int] = None
@@ -222,6 +247,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[list[Optional[dict[int, dict[str, Any]]]]] = None
     prompt_token_ids: Optional[list[int]] = None
 
 
@@ -246,6 +272,8 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, dict[str, Any]]]]] = None  # first chunk (vLLM)
+    prompt_token_ids: Optional[list[int]] = None  # first chunk, with return_token_ids (vLLM)
 
 
 class ModelCard(_Response):

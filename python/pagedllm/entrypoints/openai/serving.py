@@ -4,7 +4,8 @@ engine requests with client-disconnect detection, and logprob formatting.
 
 Length rule (vLLM's server, and the issue): a prompt of max_model_len tokens or more, or
 prompt + max_tokens > max_model_len, is a 400 naming the limit and the counts, answered before
-any SSE event; an omitted max_tokens means max_model_len - prompt tokens.
+any SSE event; an omitted max_tokens means max_model_len - prompt tokens for chat and
+min(16, max_model_len - prompt tokens) for completions (OpenAI's and vLLM's default of 16).
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def check_queue(ctx: ServingContext) -> None:
 
 
 def check_length(ctx: ServingContext, prompt_len: int, max_tokens: Optional[int], where: str,
-                 max_tokens_field: str = "max_tokens") -> int:
-    """The effective max_tokens for a prompt of prompt_len tokens (400 when it does not fit)."""
+                 max_tokens_field: str = "max_tokens", default: Optional[int] = None) -> int:
+    """The effective max_tokens for a prompt of prompt_len tokens (400 when it does not fit); an
+    omitted max_tokens is `default` (None: the rest of the context), capped by the context."""
     limit = ctx.max_model_len
     if prompt_len == 0:
         raise OpenAIError(f"{where}: the prompt is empty (0 tokens); give at least one token", 400, where)
@@ -72,7 +74,7 @@ def check_length(ctx: ServingContext, prompt_len: int, max_tokens: Optional[int]
             f"This model's maximum context length is {limit} tokens. However, your {where} has {prompt_len} "
             f"tokens, which leaves no room for a completion ({where} tokens must be fewer than {limit}).", 400, where)
     if max_tokens is None:
-        return limit - prompt_len
+        return limit - prompt_len if default is None else min(default, limit - prompt_len)
     if prompt_len + max_tokens > limit:
         raise OpenAIError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -82,6 +84,8 @@ def check_length(ctx: ServingContext, prompt_len: int, max_tokens: Optional[int]
 
 
 def check_unsupported(req: _SamplingFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError("stream_options: only allowed when stream is true", 400, "stream_options")
     if req.use_beam_search:
         raise OpenAIError("use_beam_search: beam search is not supported", 400, "use_beam_search")
     for name in ("logprobs", "prompt_logprobs", "top_logprobs"):
@@ -276,6 +280,22 @@ def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
         if isinstance(raw, str) and all(ch in _BYTE_DECODER for ch in raw):
             return [_BYTE_DECODER[ch] for ch in raw]
     return list(text.encode("utf-8"))
+
+
+def continuous_usage(req: _SamplingFields) -> bool:
+    """Whether every streamed chunk carries the running usage (vLLM: stream_options.include_usage
+    and stream_options.continuous_usage_stats both true)."""
+    opts = req.stream_options
+    return bool(opts and opts.include_usage and opts.continuous_usage_stats)
+
+
+def prompt_logprobs_json(prompt_logprobs):
+    """vLLM's prompt_logprobs field: per prompt position None or {token id: {logprob, rank,
+    decoded_token}}."""
+    if prompt_logprobs is None:
+        return None
+    return [None if d is None else {int(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()} for d in prompt_logprobs]
 
 
 def sse(model) -> str:

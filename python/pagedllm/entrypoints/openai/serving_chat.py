@@ -1,6 +1,9 @@
 """POST /v1/chat/completions: messages through the chat template (the same token ids as
 ``LLM.chat``), n, logprobs / top_logprobs, max_tokens and max_completion_tokens, streaming
-(SSE: a role chunk, content deltas, a finish chunk, an optional usage chunk, ``data: [DONE]``).
+(SSE: a role chunk, content deltas, a finish chunk, an optional usage chunk, ``data: [DONE]``;
+one choice per chunk, each with its index, as OpenAI and vLLM; the running usage in every chunk
+with stream_options continuous_usage_stats; prompt_token_ids (return_token_ids) and
+prompt_logprobs on the response, or on the first chunk of a stream, as vLLM).
 
 Not implemented, answered with a 400 naming the field: tools, tool_choice (other than "none"),
 a response_format other than text, non-text content parts.
@@ -21,7 +24,8 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
-    check_n, check_queue, check_unsupported, sampling_params, sse, sse_error, token_bytes,
+    check_n, check_queue, check_unsupported, continuous_usage, prompt_logprobs_json, sampling_params, sse, sse_error,
+    token_bytes,
 )
 
 
@@ -138,7 +142,10 @@ class _ChatRenderer:
         tokens: dict[int, list[int]] = {j: [] for j in range(self.n)}
         lps: dict[int, list] = {j: [] for j in range(self.n)}
         finish: dict[int, tuple] = {}
+        prompt_lps = None
         async for _, out in group.outputs():
+            if out.prompt_logprobs is not None and prompt_lps is None:
+                prompt_lps = out.prompt_logprobs
             for c in out.outputs:
                 texts[c.index].append(c.text)
                 tokens[c.index] += c.token_ids
@@ -157,22 +164,31 @@ class _ChatRenderer:
         ]
         resp = ChatCompletionResponse(id=self.id, model=self.ctx.model_name, choices=choices,
                                       usage=self._usage(sum(len(t) for t in tokens.values())),
+                                      prompt_logprobs=(prompt_logprobs_json(prompt_lps)
+                                                       if self.req.prompt_logprobs is not None else None),
                                       prompt_token_ids=self.prompt_ids if self.req.return_token_ids else None)
         return Response(resp.model_dump_json(), media_type="application/json")
 
-    def _chunk(self, choices: list[ChatStreamChoice]) -> str:
-        return sse(ChatCompletionChunk(id=self.id, model=self.ctx.model_name, choices=choices))
+    def _chunk(self, choice: ChatStreamChoice, usage: Optional[UsageInfo] = None, **first) -> str:
+        return sse(ChatCompletionChunk(id=self.id, model=self.ctx.model_name, choices=[choice], usage=usage, **first))
 
     async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
         opts = self.req.stream_options
         include_usage = bool(opts and opts.include_usage)
+        running = continuous_usage(self.req)
         completion_tokens = 0
         try:
-            yield self._chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
-                               for j in range(self.n)])
+            usage = self._usage(0) if running else None
+            # vLLM: the prompt's token ids (return_token_ids) on the first chunk; the prompt
+            # logprobs, known after the first step, on the first chunk that follows it
+            first = {"prompt_token_ids": self.prompt_ids} if self.req.return_token_ids else {}
+            for j in range(self.n):  # one choice per chunk
+                yield self._chunk(ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content="")), usage,
+                                  **(first if j == 0 else {}))
             if self.echo:
-                yield self._chunk([ChatStreamChoice(index=j, delta=DeltaMessage(content=self.echo))
-                                   for j in range(self.n)])
+                for j in range(self.n):
+                    yield self._chunk(ChatStreamChoice(index=j, delta=DeltaMessage(content=self.echo)), usage)
+            want_prompt_lps = self.req.prompt_logprobs is not None
             async for _, out in group.outputs():
                 choices = []
                 for c in out.outputs:
@@ -184,8 +200,13 @@ class _ChatRenderer:
                             index=c.index, delta=DeltaMessage(content=c.text if c.text else None), logprobs=lp,
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                             token_ids=list(c.token_ids) if self.req.return_token_ids else None))
-                if choices:
-                    yield self._chunk(choices)
+                usage = self._usage(completion_tokens) if running else None
+                for choice in choices:
+                    extra = {}
+                    if want_prompt_lps and out.prompt_logprobs is not None:
+                        extra = {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+                        want_prompt_lps = False
+                    yield self._chunk(choice, usage, **extra)
             if group.disconnected:
                 return
             if include_usage:

@@ -1,5 +1,8 @@
 """POST /v1/completions: prompts (text, texts, token ids, token-id lists), echo (also with
 max_tokens = 0: the prompt-scoring path), logprobs, n, stop, seed, streaming (SSE), usage.
+max_tokens defaults to 16 (OpenAI's and vLLM's). A stream sends one choice per chunk (each with
+its index, as OpenAI and vLLM), with the running usage in each when stream_options asks for
+continuous_usage_stats.
 
 Text always comes from the engine's detokenizer (partial UTF-8 characters and partial stop
 strings are held back there); this module never decodes generated tokens itself. Only the
@@ -21,9 +24,13 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
-    check_n, check_queue, check_unsupported, sampling_params, sse, sse_error, token_pieces,
+    check_n, check_queue, check_unsupported, continuous_usage, prompt_logprobs_json, sampling_params, sse, sse_error,
+    token_pieces,
 )
-from pagedllm.outputs import CompletionOutput, RequestOutput
+
+#: max_tokens of a completion request that gives none (OpenAI's Completions API and vLLM)
+DEFAULT_MAX_TOKENS = 16
+from pagedllm.outputs import CompletionOutput
 
 
 def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[PromptInput]:
@@ -76,7 +83,7 @@ class CompletionHandler:
             raise OpenAIError(f"best_of={req.best_of}: only best_of == n is supported (n={n})", 400, "best_of")
         prompts = _prompts(ctx, req)
         for p in prompts:
-            p.max_tokens = check_length(ctx, len(p.token_ids), req.max_tokens, "prompt")
+            p.max_tokens = check_length(ctx, len(p.token_ids), req.max_tokens, "prompt", default=DEFAULT_MAX_TOKENS)
         echo = bool(req.echo)
         logprobs = req.logprobs
         prompt_logprobs = req.prompt_logprobs
@@ -176,7 +183,7 @@ class _Renderer:
                 stop_reason=ch.stop_reason,
                 token_ids=ch.token_ids if self.req.return_token_ids else None,
                 prompt_token_ids=self.prompts[i].token_ids if self.req.return_token_ids else None,
-                prompt_logprobs=_prompt_logprobs_json(prompt_lps.get(i)) if self.req.prompt_logprobs is not None else None,
+                prompt_logprobs=prompt_logprobs_json(prompt_lps.get(i)) if self.req.prompt_logprobs is not None else None,
             ))
         completion_tokens = sum(len(ch.token_ids) for ch in choices.values())
         resp = CompletionResponse(id=self.id, model=self.ctx.model_name, choices=result,
@@ -189,6 +196,7 @@ class _Renderer:
         completion_tokens = 0
         opts = self.req.stream_options
         include_usage = bool(opts and opts.include_usage)
+        running = continuous_usage(self.req)
         try:
             async for i, out in group.outputs():
                 if out.num_cached_tokens:
@@ -221,11 +229,12 @@ class _Renderer:
                         stop_reason=c.stop_reason,
                         token_ids=list(c.token_ids) if self.req.return_token_ids else None,
                         prompt_token_ids=self.prompts[i].token_ids if first and self.req.return_token_ids else None,
-                        prompt_logprobs=(_prompt_logprobs_json(out.prompt_logprobs)
+                        prompt_logprobs=(prompt_logprobs_json(out.prompt_logprobs)
                                          if first and self.req.prompt_logprobs is not None else None),
                     ))
-                if choices:
-                    yield sse(CompletionResponse(id=self.id, model=self.ctx.model_name, choices=choices))
+                usage = self._usage(completion_tokens) if running else None
+                for choice in choices:  # one choice per chunk, as OpenAI and vLLM
+                    yield sse(CompletionResponse(id=self.id, model=self.ctx.model_name, choices=[choice], usage=usage))
             if group.disconnected:
                 return
             if include_usage:
@@ -254,9 +263,3 @@ def _extend(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
     a.top_logprobs += b.top_logprobs
     return a
 
-
-def _prompt_logprobs_json(prompt_logprobs):
-    if prompt_logprobs is None:
-        return None
-    return [None if d is None else {int(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                                    for t, lp in d.items()} for d in prompt_logprobs]

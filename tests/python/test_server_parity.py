@@ -1,0 +1,194 @@
+"""The server as vLLM's users expect it (issue 31), through the `openai` client and httpx against a
+real `pagedllm serve` process (server_utils): completions' default max_tokens of 16,
+stream_options (continuous usage stats; a 400 without streaming), one choice per streamed chunk,
+chat's prompt_logprobs and streamed prompt_token_ids, requests that must be a 400 naming their
+field while neighbours complete (repetition_penalty 1e-60, token ids beyond int64, lone UTF-16
+surrogates), and the API key on every route but /health."""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_utils import DEFAULT_ARGS, MAX_MODEL_LEN, shared_server  # noqa: E402
+
+MODEL = "tiny"
+PROMPT = "The sky over the harbour was grey."
+
+
+@pytest.fixture(scope="module")
+def server():
+    return shared_server("default", DEFAULT_ARGS)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def sse_events(url: str, body: dict, headers: dict | None = None) -> list[dict]:
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        raw = b"".join(resp.iter_raw())
+    lines = [ln for ln in raw.split(b"\n") if ln.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def assert_400(resp: httpx.Response, param: str, *words: str) -> dict:
+    assert resp.status_code == 400, (resp.status_code, resp.text)
+    err = resp.json()["error"]
+    assert err["param"] == param and err["code"] == 400, err
+    for w in (param, *words):
+        assert w in err["message"], err
+    return err
+
+
+# ---------------------------------------------------------------------------- max_tokens default
+def test_completion_without_max_tokens_generates_16_capped_by_the_context(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0.0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    near_end = [7] * (MAX_MODEL_LEN - 5)  # room for 5 tokens: the default is capped, not an error
+    r = client.completions.create(model=MODEL, prompt=near_end, temperature=0.0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+
+
+def test_chat_without_max_tokens_keeps_the_rest_of_the_context(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == MAX_MODEL_LEN - r.usage.prompt_tokens > 16
+
+
+# ---------------------------------------------------------------------------- streaming
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_without_stream_is_a_400(server, path):
+    body = {"model": MODEL, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    body.update({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})
+    assert_400(httpx.post(server.url + path, json=body, timeout=60), "stream_options", "stream")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_running_usage_in_every_chunk(server, path):
+    body = {"model": MODEL, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body.update({"prompt": PROMPT} if "chat" not in path else {"messages": [{"role": "user", "content": PROMPT}]})
+    events = sse_events(server.url + path, body)
+    assert all(e.get("usage") for e in events)
+    completion = [e["usage"]["completion_tokens"] for e in events]
+    assert completion == sorted(completion) and completion[-1] == 12
+    prompt = {e["usage"]["prompt_tokens"] for e in events}
+    assert len(prompt) == 1 and all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"]
+                                    + e["usage"]["completion_tokens"] for e in events)
+    # without continuous_usage_stats only the final chunk has it (the existing behaviour)
+    body["stream_options"] = {"include_usage": True}
+    events = sse_events(server.url + path, body)
+    assert [bool(e.get("usage")) for e in events] == [False] * (len(events) - 1) + [True]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streaming_with_n_sends_one_choice_per_chunk(server, path):
+    body = {"model": MODEL, "n": 3, "max_tokens": 10, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    body.update({"prompt": PROMPT} if "chat" not in path else {"messages": [{"role": "user", "content": PROMPT}]})
+    full = httpx.post(server.url + path, json=body, timeout=120).json()
+    events = sse_events(server.url + path, {**body, "stream": True})
+    assert all(len(e["choices"]) == 1 for e in events)
+    joined: dict[int, str] = {}
+    for e in events:
+        c = e["choices"][0]
+        piece = c["text"] if "chat" not in path else (c["delta"].get("content") or "")
+        joined[c["index"]] = joined.get(c["index"], "") + piece
+    texts = {c["index"]: c["text"] if "chat" not in path else c["message"]["content"] for c in full["choices"]}
+    assert joined == texts and sorted(joined) == [0, 1, 2]
+
+
+def test_chat_returns_prompt_logprobs_and_streams_prompt_token_ids(server):
+    messages = [{"role": "user", "content": PROMPT}]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0.0, "prompt_logprobs": 1}
+    full = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    lps = full["prompt_logprobs"]
+    assert len(lps) == len(ids) and lps[0] is None
+    assert all(str(t) in entry for t, entry in zip(ids[1:], lps[1:]))  # each position holds its own token
+    events = sse_events(server.url + "/v1/chat/completions", {**body, "stream": True, "return_token_ids": True})
+    assert events[0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in e or e["prompt_token_ids"] is None for e in events[1:])
+    streamed = [e["prompt_logprobs"] for e in events if e.get("prompt_logprobs")]
+    assert streamed == [lps]
+
+
+# ---------------------------------------------------------------------------- one request never fails its neighbours
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0.8, "repetition_penalty": 1e-60},
+     "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                              "repetition_penalty": 1e-60}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": [5, 2**70, 6], "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": "a \ud800 b", "max_tokens": 4}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x\udfffy"}], "max_tokens": 4}, "messages"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+]
+
+
+def _post_raw(url: str, body: dict) -> httpx.Response:
+    # json.dumps escapes a lone surrogate as \ud800, as a client in another language would send it
+    return httpx.post(url, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=120)
+
+
+def test_bad_requests_are_400s_naming_the_field_while_neighbours_complete(server):
+    normal = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0.7, "seed": 1, "ignore_eos": True}
+    with ThreadPoolExecutor(8) as pool:
+        good = [pool.submit(_post_raw, server.url + "/v1/completions", normal) for _ in range(4)]
+        bad = [pool.submit(_post_raw, server.url + path, {"model": MODEL, **body} if path != "/tokenize" else body)
+               for path, body, _ in BAD_REQUESTS]
+        more_good = [pool.submit(_post_raw, server.url + "/v1/completions", normal) for _ in range(4)]
+        for (path, _, param), fut in zip(BAD_REQUESTS, bad):
+            err = assert_400(fut.result(), param)
+            assert "internal" not in err["message"], (path, err)
+        outs = [f.result() for f in good + more_good]
+    assert all(r.status_code == 200 for r in outs), [r.text for r in outs if r.status_code != 200]
+    texts = {r.json()["choices"][0]["text"] for r in outs}
+    assert len(texts) == 1 and all(r.json()["usage"]["completion_tokens"] == 24 for r in outs)
+    err = assert_400(_post_raw(server.url + "/v1/completions", BAD_REQUESTS[0][1] | {"model": MODEL}),
+                     "repetition_penalty", "1e-30")
+    assert "1e-60" in err["message"]
+
+
+# ---------------------------------------------------------------------------- API key
+@pytest.fixture(scope="module")
+def keyed():
+    return shared_server("keyed-all-routes", DEFAULT_ARGS, api_key="k3y")
+
+
+@pytest.fixture(scope="module")
+def keyed_public_metrics():
+    return shared_server("keyed-public-metrics", [*DEFAULT_ARGS, "--metrics-public"], api_key="k3y")
+
+
+GUARDED = [("get", "/version", None), ("get", "/metrics", None), ("get", "/openapi.json", None), ("get", "/docs", None),
+           ("get", "/redoc", None), ("post", "/tokenize", {"prompt": "hi"}), ("post", "/detokenize", {"tokens": [5]}),
+           ("get", "/v1/models", None)]
+
+
+def test_api_key_guards_every_route_but_health(keyed):
+    for method, path, body in GUARDED:
+        kw = {"json": body} if body is not None else {}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k3y"}):
+            resp = getattr(httpx, method)(keyed.url + path, headers=headers, timeout=30, **kw)
+            assert resp.status_code == 401, (path, headers, resp.status_code)
+            assert resp.json()["error"]["code"] == 401
+        ok = getattr(httpx, method)(keyed.url + path, headers={"Authorization": "Bearer k3y"}, timeout=30, **kw)
+        assert ok.status_code == 200, (path, ok.status_code, ok.text[:200])
+    assert httpx.get(keyed.url + "/health").status_code == 200
+
+
+def test_metrics_public_leaves_only_metrics_open(keyed_public_metrics):
+    url = keyed_public_metrics.url
+    assert httpx.get(url + "/metrics").status_code == 200
+    assert httpx.get(url + "/version").status_code == 401
+    assert httpx.post(url + "/tokenize", json={"prompt": "hi"}).status_code == 401
