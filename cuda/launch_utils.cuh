@@ -29,10 +29,11 @@ struct TypeTag {
   using type = T;
 };
 
-/// Returns f(HeadSize<D>{}) for head_size == D, D in {64, 80, 96, 128, 256} and D <= MaxD;
+/// Returns f(HeadSize<D>{}) for head_size == D, D in {32, 64, 80, 96, 128, 256} and D <= MaxD;
 /// any other head size is a std::runtime_error naming `what` and the head size.
 template <int MaxD = 256, typename F>
 auto dispatch_head_size(int head_size, const char* what, F&& f) {
+  if (head_size == 32) return f(HeadSize<32>{});
   if (head_size == 64) return f(HeadSize<64>{});
   if (head_size == 80) return f(HeadSize<80>{});
   if (head_size == 96) return f(HeadSize<96>{});

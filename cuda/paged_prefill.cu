@@ -285,6 +285,7 @@ void launch_prefill_typed(const AttnParams& p, cudaStream_t stream) {
 template <typename T>
 void launch_prefill_dtype(int head_size, const AttnParams& p, cudaStream_t stream) {
   switch (head_size) {
+    case 32: return launch_prefill_typed<T, 32>(p, stream);
     case 64: return launch_prefill_typed<T, 64>(p, stream);
     case 80: return launch_prefill_typed<T, 80>(p, stream);
     case 96: return launch_prefill_typed<T, 96>(p, stream);

@@ -14,7 +14,7 @@
 namespace pagedllm {
 
 const std::vector<int64_t>& supported_head_sizes() {
-  static const std::vector<int64_t> sizes = {64, 80, 96, 128, 256};
+  static const std::vector<int64_t> sizes = {32, 64, 80, 96, 128, 256};
   return sizes;
 }
 

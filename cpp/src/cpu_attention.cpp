@@ -266,6 +266,7 @@ template <typename F>
 void dispatch(DType dtype, int64_t head_size, F&& f) {
   auto by_size = [&]<typename T>() {
     switch (head_size) {
+      case 32: return f.template operator()<T, 32>();
       case 64: return f.template operator()<T, 64>();
       case 80: return f.template operator()<T, 80>();
       case 96: return f.template operator()<T, 96>();

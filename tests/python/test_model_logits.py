@@ -73,6 +73,31 @@ def test_teacher_forced_logits_match_hf(tiny, name):
         assert torch.equal(ours[s].argmax(-1), ref.argmax(-1)) or _only_near_ties(ours[s], ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_dim_32_matches_hf(tmp_path, dtype):
+    """head_dim 32 (small Llama-family checkpoints use it; vLLM accepts them): the paged prefill and
+    decode attention with 32-wide heads against transformers."""
+    folder = tmp_path / "hd32"
+    hf = build_tiny_model("llama", folder, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    model = load_pagedllm(folder, dtype)
+    assert model.config.head_dim == 32
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (60, 25)]
+    ours = run_schedule(model, seqs)
+    for s, seq in enumerate(seqs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0, : ours[s].shape[0]].float()
+            ref_same_dtype = hf.to(dtype)(torch.tensor([seq])).logits[0, : ours[s].shape[0]].float()
+            hf.to(torch.float32)
+        if dtype == torch.float32:
+            lp, ref_lp = ours[s].log_softmax(-1), ref.log_softmax(-1)
+            assert (lp - ref_lp).abs().max().item() < 1e-4
+        else:  # bfloat16: as close to the float32 logits as transformers' own bfloat16 run is
+            err, hf_err = (ours[s].float() - ref).abs().max().item(), (ref_same_dtype - ref).abs().max().item()
+            assert err <= 1.5 * hf_err, (err, hf_err)
+            assert (ours[s].argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+
+
 def _only_near_ties(ours, ref, margin=1e-3):
     top2 = ref.topk(2, dim=-1).values
     differ = ours.argmax(-1) != ref.argmax(-1)

@@ -21,7 +21,7 @@
 // the query heads of one KV head (GQA) can reuse it from cache. K and V share the layout, so the
 // same address math serves QK^T (rows of K) and PV (rows of V).
 //
-// Sizes supported by both implementations: head sizes 64, 80, 96, 128, 256; block sizes
+// Sizes supported by both implementations: head sizes 32, 64, 80, 96, 128, 256; block sizes
 // 16 and 32 (supported_head_sizes(), supported_block_sizes()); GQA/MQA with
 // num_heads % num_kv_heads == 0. Dtypes: float32 and bfloat16 on CPU and CUDA, float16 on CUDA
 // only. query / out have the cache's dtype; all accumulation is in float32.
@@ -68,7 +68,7 @@ struct AttentionOptions {
   bool early_context_loads = false;
 };
 
-/// Head sizes every implementation supports: {64, 80, 96, 128, 256}.
+/// Head sizes every implementation supports: {32, 64, 80, 96, 128, 256}.
 const std::vector<int64_t>& supported_head_sizes();
 /// Block sizes (tokens per KV block) every implementation supports: {16, 32}.
 const std::vector<int64_t>& supported_block_sizes();
