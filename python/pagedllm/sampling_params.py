@@ -83,6 +83,10 @@ class SamplingParams:
       skip_special_tokens, spaces_between_special_tokens: detokenization options.
       include_stop_str_in_output: keep the matched stop string (or stop token's text) in text.
       logit_bias: {token_id: bias} added to the logits before sampling.
+      allowed_token_ids: only these token ids can be sampled (every other logit is -inf before
+        sampling; the returned logprobs stay those of the raw distribution, as vLLM's); non-empty.
+      truncate_prompt_tokens: keep only the prompt's last k tokens (left truncation, vLLM's); -1:
+        the last max_model_len - 1; None: the whole prompt.
       output_kind: RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY).
     """
 
@@ -107,6 +111,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    truncate_prompt_tokens: Optional[int] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -217,6 +223,16 @@ class SamplingParams:
                     raise ValueError(f"logit_bias token id must be non-negative, got {token_id}.")
                 if math.isnan(bias):
                     raise ValueError(f"logit_bias for token {token_id} is NaN.")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative ints, got {ids!r:.80}.")
+            self.allowed_token_ids = sorted({int(t) for t in ids})
+        need_int("truncate_prompt_tokens", allow_none=True)
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
+                                                            or self.truncate_prompt_tokens == -1):
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 (keep the prompt's last k tokens) or -1 (the last "
+                             f"max_model_len - 1), got {self.truncate_prompt_tokens}.")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
                      "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
@@ -229,12 +245,11 @@ class SamplingParams:
 
         Called when a request is added (the vocabulary size is not known at construction).
         """
-        bad = [t for t in (self.logit_bias or {}) if t >= vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias contains out-of-vocabulary token ids {bad[:8]} (vocab_size={vocab_size}).")
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids contains out-of-vocabulary token ids {bad[:8]} (vocab_size={vocab_size}).")
+        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}.")
         limit = vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -261,6 +276,7 @@ class SamplingParams:
         kwargs["stop"] = list(self.stop)
         kwargs["stop_token_ids"] = list(self.stop_token_ids)
         kwargs["logit_bias"] = dict(self.logit_bias) if self.logit_bias is not None else None
+        kwargs["allowed_token_ids"] = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
         return SamplingParams(**kwargs)
 
     def to_request_params(

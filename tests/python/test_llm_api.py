@@ -91,6 +91,28 @@ def test_bad_prompts_raise_and_queue_nothing(llm):
     assert llm.generate(ok, greedy(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids  # still serving
 
 
+def test_truncate_prompt_tokens_and_allowed_token_ids(llm):
+    """vLLM's truncate_prompt_tokens keeps the prompt's last k tokens (-1: max_model_len - 1, so an
+    over-long prompt runs); allowed_token_ids restricts every sampled token (random sampling too)."""
+    from pagedllm import SamplingParams
+
+    ids = list(range(100, 160))
+    cut = llm.generate({"prompt_token_ids": ids}, greedy(truncate_prompt_tokens=7), use_tqdm=False)[0]
+    tail = llm.generate({"prompt_token_ids": ids[-7:]}, greedy(), use_tqdm=False)[0]
+    assert list(cut.prompt_token_ids) == ids[-7:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    longer = llm.generate({"prompt_token_ids": [5] * (MAX_LEN + 9)}, greedy(truncate_prompt_tokens=-1, max_tokens=1),
+                          use_tqdm=False)[0]
+    assert len(longer.prompt_token_ids) == MAX_LEN - 1 and len(longer.outputs[0].token_ids) == 1
+    allowed = [11, 500, 4242]
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3,
+                        SamplingParams(temperature=1.0, seed=4, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed),
+                        use_tqdm=False)
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) and len(o.outputs[0].token_ids) == 10 for o in outs)
+    with pytest.raises(ValueError, match=r"allowed_token_ids contains token ids outside the vocabulary \[0, 49152\)"):
+        llm.generate({"prompt_token_ids": [5]}, greedy(allowed_token_ids=[49152]), use_tqdm=False)
+    assert_idle(llm)
+
+
 def test_generation_stops_at_max_model_len(llm):
     from pagedllm import SamplingParams
 

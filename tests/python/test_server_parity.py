@@ -192,3 +192,81 @@ def test_metrics_public_leaves_only_metrics_open(keyed_public_metrics):
     assert httpx.get(url + "/metrics").status_code == 200
     assert httpx.get(url + "/version").status_code == 401
     assert httpx.post(url + "/tokenize", json={"prompt": "hi"}).status_code == 401
+
+
+# ---------------------------------------------------------------------------- vLLM's request extensions
+def test_unknown_fields_are_400s_and_informational_ones_are_accepted(server):
+    url = server.url + "/v1/completions"
+    base = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    assert_400(httpx.post(url, json={**base, "guided_json": {"type": "object"}}, timeout=60), "guided_json",
+               "structured output")
+    assert_400(httpx.post(url, json={**base, "temprature": 0.5}, timeout=60), "temprature")  # a typo
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert_400(httpx.post(server.url + "/v1/chat/completions", json={**chat, "bad_words": ["x"]}, timeout=60),
+               "bad_words")
+    ok = httpx.post(url, json={**base, "user": "u1", "metadata": {"k": "v"}, "store": False}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_allowed_token_ids_restrict_sampling(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+            "allowed_token_ids": [300, 301, 302], "return_token_ids": True, "n": 2}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    for c in r["choices"]:
+        assert len(c["token_ids"]) == 12 and set(c["token_ids"]) <= {300, 301, 302}
+    assert_400(httpx.post(server.url + "/v1/completions", json={**body, "allowed_token_ids": [10**6]}, timeout=60),
+               "allowed_token_ids", "vocabulary")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
+    ids = list(range(1000, 1100))
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    cut = httpx.post(server.url + "/v1/completions", json={**body, "prompt": ids, "truncate_prompt_tokens": 10},
+                     timeout=60).json()
+    tail = httpx.post(server.url + "/v1/completions", json={**body, "prompt": ids[-10:]}, timeout=60).json()
+    assert cut["usage"]["prompt_tokens"] == 10 and cut["choices"][0]["prompt_token_ids"] == ids[-10:]
+    assert cut["choices"][0]["token_ids"] == tail["choices"][0]["token_ids"]
+    # a prompt longer than the context fits once truncated
+    long_ids = [7] * (MAX_MODEL_LEN + 50)
+    ok = httpx.post(server.url + "/v1/completions", json={**body, "prompt": long_ids, "truncate_prompt_tokens": -1,
+                                                          "max_tokens": 1}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1
+    assert_400(httpx.post(server.url + "/v1/completions", json={**body, "prompt": ids, "truncate_prompt_tokens": 0},
+                          timeout=60), "truncate_prompt_tokens")
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server):
+    import re
+
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0, "logprobs": 2, "echo": True,
+            "return_tokens_as_token_ids": True}
+    lp = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] and all(re.fullmatch(r"token_id:\d+", t) for t in lp["tokens"])
+    assert all(re.fullmatch(r"token_id:\d+", t) for d in lp["top_logprobs"] if d for t in d)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    content = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    tokens = [c["token"] for c in content["logprobs"]["content"]]
+    tokens += [t["token"] for c in content["logprobs"]["content"] for t in c["top_logprobs"]]
+    assert tokens and all(re.fullmatch(r"token_id:\d+", t) for t in tokens)
+
+
+def test_tokenize_returns_token_strs(server):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert len(r["token_strs"]) == r["count"] and "".join(r["token_strs"]).replace("Ġ", " ") == PROMPT
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 404  # off unless asked for, as vLLM
+
+
+@pytest.fixture(scope="module")
+def flagged():
+    return shared_server("flags", [*DEFAULT_ARGS, "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
+                                   "--root-path", "/api"])
+
+
+def test_force_include_usage_tokenizer_info_and_root_path(flagged):
+    events = sse_events(flagged.url + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 5,
+                                                          "ignore_eos": True, "stream": True})
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+    info = httpx.get(flagged.url + "/tokenizer_info").json()
+    assert info["tokenizer_class"] and info["model_max_length"] == MAX_MODEL_LEN and "im_start" in info["chat_template"]
+    assert {"url": "/api"} in httpx.get(flagged.url + "/openapi.json").json()["servers"]

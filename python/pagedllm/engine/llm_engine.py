@@ -204,9 +204,16 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises ValueError (nothing queued) for an empty prompt, token ids
         outside the vocabulary, a prompt of max_model_len tokens or more, or bad params.
-        cache_salt: extra prefix-cache key (requests with different salts share no blocks)."""
+        cache_salt: extra prefix-cache key (requests with different salts share no blocks).
+        params.truncate_prompt_tokens keeps the prompt's last k tokens (a truncated prompt's text
+        is dropped: the outputs' prompt and prompt_token_ids are the kept tokens')."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len - 1 if keep == -1 else keep
+            if len(prompt_token_ids) > keep:
+                prompt_token_ids, prompt = list(prompt_token_ids)[-keep:], None
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty (0 tokens)")

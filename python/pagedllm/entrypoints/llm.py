@@ -151,7 +151,9 @@ class LLM:
         engine = self.llm_engine
         parsed = [self._parse_prompt(p) for p in items]
         for (_, ids), p in zip(parsed, params):  # validate everything before queueing anything
-            if len(ids) >= engine.max_model_len:
+            keep = p.truncate_prompt_tokens  # the engine keeps the last tokens of a longer prompt
+            n = len(ids) if keep is None else min(len(ids), engine.max_model_len - 1 if keep == -1 else keep)
+            if n >= engine.max_model_len:
                 raise ValueError(f"a prompt has {len(ids)} tokens, but max_model_len is {engine.max_model_len}: "
                                  "prompts must be shorter than max_model_len")
         ids_in_order = []

@@ -3,8 +3,8 @@
 Per-sequence sampling parameters live in preallocated numpy tables indexed by a slot; a
 sequence gets a slot in ``add_sequence`` and gives it back in ``remove_sequence``. One step
 gathers the rows' parameters with a vectorised lookup of ``seq_ids`` (no per-row Python loop
-for plain rows; only rows with logit_bias, an active min_tokens mask, penalties or a seed are
-visited individually).
+for plain rows; only rows with logit_bias, allowed_token_ids, an active min_tokens mask, penalties
+or a seed are visited individually).
 
 Usage by the engine loop (see pagedllm.sample.__init__ for the whole contract)::
 
@@ -145,12 +145,14 @@ class Sampler:
         self.num_output_tokens = grow(g("num_output_tokens"), np.int64, 0)
         self.has_penalty = grow(g("has_penalty"), np.bool_, False)
         self.has_bias = grow(g("has_bias"), np.bool_, False)
+        self.has_allowed = grow(g("has_allowed"), np.bool_, False)
         self.has_seed = grow(g("has_seed"), np.bool_, False)
         extend = capacity - old
         self._generators: list[Optional[torch.Generator]] = (g("_generators") or []) + [None] * extend
         self._seeds: list[Optional[int]] = (g("_seeds") or []) + [None] * extend
         self._stop_ids: list[list[int]] = (g("_stop_ids") or []) + [[] for _ in range(extend)]
         self._bias: list[Optional[tuple[list[int], list[float]]]] = (g("_bias") or []) + [None] * extend
+        self._allowed: list[Optional[list[int]]] = (g("_allowed") or []) + [None] * extend
         self._prompt_ids: list[Optional[np.ndarray]] = (g("_prompt_ids") or []) + [None] * extend
         self._output_ids: list[Optional[list[int]]] = (g("_output_ids") or []) + [None] * extend
         self._free.extend(range(capacity - 1, old - 1, -1))
@@ -234,6 +236,8 @@ class Sampler:
         bias = params.logit_bias
         self.has_bias[slot] = bool(bias)
         self._bias[slot] = (list(bias.keys()), list(bias.values())) if bias else None
+        self.has_allowed[slot] = params.allowed_token_ids is not None
+        self._allowed[slot] = list(params.allowed_token_ids) if params.allowed_token_ids is not None else None
         stop_ids = sorted({int(t) for t in eos_token_ids} | set(params.stop_token_ids))
         self._stop_ids[slot] = stop_ids if params.min_tokens > 0 else []
         if params.seed is not None and not greedy:
@@ -260,6 +264,7 @@ class Sampler:
         self._prompt_ids[slot] = None
         self._output_ids[slot] = None
         self._bias[slot] = None
+        self._allowed[slot] = None
         self._stop_ids[slot] = []
         self._free.append(slot)
 
@@ -321,6 +326,7 @@ class Sampler:
         return bool(
             (self.temperature[slots] < _SAMPLING_EPS).all()
             and not self.has_bias[slots].any()
+            and not self.has_allowed[slots].any()
             and not self.has_penalty[slots].any()
             and not (self.num_output_tokens[slots] < self.min_tokens[slots]).any()
         )
@@ -351,6 +357,12 @@ class Sampler:
         for r in np.nonzero(self.has_bias[slots])[0].tolist():
             ids, vals = self._bias[int(slots[r])]
             logits[r, torch.tensor(ids, device=device)] += torch.tensor(vals, device=device, dtype=logits.dtype)
+        # allowed_token_ids: every other logit -inf
+        for r in np.nonzero(self.has_allowed[slots])[0].tolist():
+            ids = torch.tensor(self._allowed[int(slots[r])], device=device)
+            kept = logits[r, ids]
+            logits[r].fill_(float("-inf"))
+            logits[r, ids] = kept
         # penalties
         pen_rows = np.nonzero(self.has_penalty[slots])[0]
         if pen_rows.size:

@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize,
-GET /version, and FastAPI's /openapi.json, /docs, /redoc. With an API key every route but /health
+GET /version, GET /tokenizer_info (--enable-tokenizer-info-endpoint), and FastAPI's /openapi.json,
+/docs, /redoc. With an API key every route but /health
 needs ``Authorization: Bearer <key>`` (compared in constant time, ``secrets.compare_digest``);
 /metrics too unless --metrics-public (Prometheus scrapers without the key).
 
@@ -28,7 +29,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, inst
 from pagedllm.entrypoints.openai.metrics import make_registry
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
-    ModelList, TokenizeRequest, TokenizeResponse,
+    ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,
 )
 from pagedllm.entrypoints.openai.serving import ServingContext, check_model
 from pagedllm.entrypoints.openai.serving_chat import ChatHandler, conversation
@@ -42,15 +43,18 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"
 
 def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, api_key: Optional[str] = None,
               max_queued_requests: Optional[int] = None, shutdown_engine: bool = False,
-              metrics_public: bool = False) -> FastAPI:
+              metrics_public: bool = False, force_include_usage: bool = False,
+              tokenizer_info: bool = False, root_path: str = "") -> FastAPI:
     """The FastAPI app serving `engine`. served_model_names: names accepted in "model" (the first
     is reported); default the engine's model name. api_key: required on every route but /health
-    (and /metrics with metrics_public). shutdown_engine: shut the engine down when the app stops."""
+    (and /metrics with metrics_public). shutdown_engine: shut the engine down when the app stops.
+    force_include_usage: every stream ends with a usage chunk. tokenizer_info: serve
+    /tokenizer_info. root_path: the path prefix a proxy serves the app under (OpenAPI links)."""
     names = list(served_model_names or [engine.model_name])
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
     engine.set_model_name(names[0])  # the metrics' model_name label, as vLLM's
-    ctx = ServingContext(engine, names, max_queued_requests)
+    ctx = ServingContext(engine, names, max_queued_requests, force_include_usage)
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
     registry = make_registry(engine.get_metrics)
@@ -61,7 +65,7 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, 
         if shutdown_engine:
             engine.shutdown()
 
-    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
+    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan, root_path=root_path)
     app.state.ctx = ctx
     install_handlers(app)
 
@@ -119,7 +123,21 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, 
             req = ChatCompletionRequest(messages=request.messages, add_generation_prompt=request.add_generation_prompt,
                                         continue_final_message=request.continue_final_message)
             ids = chat.prompt_ids(req, conversation(request.messages))
-        return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=list(ids))
+        strs = ctx.tokenizer.convert_ids_to_tokens(list(ids)) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=list(ids), token_strs=strs)
+
+    if tokenizer_info:
+        @app.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+        async def get_tokenizer_info():
+            tok = ctx.tokenizer
+            info = {k: v for k, v in getattr(tok, "init_kwargs", {}).items()
+                    if isinstance(v, (str, int, float, bool)) or v is None}
+            info.update(tokenizer_class=type(tok).__name__, model_max_length=ctx.max_model_len,
+                        vocab_size=len(tok), chat_template=getattr(tok, "chat_template", None),
+                        **{name: getattr(tok, name, None) for name in ("bos_token", "eos_token", "pad_token",
+                                                                       "unk_token")})
+            return TokenizerInfoResponse(**{k: v for k, v in info.items() if isinstance(v, (str, int, float, bool))
+                                            or v is None})
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest):
@@ -149,6 +167,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="with --api-key, leave /metrics open (for Prometheus scrapers without the key)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) accepted in requests; the first is reported (default: MODEL)")
+    parser.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every streamed response ends with a usage chunk, whatever stream_options says")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
+    parser.add_argument("--root-path", default="", help="the path prefix a proxy serves the server under")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="answer 503 (Retry-After) when this many requests already wait")
     parser.add_argument("--threads", type=int, default=0,
@@ -177,7 +200,8 @@ def run_server(args: argparse.Namespace) -> int:
         engine_args.model = args.model_tag
     engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args.served_model_name, args.api_key, args.max_queued_requests, shutdown_engine=True,
-                    metrics_public=args.metrics_public)
+                    metrics_public=args.metrics_public, force_include_usage=args.enable_force_include_usage,
+                    tokenizer_info=args.enable_tokenizer_info_endpoint, root_path=args.root_path)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

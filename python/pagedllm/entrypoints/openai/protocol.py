@@ -92,6 +92,11 @@ class _SamplingFields(_Request):
     use_beam_search: Optional[bool] = False
     return_token_ids: Optional[bool] = Field(default=False, description="add token_ids (and prompt_token_ids) "
                                              "to each choice, as vLLM's return_token_ids")
+    allowed_token_ids: Optional[list[int]] = Field(default=None, description="only these token ids can be sampled")
+    truncate_prompt_tokens: Optional[int] = Field(default=None, description="keep the prompt's last k tokens "
+                                                  "(-1: the last max_model_len - 1)")
+    return_tokens_as_token_ids: Optional[bool] = Field(default=False, description="logprobs name tokens as "
+                                                       "'token_id:<id>' instead of their text")
 
 
 class CompletionRequest(_SamplingFields):
@@ -150,6 +155,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: Optional[bool] = None
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
+    return_token_strs: Optional[bool] = False
 
 
 class DetokenizeRequest(_Request):
@@ -294,6 +300,15 @@ class TokenizeResponse(_Response):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: Optional[list[str]] = None  # return_token_strs: the tokenizer's token strings
+
+
+class TokenizerInfoResponse(_Response):
+    """GET /tokenizer_info (--enable-tokenizer-info-endpoint), as vLLM's: the tokenizer's class and
+    its configuration (special tokens, chat template, lengths)."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class DetokenizeResponse(_Response):

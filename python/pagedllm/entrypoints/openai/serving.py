@@ -34,6 +34,8 @@ class ServingContext:
     engine: AsyncLLM
     served_model_names: list[str]
     max_queued_requests: Optional[int] = None
+    #: --enable-force-include-usage: streams end with a usage chunk whether or not stream_options asks
+    force_include_usage: bool = False
 
     @property
     def model_name(self) -> str:
@@ -83,7 +85,48 @@ def check_length(ctx: ServingContext, prompt_len: int, max_tokens: Optional[int]
     return max_tokens
 
 
+#: Request fields outside the models that carry no instruction for the output (OpenAI's
+#: bookkeeping): accepted and ignored. Any other unknown field is a 400 naming it, so that a field
+#: that would change the output is never silently ignored.
+INFORMATIONAL_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier",
+                                  "prompt_cache_key", "vllm_xargs"})
+#: Fields of vLLM's or OpenAI's API that pagedllm does not implement yet, with what to say.
+_NOT_YET = {
+    **{f: "structured output is not supported yet" for f in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "guided_whitespace_pattern", "structural_tag", "structured_outputs")},
+    "bad_words": "bad_words is not supported", "logits_processors": "logits processors are not supported",
+    "prompt_embeds": "prompt embeddings are not supported", "length_penalty": "beam search is not supported",
+    "functions": "function calling is not supported", "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported", "audio": "audio output is not supported",
+    "modalities": "only text output is supported", "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning models are not supported", "web_search_options": "web search is not supported",
+    "documents": "documents are not supported", "mm_processor_kwargs": "multimodal inputs are not supported",
+}
+
+
+def check_unknown_fields(req) -> None:
+    """400 naming the first request field the server does not know, other than the informational
+    ones (INFORMATIONAL_FIELDS)."""
+    for name in req.model_extra or {}:
+        if name in INFORMATIONAL_FIELDS:
+            continue
+        why = _NOT_YET.get(name, "pagedllm does not implement it and ignoring it could change the output")
+        raise OpenAIError(f"{name}: {why}; remove the field", 400, name)
+
+
+def truncate_prompt(ids: list[int], keep: Optional[int], ctx: "ServingContext") -> list[int]:
+    """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len - 1)."""
+    if keep is None:
+        return ids
+    if keep == 0 or keep < -1:
+        raise OpenAIError(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", 400, "truncate_prompt_tokens")
+    keep = ctx.max_model_len - 1 if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids
+
+
 def check_unsupported(req: _SamplingFields) -> None:
+    check_unknown_fields(req)
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options: only allowed when stream is true", 400, "stream_options")
     if req.use_beam_search:
@@ -141,6 +184,7 @@ def sampling_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int, 
             spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logit_bias=bias,
+            allowed_token_ids=req.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA,
         )
     except ValueError as exc:

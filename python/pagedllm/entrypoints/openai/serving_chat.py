@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
     check_n, check_queue, check_unsupported, continuous_usage, prompt_logprobs_json, sampling_params, sse, sse_error,
-    token_bytes,
+    token_bytes, truncate_prompt,
 )
 
 
@@ -87,7 +87,7 @@ class ChatHandler:
         check_chat_unsupported(req)
         check_n(ctx, 1 if req.n is None else req.n)
         messages = conversation(req.messages)
-        ids = self.prompt_ids(req, messages)
+        ids = truncate_prompt(self.prompt_ids(req, messages), req.truncate_prompt_tokens, ctx)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(ctx, len(ids), requested, "messages", field)
@@ -120,15 +120,20 @@ class _ChatRenderer:
         if not self.req.logprobs:
             return None
         tok = self.ctx.tokenizer
+        as_ids = bool(self.req.return_tokens_as_token_ids)
+
+        def name(token_id: int, text: str) -> str:  # return_tokens_as_token_ids: "token_id:<id>"
+            return f"token_id:{token_id}" if as_ids else text
+
         content = []
         for tid, entry in zip(token_ids, logprobs or []):
             lp = entry.get(tid)
             text = lp.decoded_token if lp is not None and lp.decoded_token is not None else tok.decode([tid])
-            tops = [TopLogprob(token=(e.decoded_token if e.decoded_token is not None else str(t)), logprob=e.logprob,
-                               bytes=token_bytes(tok, t, e.decoded_token or ""))
+            tops = [TopLogprob(token=name(t, e.decoded_token if e.decoded_token is not None else str(t)),
+                               logprob=e.logprob, bytes=token_bytes(tok, t, e.decoded_token or ""))
                     for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
                     if e.rank is not None and e.rank <= self.top][: self.top]
-            content.append(ChatTokenLogprob(token=text, logprob=lp.logprob if lp is not None else float("-inf"),
+            content.append(ChatTokenLogprob(token=name(tid, text), logprob=lp.logprob if lp is not None else float("-inf"),
                                             bytes=token_bytes(tok, tid, text), top_logprobs=tops))
         return ChatLogprobs(content=content)
 
@@ -174,7 +179,7 @@ class _ChatRenderer:
 
     async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
         opts = self.req.stream_options
-        include_usage = bool(opts and opts.include_usage)
+        include_usage = bool(opts and opts.include_usage) or self.ctx.force_include_usage
         running = continuous_usage(self.req)
         completion_tokens = 0
         try:

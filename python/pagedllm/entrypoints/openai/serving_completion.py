@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
     check_n, check_queue, check_unsupported, continuous_usage, prompt_logprobs_json, sampling_params, sse, sse_error,
-    token_pieces,
+    token_pieces, truncate_prompt,
 )
 
 #: max_tokens of a completion request that gives none (OpenAI's Completions API and vLLM)
@@ -83,6 +83,9 @@ class CompletionHandler:
             raise OpenAIError(f"best_of={req.best_of}: only best_of == n is supported (n={n})", 400, "best_of")
         prompts = _prompts(ctx, req)
         for p in prompts:
+            kept = truncate_prompt(p.token_ids, req.truncate_prompt_tokens, ctx)
+            if len(kept) != len(p.token_ids):
+                p.token_ids, p.text = kept, None  # the echoed text is the kept tokens'
             p.max_tokens = check_length(ctx, len(p.token_ids), req.max_tokens, "prompt", default=DEFAULT_MAX_TOKENS)
         echo = bool(req.echo)
         logprobs = req.logprobs
@@ -117,7 +120,8 @@ class _Renderer:
     def _prompt_logprobs_part(self, i: int, prompt_logprobs, offset0: int = 0) -> CompletionLogprobs:
         """The echoed prompt's entries of the legacy logprobs object (first token: null)."""
         ids = self.prompts[i].token_ids
-        pieces = token_pieces(self.ctx.tokenizer, ids)
+        pieces = ([f"token_id:{t}" for t in ids] if self.req.return_tokens_as_token_ids
+                  else token_pieces(self.ctx.tokenizer, ids))
         out = CompletionLogprobs()
         offset = offset0
         for k, (tid, piece) in enumerate(zip(ids, pieces)):
@@ -130,7 +134,7 @@ class _Renderer:
                 out.top_logprobs.append(None)
             else:
                 out.token_logprobs.append(entry[tid].logprob)
-                out.top_logprobs.append(_top(entry, self.req.logprobs))
+                out.top_logprobs.append(_top(entry, self.req.logprobs, self.req.return_tokens_as_token_ids))
         return out
 
     def _output_logprobs_part(self, token_ids: list[int], logprobs, offset0: int) -> CompletionLogprobs:
@@ -138,13 +142,16 @@ class _Renderer:
         offset = offset0
         for tid, entry in zip(token_ids, logprobs or []):
             lp = entry.get(tid)
-            piece = (lp.decoded_token if lp is not None and lp.decoded_token is not None
-                     else self.ctx.tokenizer.decode([tid]))
+            if self.req.return_tokens_as_token_ids:
+                piece = f"token_id:{tid}"
+            else:
+                piece = (lp.decoded_token if lp is not None and lp.decoded_token is not None
+                         else self.ctx.tokenizer.decode([tid]))
             out.tokens.append(piece)
             out.text_offset.append(offset)
             offset += len(piece)
             out.token_logprobs.append(lp.logprob if lp is not None else None)
-            out.top_logprobs.append(_top(entry, self.req.logprobs))
+            out.top_logprobs.append(_top(entry, self.req.logprobs, self.req.return_tokens_as_token_ids))
         return out
 
     def _usage(self, completion_tokens: int) -> UsageInfo:
@@ -195,7 +202,7 @@ class _Renderer:
         offsets: dict[tuple[int, int], int] = {}
         completion_tokens = 0
         opts = self.req.stream_options
-        include_usage = bool(opts and opts.include_usage)
+        include_usage = bool(opts and opts.include_usage) or self.ctx.force_include_usage
         running = continuous_usage(self.req)
         try:
             async for i, out in group.outputs():
@@ -245,12 +252,13 @@ class _Renderer:
         yield SSE_DONE
 
 
-def _top(entry: dict, k: Optional[int]) -> dict[str, float]:
-    """{token text: logprob} of the entry's top-k tokens (plus the chosen one, as vLLM)."""
+def _top(entry: dict, k: Optional[int], as_ids: bool = False) -> dict[str, float]:
+    """{token text (as_ids: "token_id:<id>"): logprob} of the entry's top-k tokens (plus the
+    chosen one, as vLLM)."""
     items = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0))
     out: dict[str, float] = {}
     for tid, lp in items:
-        text = lp.decoded_token if lp.decoded_token is not None else str(tid)
+        text = f"token_id:{tid}" if as_ids else lp.decoded_token if lp.decoded_token is not None else str(tid)
         if text not in out:
             out[text] = lp.logprob
     return out
