@@ -24,13 +24,14 @@ sequences are; its state is then dropped.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from pagedllm.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from pagedllm.sample import LogprobsTensors, Sampler, SamplerOutput, TokenTextCache, logprob_dict
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -58,6 +59,8 @@ class RequestState:
     prompt_logprobs: Optional[PromptLogprobs] = None
     sent_prompt_logprobs: bool = False
     num_finished: int = 0
+    metrics: Optional[RequestMetrics] = None
+    tokens_timed: int = 0  # output tokens when metrics.last_token_time was set
 
     @property
     def finished(self) -> bool:
@@ -89,7 +92,7 @@ class OutputProcessor:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.verify_for_vocab(self.sampler.vocab_size)
-        state = RequestState(request_id, prompt, list(prompt_token_ids), params)
+        state = RequestState(request_id, prompt, list(prompt_token_ids), params, metrics=RequestMetrics(time.time()))
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(state.prompt_token_ids)
         self.requests[request_id] = state
@@ -121,6 +124,8 @@ class OutputProcessor:
             cumulative_logprob=0.0 if want_lp else None,
         )
         self._seq_owner[seq_id] = (request_id, index)
+        if state.metrics.first_scheduled_time is None:
+            state.metrics.first_scheduled_time = time.time()
         self.sampler.add_sequence(seq_id, params, state.prompt_token_ids, index, self.eos_token_ids)
 
     def on_schedule(self, sched) -> None:
@@ -263,6 +268,15 @@ class OutputProcessor:
     def _make_output(self, state: RequestState, force: bool = False) -> Optional[RequestOutput]:
         kind = state.params.output_kind
         finished = state.finished
+        metrics, now = state.metrics, time.time()
+        tokens = sum(len(s.detok.token_ids) for s in state.seqs.values())
+        if tokens > state.tokens_timed:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            state.tokens_timed = tokens
+        if finished and metrics.finished_time is None:
+            metrics.finished_time = now
         if kind == RequestOutputKind.FINAL_ONLY and not finished and not force:
             return None
         delta = kind == RequestOutputKind.DELTA
@@ -281,6 +295,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=finished,
+            metrics=metrics,
         )
 
 

@@ -8,7 +8,7 @@ first entry (the first prompt token has no logits scoring it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 
@@ -67,12 +67,30 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request went through the engine (vLLM's ``RequestOutput.metrics``), in seconds of
+    ``time.time()``: arrival (add_request), first_scheduled (its first step), first_token /
+    last_token (outputs), finished; None until it happens."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+    @property
+    def time_in_queue(self) -> Optional[float]:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     """The output of one request (vLLM's ``RequestOutput``).
 
     request_id: the request's id; prompt: its text (None when given as token ids);
     prompt_token_ids: list[int]; prompt_logprobs: PromptLogprobs or None;
-    outputs: one CompletionOutput per sequence, ordered by index; finished: every sequence done.
+    outputs: one CompletionOutput per sequence, ordered by index; finished: every sequence done;
+    metrics: RequestMetrics (the request's timestamps so far).
     """
 
     request_id: str
@@ -92,4 +110,5 @@ class RequestOutput:
         )
 
 
-__all__ = ["Logprob", "LogprobDict", "SampleLogprobs", "PromptLogprobs", "CompletionOutput", "RequestOutput"]
+__all__ = ["Logprob", "LogprobDict", "SampleLogprobs", "PromptLogprobs", "CompletionOutput", "RequestMetrics",
+           "RequestOutput"]

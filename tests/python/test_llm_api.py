@@ -113,6 +113,15 @@ def test_truncate_prompt_tokens_and_allowed_token_ids(llm):
     assert_idle(llm)
 
 
+def test_request_output_metrics_are_ordered_timestamps(llm):
+    """RequestOutput.metrics (vLLM's): arrival <= first scheduled <= first token <= last token <=
+    finished, all set once a request finished."""
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, greedy(max_tokens=5), use_tqdm=False)[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+
+
 def test_generation_stops_at_max_model_len(llm):
     from pagedllm import SamplingParams
 

@@ -53,6 +53,19 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+#: vLLM's request_params_n buckets
+N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def buckets_1_2_5(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
 
 
 @dataclasses.dataclass
@@ -123,8 +136,10 @@ class _Tracked:
     collector: RequestOutputCollector
     loop: asyncio.AbstractEventLoop
     arrival: float
+    params: Optional[SamplingParams] = None
     tokens_seen: int = 0
     last_token_time: Optional[float] = None
+    seq_tokens: dict = dataclasses.field(default_factory=dict)  # sequence index -> output tokens
 
 
 class AsyncLLM:
@@ -150,10 +165,21 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards the fields below
         self._pending_adds = 0
         self._metrics_snapshot: list[Metric] = []
-        self._histograms = {
+        tokens = buckets_1_2_5(self.max_model_len)
+        self._histograms = {  # vLLM v1's front-end histograms, its bucket bounds
             "time_to_first_token_seconds": HistogramData(TTFT_BUCKETS),
             "inter_token_latency_seconds": HistogramData(ITL_BUCKETS),
+            "time_per_output_token_seconds": HistogramData(ITL_BUCKETS),  # vLLM's older name of the same
             "e2e_request_latency_seconds": HistogramData(E2E_BUCKETS),
+            "request_queue_time_seconds": HistogramData(E2E_BUCKETS),
+            "request_inference_time_seconds": HistogramData(E2E_BUCKETS),
+            "request_prefill_time_seconds": HistogramData(E2E_BUCKETS),
+            "request_decode_time_seconds": HistogramData(E2E_BUCKETS),
+            "request_prompt_tokens": HistogramData(tokens),
+            "request_generation_tokens": HistogramData(tokens),
+            "request_max_num_generation_tokens": HistogramData(tokens),
+            "request_params_max_tokens": HistogramData(tokens),
+            "request_params_n": HistogramData(N_BUCKETS),
         }
         self._finished_by_reason = {r: 0 for r in FINISH_REASONS}
         self._refresh_metrics()
@@ -211,7 +237,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         collector = RequestOutputCollector(params.output_kind)
         accepted: asyncio.Future = loop.create_future()
-        tracked = _Tracked(collector, loop, time.monotonic())
+        tracked = _Tracked(collector, loop, time.monotonic(), params)
         with self._lock:
             self._pending_adds += 1
         self._commands.put(("add", request_id, prompt, list(prompt_token_ids), params, priority, cache_salt,
@@ -395,20 +421,43 @@ class AsyncLLM:
 
     def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
         delta = tracked.collector.aggregate
-        n_tokens = sum(len(c.token_ids) for c in out.outputs)
-        total = tracked.tokens_seen + n_tokens if delta else n_tokens
+        for c in out.outputs:
+            tracked.seq_tokens[c.index] = tracked.seq_tokens.get(c.index, 0) * delta + len(c.token_ids)
+        total = sum(tracked.seq_tokens.values())
+        hist = self._histograms
         with self._lock:
             if total > tracked.tokens_seen:
                 if tracked.last_token_time is None:
-                    self._histograms["time_to_first_token_seconds"].observe(now - tracked.arrival)
+                    hist["time_to_first_token_seconds"].observe(now - tracked.arrival)
                 else:
-                    self._histograms["inter_token_latency_seconds"].observe(now - tracked.last_token_time)
+                    hist["inter_token_latency_seconds"].observe(now - tracked.last_token_time)
+                    hist["time_per_output_token_seconds"].observe(now - tracked.last_token_time)
                 tracked.last_token_time = now
                 tracked.tokens_seen = total
             if out.finished:
-                self._histograms["e2e_request_latency_seconds"].observe(now - tracked.arrival)
+                hist["e2e_request_latency_seconds"].observe(now - tracked.arrival)
                 reason = out.outputs[0].finish_reason if out.outputs else "abort"
                 self._finished_by_reason[reason if reason in self._finished_by_reason else "abort"] += 1
+                self._observe_finished(tracked, out, total)
+
+    def _observe_finished(self, tracked: _Tracked, out: RequestOutput, total: int) -> None:
+        """vLLM's per-request histograms of a finished request (vllm.v1.metrics: queued ->
+        scheduled -> first token -> last token), from its RequestMetrics."""
+        hist, m = self._histograms, out.metrics
+        if m is not None and m.first_scheduled_time is not None:
+            hist["request_queue_time_seconds"].observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                last = m.last_token_time if m.last_token_time is not None else m.first_token_time
+                hist["request_prefill_time_seconds"].observe(m.first_token_time - m.first_scheduled_time)
+                hist["request_decode_time_seconds"].observe(last - m.first_token_time)
+                hist["request_inference_time_seconds"].observe(last - m.first_scheduled_time)
+        hist["request_prompt_tokens"].observe(len(out.prompt_token_ids))
+        hist["request_generation_tokens"].observe(total)
+        hist["request_max_num_generation_tokens"].observe(max(tracked.seq_tokens.values(), default=0))
+        if tracked.params is not None:
+            hist["request_params_n"].observe(tracked.params.n)
+            if tracked.params.max_tokens is not None:
+                hist["request_params_max_tokens"].observe(tracked.params.max_tokens)
 
     def _deliver(self, request_id: str, item, finished: bool) -> None:
         tracked = self._requests.pop(request_id, None) if finished else self._requests.get(request_id)

@@ -44,12 +44,13 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"
 def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, api_key: Optional[str] = None,
               max_queued_requests: Optional[int] = None, shutdown_engine: bool = False,
               metrics_public: bool = False, force_include_usage: bool = False,
-              tokenizer_info: bool = False, root_path: str = "") -> FastAPI:
+              tokenizer_info: bool = False, root_path: str = "", metrics_prefix: str = "pagedllm") -> FastAPI:
     """The FastAPI app serving `engine`. served_model_names: names accepted in "model" (the first
     is reported); default the engine's model name. api_key: required on every route but /health
     (and /metrics with metrics_public). shutdown_engine: shut the engine down when the app stops.
     force_include_usage: every stream ends with a usage chunk. tokenizer_info: serve
-    /tokenizer_info. root_path: the path prefix a proxy serves the app under (OpenAPI links)."""
+    /tokenizer_info. root_path: the path prefix a proxy serves the app under (OpenAPI links).
+    metrics_prefix: /metrics names' prefix ("vllm": vLLM's names, for its dashboards)."""
     names = list(served_model_names or [engine.model_name])
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
@@ -57,7 +58,7 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, 
     ctx = ServingContext(engine, names, max_queued_requests, force_include_usage)
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
-    registry = make_registry(engine.get_metrics)
+    registry = make_registry(engine.get_metrics, metrics_prefix)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -172,6 +173,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
     parser.add_argument("--root-path", default="", help="the path prefix a proxy serves the server under")
+    parser.add_argument("--metrics-prefix", default="pagedllm",
+                        help="prefix of the /metrics names (default pagedllm; 'vllm' serves vLLM's names, so vLLM's "
+                             "Grafana dashboards and alerts work unchanged)")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="answer 503 (Retry-After) when this many requests already wait")
     parser.add_argument("--threads", type=int, default=0,
@@ -201,7 +205,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args.served_model_name, args.api_key, args.max_queued_requests, shutdown_engine=True,
                     metrics_public=args.metrics_public, force_include_usage=args.enable_force_include_usage,
-                    tokenizer_info=args.enable_tokenizer_info_endpoint, root_path=args.root_path)
+                    tokenizer_info=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
+                    metrics_prefix=args.metrics_prefix)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
