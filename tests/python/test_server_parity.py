@@ -8,6 +8,7 @@ surrogates), and the API key on every route but /health."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -260,7 +261,7 @@ def test_tokenize_returns_token_strs(server):
 @pytest.fixture(scope="module")
 def flagged():
     return shared_server("flags", [*DEFAULT_ARGS, "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
-                                   "--root-path", "/api"])
+                                   "--root-path", "/api", "--max-logprobs", "-1"])
 
 
 def test_force_include_usage_tokenizer_info_and_root_path(flagged):
@@ -270,3 +271,47 @@ def test_force_include_usage_tokenizer_info_and_root_path(flagged):
     info = httpx.get(flagged.url + "/tokenizer_info").json()
     assert info["tokenizer_class"] and info["model_max_length"] == MAX_MODEL_LEN and "im_start" in info["chat_template"]
     assert {"url": "/api"} in httpx.get(flagged.url + "/openapi.json").json()["servers"]
+
+
+# ---------------------------------------------------------------------------- request size
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_oversized_bodies_are_refused_before_parsing_and_memory_stays(server):
+    import time
+
+    url = server.url + "/v1/completions"
+    big = json.dumps({"model": MODEL, "prompt": "word " * 2_000_000, "max_tokens": 1})  # 10 MB
+    before = _rss_bytes(server.proc.pid)
+    for _ in range(5):
+        t0 = time.monotonic()
+        r = httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"], r.text[:200]
+        assert time.monotonic() - t0 < 5  # refused, not tokenized (about 6 s before the limit)
+    # a chunked body (no Content-Length) is counted as it arrives
+    chunks = (big[i:i + 65536].encode() for i in range(0, len(big), 65536))
+    r = httpx.post(url, content=chunks, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+    assert _rss_bytes(server.proc.pid) - before < 64 << 20
+    # under the limit: parsed as usual (a prompt too long for the context is the length 400)
+    assert_400(httpx.post(url, json={"model": MODEL, "prompt": "word " * 20_000, "max_tokens": 1}, timeout=60), "prompt",
+               "maximum context length")
+    ok = httpx.post(url, json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary_when_max_logprobs_allows(server, flagged):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0.0}
+    assert_400(httpx.post(server.url + "/v1/completions", json={**body, "logprobs": -1}, timeout=60), "logprobs",
+               "--max-logprobs")
+    assert_400(httpx.post(server.url + "/v1/completions", json={**body, "logprobs": 21}, timeout=60), "logprobs",
+               "[0, 20]")
+    r = httpx.post(flagged.url + "/v1/completions", json={**body, "logprobs": -1}, timeout=120).json()
+    top = r["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(top) == 2 and all(len(d) > 10_000 for d in top)  # every token (texts that repeat collapse)
+    probs = sum(math.exp(v) for v in top[0].values())
+    assert 0.5 < probs <= 1.0 + 1e-3

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_handlers
+from pagedllm.entrypoints.openai.limits import RequestSizeLimit, default_max_request_bytes
 from pagedllm.entrypoints.openai.metrics import make_registry
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
@@ -44,18 +45,24 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"
 def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, api_key: Optional[str] = None,
               max_queued_requests: Optional[int] = None, shutdown_engine: bool = False,
               metrics_public: bool = False, force_include_usage: bool = False,
-              tokenizer_info: bool = False, root_path: str = "", metrics_prefix: str = "pagedllm") -> FastAPI:
+              tokenizer_info: bool = False, root_path: str = "", metrics_prefix: str = "pagedllm",
+              max_request_bytes: Optional[int] = None, max_logprobs: int = 20) -> FastAPI:
     """The FastAPI app serving `engine`. served_model_names: names accepted in "model" (the first
     is reported); default the engine's model name. api_key: required on every route but /health
     (and /metrics with metrics_public). shutdown_engine: shut the engine down when the app stops.
     force_include_usage: every stream ends with a usage chunk. tokenizer_info: serve
     /tokenizer_info. root_path: the path prefix a proxy serves the app under (OpenAPI links).
-    metrics_prefix: /metrics names' prefix ("vllm": vLLM's names, for its dashboards)."""
+    metrics_prefix: /metrics names' prefix ("vllm": vLLM's names, for its dashboards).
+    max_request_bytes: the largest request body (413 above; default_max_request_bytes of the
+    context length when None). max_logprobs: most logprobs per token a request may ask for (-1:
+    no limit, logprobs -1 = the whole vocabulary allowed)."""
     names = list(served_model_names or [engine.model_name])
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
     engine.set_model_name(names[0])  # the metrics' model_name label, as vLLM's
-    ctx = ServingContext(engine, names, max_queued_requests, force_include_usage)
+    if max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be >= -1 (-1: no limit), got {max_logprobs}")
+    ctx = ServingContext(engine, names, max_queued_requests, force_include_usage, max_logprobs)
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
     registry = make_registry(engine.get_metrics, metrics_prefix)
@@ -69,6 +76,7 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, 
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan, root_path=root_path)
     app.state.ctx = ctx
     install_handlers(app)
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes or default_max_request_bytes(ctx.max_model_len))
 
     if api_key:
         expected = api_key.encode()
@@ -173,6 +181,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
     parser.add_argument("--root-path", default="", help="the path prefix a proxy serves the server under")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="refuse request bodies above this many bytes with a 413, before parsing (default: "
+                             "1 MiB or 64 bytes per context token, whichever is larger)")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="most logprobs per token a request may ask for (vLLM's default 20; -1: no limit, "
+                             "and logprobs -1 returns the whole vocabulary)")
     parser.add_argument("--metrics-prefix", default="pagedllm",
                         help="prefix of the /metrics names (default pagedllm; 'vllm' serves vLLM's names, so vLLM's "
                              "Grafana dashboards and alerts work unchanged)")
@@ -206,7 +220,8 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine, args.served_model_name, args.api_key, args.max_queued_requests, shutdown_engine=True,
                     metrics_public=args.metrics_public, force_include_usage=args.enable_force_include_usage,
                     tokenizer_info=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
-                    metrics_prefix=args.metrics_prefix)
+                    metrics_prefix=args.metrics_prefix, max_request_bytes=args.max_request_bytes,
+                    max_logprobs=args.max_logprobs)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -23,7 +23,7 @@ from pagedllm.entrypoints.openai.protocol import _SamplingFields
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
-#: Most top logprobs a request may ask for per token (vLLM's default max_logprobs).
+#: Most top logprobs a request may ask for per token (vLLM's default max_logprobs; --max-logprobs).
 MAX_LOGPROBS = 20
 #: How often a running request checks whether its client went away (seconds).
 DISCONNECT_POLL_S = 0.1
@@ -36,6 +36,9 @@ class ServingContext:
     max_queued_requests: Optional[int] = None
     #: --enable-force-include-usage: streams end with a usage chunk whether or not stream_options asks
     force_include_usage: bool = False
+    #: --max-logprobs: most logprobs per token a request may ask for; -1: no limit (logprobs -1 =
+    #: the whole vocabulary is then allowed)
+    max_logprobs: int = MAX_LOGPROBS
 
     @property
     def model_name(self) -> str:
@@ -125,7 +128,7 @@ def truncate_prompt(ids: list[int], keep: Optional[int], ctx: "ServingContext") 
     return ids[-keep:] if len(ids) > keep else ids
 
 
-def check_unsupported(req: _SamplingFields) -> None:
+def check_unsupported(req: _SamplingFields, ctx: Optional["ServingContext"] = None) -> None:
     check_unknown_fields(req)
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options: only allowed when stream is true", 400, "stream_options")
@@ -133,8 +136,15 @@ def check_unsupported(req: _SamplingFields) -> None:
         raise OpenAIError("use_beam_search: beam search is not supported", 400, "use_beam_search")
     for name in ("logprobs", "prompt_logprobs", "top_logprobs"):
         value = getattr(req, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_LOGPROBS:
-            raise OpenAIError(f"{name}={value} is outside [0, {MAX_LOGPROBS}]", 400, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        cap = MAX_LOGPROBS if ctx is None else ctx.max_logprobs
+        if cap == -1:  # no limit: any count, or -1 for the whole vocabulary
+            if value < -1:
+                raise OpenAIError(f"{name}={value}: give a count >= 0, or -1 for the whole vocabulary", 400, name)
+        elif not 0 <= value <= cap:
+            raise OpenAIError(f"{name}={value} is outside [0, {cap}] (--max-logprobs={cap}; -1, the whole vocabulary, "
+                              f"needs --max-logprobs -1)", 400, name)
 
 
 def check_n(ctx: ServingContext, n: int) -> None:

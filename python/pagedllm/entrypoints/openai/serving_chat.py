@@ -83,7 +83,7 @@ class ChatHandler:
     async def __call__(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         ctx = self.ctx
         check_model(ctx, req.model)
-        check_unsupported(req)
+        check_unsupported(req, ctx)
         check_chat_unsupported(req)
         check_n(ctx, 1 if req.n is None else req.n)
         messages = conversation(req.messages)

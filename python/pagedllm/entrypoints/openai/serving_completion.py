@@ -74,7 +74,7 @@ class CompletionHandler:
     async def __call__(self, req: CompletionRequest, raw_request: Request) -> Response:
         ctx = self.ctx
         check_model(ctx, req.model)
-        check_unsupported(req)
+        check_unsupported(req, ctx)
         if req.suffix is not None:
             raise OpenAIError("suffix: insertion (suffix) is not supported", 400, "suffix")
         n = 1 if req.n is None else req.n
