@@ -11,7 +11,8 @@ the character completes. When the sequence finishes, whatever is held back is fl
     output_text == tokenizer.decode(token_ids, skip_special_tokens=...)
 
 (with the final EOS / stop token's own text left out unless include_stop_str_in_output, and the
-text cut at a matched stop string).
+text cut at a matched stop string) — except after a prompt that ends inside a UTF-8 character,
+whose output text starts with that whole character (``prompt_token_ids``).
 
 Stop strings are searched in the text added by each step plus the len(stop)-1 characters
 before it, so a stop string is found anywhere, also across token boundaries and inside a
@@ -31,6 +32,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from pagedllm.sampling_params import SamplingParams
+
+#: Prompt tokens kept in front of the output when the prompt ends inside a UTF-8 character (a
+#: character has at most 4 bytes; a byte-level token holds at least one)
+_MAX_CHAR_TOKENS = 4
 
 
 def _decoder_for(tokenizer, skip_special_tokens: bool, spaces_between_special_tokens: bool):
@@ -156,7 +161,8 @@ class IncrementalDetokenizer:
     except at a flush), stop_reason (the matched stop string or None).
     """
 
-    def __init__(self, tokenizer, params: SamplingParams, defer_text: bool = False) -> None:
+    def __init__(self, tokenizer, params: SamplingParams, defer_text: bool = False,
+                 prompt_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop: list[str] = list(params.stop or [])
         if defer_text and self.stop:
@@ -168,10 +174,17 @@ class IncrementalDetokenizer:
         self._byte_tokens = byte_fallback_token_ids(tokenizer)
         self._skipped = special_token_ids(tokenizer) if params.skip_special_tokens else frozenset()
         self.token_ids: list[int] = []
-        self._decoded_ids: list[int] = []  # token_ids minus a left-out final stop token
         self.output_text = ""
+        # A prompt that ends inside a UTF-8 character (its last bytes start a character the output
+        # completes): the prompt's last tokens stay in front of the window, so that the output text
+        # starts with that whole character, cleanly after the prompt's complete characters (decoding
+        # the output alone would start with U+FFFD; vLLM's window over the prompt drops it).
+        carry = self._incomplete_tail([int(t) for t in prompt_token_ids[-2 * _MAX_CHAR_TOKENS:]])
+        self._carry_len = len(carry)
+        self._carry_text = self._decode(carry).rstrip("\ufffd") if carry else ""  # its complete characters
+        self._decoded_ids: list[int] = list(carry)  # carry + token_ids minus a left-out final stop token
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(carry)
         self.stop_reason: Optional[str] = None
         self._sent = 0  # characters already handed out by get_next_output_text(delta=True)
         self._hold_partial_stops = bool(self.stop) and not self.include_stop_str_in_output
@@ -188,7 +201,7 @@ class IncrementalDetokenizer:
             if ids[last] in self._byte_tokens:
                 self.num_held_back_utf8 += 1
                 return
-        prefix_text = self._decode(ids[self.prefix_offset : self.read_offset])
+        prefix_text = self._prefix_text(ids)
         new_text = self._decode(ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.output_text += new_text[len(prefix_text) :]
@@ -197,11 +210,30 @@ class IncrementalDetokenizer:
         elif new_text.endswith("\ufffd"):
             self.num_held_back_utf8 += 1
 
+    def _incomplete_tail(self, tail: list[int]) -> list[int]:
+        """The fewest last prompt tokens (at most _MAX_CHAR_TOKENS) after which the rest of `tail`
+        decodes without a trailing incomplete character; [] when the prompt ends on a character
+        boundary. (Byte-fallback decoders turn a whole run of byte tokens into U+FFFDs when the run
+        is not valid UTF-8, so the run must be cut where the incomplete character starts.)"""
+        if not tail or not self._decode(tail).endswith("\ufffd"):
+            return []
+        for j in range(1, min(_MAX_CHAR_TOKENS, len(tail)) + 1):
+            if not self._decode(tail[:-j]).endswith("\ufffd"):
+                return tail[-j:]
+        return tail[-_MAX_CHAR_TOKENS:]
+
+    def _prefix_text(self, ids: list[int]) -> str:
+        """The window's text before read_offset; while the window still starts with the carried
+        prompt tokens, only their complete characters (the incomplete one belongs to the output)."""
+        if self._carry_len and self.prefix_offset == 0 and self.read_offset == self._carry_len:
+            return self._carry_text
+        return self._decode(ids[self.prefix_offset : self.read_offset])
+
     def _flush(self) -> None:
         """Emit held-back text (a trailing incomplete character decodes to U+FFFD, as decode does)."""
         ids = self._decoded_ids
         if self.read_offset < len(ids):
-            prefix_text = self._decode(ids[self.prefix_offset : self.read_offset])
+            prefix_text = self._prefix_text(ids)
             new_text = self._decode(ids[self.prefix_offset :])
             if len(new_text) > len(prefix_text):
                 self.output_text += new_text[len(prefix_text) :]

@@ -119,7 +119,8 @@ class OutputProcessor:
             # FINAL_ONLY without stop strings: no text before the end, decode once then.
             detok=IncrementalDetokenizer(
                 self.tokenizer, params,
-                defer_text=params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop),
+                defer_text=params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop,
+                prompt_token_ids=state.prompt_token_ids),
             logprobs=[] if want_lp else None,
             cumulative_logprob=0.0 if want_lp else None,
         )

@@ -286,3 +286,65 @@ def test_stop_string_property(text_index, start, length, include, tokenizer):
     assert matched == stop and d.stop_reason == stop
     assert d.output_text == (full[: i + len(stop)] if include else full[:i])
     assert "".join(deltas) == d.output_text
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@pytest.mark.parametrize("defer", [False, True], ids=["incremental", "deferred"])
+def test_prompt_ending_inside_a_character_gives_output_starting_with_that_character(name, defer):
+    """A prompt whose last token(s) hold the first bytes of a multi-byte character and an output
+    that completes it: the output text starts with the whole character (not U+FFFD, not dropped),
+    cleanly after the prompt's complete characters; a prompt that ends on a character boundary
+    changes nothing."""
+    tok = TOKENIZERS[name]()
+    for text, cut in (("hello é world", "hello é".encode()[:-1]), ("日本語です", "日本".encode()[:-2])):
+        whole = tok.encode(text, add_special_tokens=False)
+        # the prompt: the tokens of the text's bytes up to inside a character, one token per byte
+        # after the last whole character (byte-level / byte-fallback tokens)
+        prompt, out = _split_inside_char(tok, text, cut)
+        if prompt is None:
+            pytest.skip(f"{name} has no byte tokens for {text!r}")
+        params = SamplingParams(max_tokens=64)
+        d = IncrementalDetokenizer(tok, params, defer_text=defer, prompt_token_ids=prompt)
+        deltas = []
+        for i, t in enumerate(out):
+            d.update([t], finished=i == len(out) - 1)
+            deltas.append(d.get_next_output_text(i == len(out) - 1, delta=True))
+        # the text of prompt + output after the prompt's whole characters (its tokens before the
+        # character's first bytes)
+        head = tok.decode(prompt[: len(prompt) - (len(cut) - len(cut.decode("utf-8", errors="ignore").encode()))])
+        expected = tok.decode(prompt + out)[len(head):]
+        assert expected.startswith(text[len(cut.decode("utf-8", errors="ignore")):][:1])  # the split character
+        assert d.output_text == expected, (name, text, d.output_text)
+        assert "\ufffd" not in d.output_text and "".join(deltas) == expected
+        assert whole  # (the text itself tokenizes)
+        plain = IncrementalDetokenizer(tok, params, defer_text=defer, prompt_token_ids=tok.encode("hello"))
+        plain.update(out[-2:], finished=True)
+        assert plain.output_text == tok.decode(out[-2:])
+
+
+def _split_inside_char(tok, text: str, cut: bytes):
+    """(prompt ids, output ids): text's bytes as tokens, split after `cut` (inside a character);
+    the bytes around the split as single-byte tokens. None where the tokenizer has no such tokens."""
+    data = text.encode()
+    start = len(cut.decode("utf-8", errors="ignore").encode())  # the last whole character's end
+    end = start + len(data[start:].decode("utf-8", errors="ignore")[:1].encode())  # the split character
+    byte_ids = []
+    for b in data[start:end]:
+        ids = _byte_token(tok, b)
+        if ids is None:
+            return None, None
+        byte_ids.append(ids)
+    k = len(cut) - start
+    prompt = tok.encode(data[:start].decode(), add_special_tokens=False) + byte_ids[:k]
+    out = byte_ids[k:] + tok.encode(data[end:].decode(), add_special_tokens=False)
+    return prompt, out
+
+
+def _byte_token(tok, b: int):
+    from pagedllm.entrypoints.openai.serving import _bytes_to_unicode
+
+    for piece in (_bytes_to_unicode()[b], f"<0x{b:02X}>"):
+        tid = tok.convert_tokens_to_ids(piece)
+        if isinstance(tid, int) and tid != tok.unk_token_id and tok.convert_ids_to_tokens(tid) == piece:
+            return tid
+    return None

@@ -113,6 +113,16 @@ def test_truncate_prompt_tokens_and_allowed_token_ids(llm):
     assert_idle(llm)
 
 
+def test_prompt_ending_inside_a_utf8_character(llm):
+    """Offline: a prompt ending with the first byte of "é" and an output forced to its second byte:
+    the output text is "é" (the whole character, after the prompt's complete ones)."""
+    tok = llm.get_tokenizer()
+    ids = tok.encode("caf", add_special_tokens=False) + [tok.convert_tokens_to_ids("Ã")]
+    out = llm.generate({"prompt_token_ids": ids}, greedy(max_tokens=1, allowed_token_ids=[tok.convert_tokens_to_ids("©")]),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].text == "é"
+
+
 def test_request_output_metrics_are_ordered_timestamps(llm):
     """RequestOutput.metrics (vLLM's): arrival <= first scheduled <= first token <= last token <=
     finished, all set once a request finished."""

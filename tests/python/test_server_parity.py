@@ -315,3 +315,22 @@ def test_logprobs_minus_one_is_the_whole_vocabulary_when_max_logprobs_allows(ser
     assert len(top) == 2 and all(len(d) > 10_000 for d in top)  # every token (texts that repeat collapse)
     probs = sum(math.exp(v) for v in top[0].values())
     assert 0.5 < probs <= 1.0 + 1e-3
+
+
+def test_prompt_ending_inside_a_utf8_character_streams_the_whole_character(server):
+    """The prompt's last token is the first byte of "é" (byte-level BPE: 'Ã' = 0xC3); the output,
+    forced by allowed_token_ids, is its second byte ('©' = 0xA9) then " ok": the text starts with
+    "é", streamed and not (no U+FFFD, no lost character)."""
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": "caf", "return_token_strs": True}).json()
+    from transformers import AutoTokenizer
+
+    from server_utils import tiny_model_dir
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    first, second = hf.convert_tokens_to_ids("Ã"), hf.convert_tokens_to_ids("©")
+    body = {"model": MODEL, "prompt": tok["tokens"] + [first], "max_tokens": 1, "allowed_token_ids": [second],
+            "temperature": 0.0}
+    full = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert full["choices"][0]["text"] == "é"
+    events = sse_events(server.url + "/v1/completions", {**body, "stream": True})
+    assert "".join(c["text"] for e in events for c in e["choices"]) == "é"
