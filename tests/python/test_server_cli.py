@@ -41,7 +41,7 @@ def test_flags_parse_into_engine_args_and_defaults_match():
     assert (ea.max_model_len, ea.dtype, ea.scheduling_policy, ea.seed, ea.max_num_batched_tokens) == (
         1024, "bfloat16", "priority", 7, 64)
     assert (args.host, args.port, args.api_key, args.served_model_name, args.max_queued_requests) == (
-        "0.0.0.0", 9001, "k", ["a", "b"], 3)
+        "0.0.0.0", 9001, ["k"], ["a", "b"], 3)
 
 
 @pytest.mark.parametrize("text,value", [("1000", 1000), ("4GiB", 4 << 30), ("512M", 512_000_000), ("64MiB", 64 << 20),

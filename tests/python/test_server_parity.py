@@ -334,3 +334,32 @@ def test_prompt_ending_inside_a_utf8_character_streams_the_whole_character(serve
     assert full["choices"][0]["text"] == "é"
     events = sse_events(server.url + "/v1/completions", {**body, "stream": True})
     assert "".join(c["text"] for e in events for c in e["choices"]) == "é"
+
+
+# ---------------------------------------------------------------------------- rate limits
+@pytest.fixture(scope="module")
+def limited():
+    srv = shared_server("rate-limited", [*DEFAULT_ARGS, "--api-key", "k1", "k2", "--rate-limit-rpm", "3",
+                                         "--rate-limit-tpm", "200"])
+    srv.api_key = "k1"  # for its metrics()
+    return srv
+
+
+def test_rate_limits_per_api_key_answer_429_with_retry_after(limited):
+    url = limited.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    k1, k2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+    assert [httpx.post(url, json=body, headers=k1, timeout=60).status_code for _ in range(3)] == [200] * 3
+    refused = httpx.post(url, json=body, headers=k1, timeout=60)
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    err = refused.json()["error"]
+    assert err["type"] == "RateLimitError" and err["code"] == 429 and "--rate-limit-rpm" in err["message"]
+    assert httpx.post(url, json=body, headers=k2, timeout=60).status_code == 200  # its own buckets
+    # tokens: prompt + max_tokens over the whole bucket can never fit (no Retry-After)
+    too_big = httpx.post(url, json={**body, "max_tokens": 300}, headers=k2, timeout=60)
+    assert too_big.status_code == 429 and "retry-after" not in too_big.headers
+    assert "--rate-limit-tpm" in too_big.json()["error"]["message"]
+    metrics = limited.metrics()
+    assert metrics['pagedllm:rate_limited_requests_total{limit="requests",model_name="tiny"}'] >= 1
+    assert metrics['pagedllm:rate_limited_requests_total{limit="tokens",model_name="tiny"}'] >= 1
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer k3"}, timeout=60).status_code == 401

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import secrets
 from contextlib import asynccontextmanager
-from typing import Optional
+from typing import Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -28,6 +28,8 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_handlers
 from pagedllm.entrypoints.openai.limits import RequestSizeLimit, default_max_request_bytes
 from pagedllm.entrypoints.openai.metrics import make_registry
+from pagedllm.entrypoints.openai.rate_limit import RateLimiter
+from pagedllm.metrics import PREFIX, Counter
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
     ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,
@@ -42,11 +44,13 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"
            503: {"model": ErrorResponse}}
 
 
-def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, api_key: Optional[str] = None,
+def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
+              api_key: Optional[Union[str, list[str]]] = None,
               max_queued_requests: Optional[int] = None, shutdown_engine: bool = False,
               metrics_public: bool = False, force_include_usage: bool = False,
               tokenizer_info: bool = False, root_path: str = "", metrics_prefix: str = "pagedllm",
-              max_request_bytes: Optional[int] = None, max_logprobs: int = 20) -> FastAPI:
+              max_request_bytes: Optional[int] = None, max_logprobs: int = 20,
+              rate_limit_rpm: Optional[int] = None, rate_limit_tpm: Optional[int] = None) -> FastAPI:
     """The FastAPI app serving `engine`. served_model_names: names accepted in "model" (the first
     is reported); default the engine's model name. api_key: required on every route but /health
     (and /metrics with metrics_public). shutdown_engine: shut the engine down when the app stops.
@@ -55,17 +59,25 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, 
     metrics_prefix: /metrics names' prefix ("vllm": vLLM's names, for its dashboards).
     max_request_bytes: the largest request body (413 above; default_max_request_bytes of the
     context length when None). max_logprobs: most logprobs per token a request may ask for (-1:
-    no limit, logprobs -1 = the whole vocabulary allowed)."""
+    no limit, logprobs -1 = the whole vocabulary allowed). api_key may be several keys (each
+    request names one); rate_limit_rpm / rate_limit_tpm: requests / tokens per minute per key
+    (rate_limit.py)."""
     names = list(served_model_names or [engine.model_name])
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
     engine.set_model_name(names[0])  # the metrics' model_name label, as vLLM's
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be >= -1 (-1: no limit), got {max_logprobs}")
-    ctx = ServingContext(engine, names, max_queued_requests, force_include_usage, max_logprobs)
+    ctx = ServingContext(engine, names, max_queued_requests, force_include_usage, max_logprobs,
+                         RateLimiter(rate_limit_rpm, rate_limit_tpm))
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
-    registry = make_registry(engine.get_metrics, metrics_prefix)
+    def all_metrics():  # the engine's and the server's own (rate-limited requests)
+        labels = {"model_name": names[0]}
+        return engine.get_metrics() + [Counter(PREFIX + "rate_limited_requests", {**labels, "limit": k}, v)
+                                       for k, v in ctx.rate_limiter.refused.items()]
+
+    registry = make_registry(all_metrics, metrics_prefix)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -79,7 +91,7 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, 
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes or default_max_request_bytes(ctx.max_model_len))
 
     if api_key:
-        expected = api_key.encode()
+        keys = [k.encode() for k in ([api_key] if isinstance(api_key, str) else api_key)]
         open_paths = {"/health"} | ({"/metrics"} if metrics_public else set())
 
         @app.middleware("http")
@@ -87,7 +99,7 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None, 
             if request.method != "OPTIONS" and request.url.path not in open_paths:
                 header = request.headers.get("authorization", "")
                 given = header[7:].encode() if header.lower().startswith("bearer ") else b""
-                if not secrets.compare_digest(given, expected):
+                if not any([secrets.compare_digest(given, k) for k in keys]):  # every key compared: constant time
                     return error_response("Unauthorized: a missing or wrong API key (Authorization: Bearer ...)",
                                           401, None)
             return await call_next(request)
@@ -170,8 +182,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback; "
                         "0.0.0.0 exposes the server to the network)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but "
-                        "/health")
+    parser.add_argument("--api-key", nargs="+", default=None, help="require 'Authorization: Bearer KEY' on every "
+                        "route but /health (several keys: any of them; rate limits count per key)")
+    parser.add_argument("--rate-limit-rpm", type=int, default=None,
+                        help="requests per minute per API key (per client address without keys): 429 + Retry-After above")
+    parser.add_argument("--rate-limit-tpm", type=int, default=None,
+                        help="tokens (prompt + max_tokens) per minute per API key: 429 + Retry-After above")
     parser.add_argument("--metrics-public", action="store_true",
                         help="with --api-key, leave /metrics open (for Prometheus scrapers without the key)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
@@ -221,7 +237,8 @@ def run_server(args: argparse.Namespace) -> int:
                     metrics_public=args.metrics_public, force_include_usage=args.enable_force_include_usage,
                     tokenizer_info=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
                     metrics_prefix=args.metrics_prefix, max_request_bytes=args.max_request_bytes,
-                    max_logprobs=args.max_logprobs)
+                    max_logprobs=args.max_logprobs, rate_limit_rpm=args.rate_limit_rpm,
+                    rate_limit_tpm=args.rate_limit_tpm)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

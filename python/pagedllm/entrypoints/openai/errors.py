@@ -20,7 +20,7 @@ from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger("pagedllm")
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-          413: "RequestTooLarge", 422: "BadRequestError", 503: "ServiceUnavailableError",
+          413: "RequestTooLarge", 422: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError",
           500: "InternalServerError"}
 
 

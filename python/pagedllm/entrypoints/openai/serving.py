@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from pagedllm.engine.async_llm import AsyncLLM, RequestOutputCollector
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, from_value_error
 from pagedllm.entrypoints.openai.protocol import _SamplingFields
+from pagedllm.entrypoints.openai.rate_limit import RateLimiter
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -39,6 +40,8 @@ class ServingContext:
     #: --max-logprobs: most logprobs per token a request may ask for; -1: no limit (logprobs -1 =
     #: the whole vocabulary is then allowed)
     max_logprobs: int = MAX_LOGPROBS
+    #: --rate-limit-rpm / --rate-limit-tpm (rate_limit.py); None: no limits
+    rate_limiter: Optional["RateLimiter"] = None
 
     @property
     def model_name(self) -> str:
@@ -57,6 +60,19 @@ def check_model(ctx: ServingContext, model: Optional[str]) -> None:
     if model is not None and model not in ctx.served_model_names:
         raise OpenAIError(f"The model `{model}` does not exist. Served models: {', '.join(ctx.served_model_names)}.",
                           404, "model")
+
+
+def check_rate_limit(ctx: ServingContext, raw_request: Request, tokens: int) -> None:
+    """429 (Retry-After) when the request's API key (its client address without keys) is over the
+    requests or tokens per minute; tokens: the prompt tokens + max_tokens it may use."""
+    limiter = ctx.rate_limiter
+    if limiter is None or not limiter.enabled:
+        return
+    header = raw_request.headers.get("authorization", "")
+    key = header[7:] if header.lower().startswith("bearer ") else ""
+    if not key:
+        key = "client:" + (raw_request.client.host if raw_request.client else "?")
+    limiter.admit(key, tokens)
 
 
 def check_queue(ctx: ServingContext) -> None:

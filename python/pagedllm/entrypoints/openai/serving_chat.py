@@ -24,7 +24,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
-    check_n, check_queue, check_unsupported, continuous_usage, prompt_logprobs_json, sampling_params, sse, sse_error,
+    check_n, check_queue, check_rate_limit, check_unsupported, continuous_usage, prompt_logprobs_json, sampling_params, sse, sse_error,
     token_bytes, truncate_prompt,
 )
 
@@ -93,6 +93,7 @@ class ChatHandler:
         max_tokens = check_length(ctx, len(ids), requested, "messages", field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(ctx, req, max_tokens, logprobs, req.prompt_logprobs)
+        check_rate_limit(ctx, raw_request, len(ids) + params.n * max_tokens)
         check_queue(ctx)
         base_id = req.request_id or random_id("chatcmpl")
         group = RequestGroup(ctx, raw_request, base_id)

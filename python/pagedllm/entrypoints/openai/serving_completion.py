@@ -24,7 +24,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
-    check_n, check_queue, check_unsupported, continuous_usage, prompt_logprobs_json, sampling_params, sse, sse_error,
+    check_n, check_queue, check_rate_limit, check_unsupported, continuous_usage, prompt_logprobs_json, sampling_params, sse, sse_error,
     token_pieces, truncate_prompt,
 )
 
@@ -93,6 +93,7 @@ class CompletionHandler:
         if echo and logprobs is not None:
             prompt_logprobs = max(logprobs, prompt_logprobs or 0)
         params = [sampling_params(ctx, req, p.max_tokens, logprobs, prompt_logprobs) for p in prompts]
+        check_rate_limit(ctx, raw_request, sum(len(p.token_ids) + n * p.max_tokens for p in prompts))
         check_queue(ctx)
         base_id = req.request_id or random_id("cmpl")
         group = RequestGroup(ctx, raw_request, base_id)
