@@ -280,6 +280,11 @@ class AsyncLLM:
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
             self._commands.put(("abort", rid))
 
+    async def abort_all(self) -> None:
+        """Abort every request in flight (a server's shutdown timeout): each generator yields a final
+        output with finish_reason "abort"."""
+        self._commands.put(("abort_all",))
+
     def get_metrics(self) -> list[Metric]:
         """Engine metrics (as of the last loop iteration) plus the front-end histograms."""
         with self._lock:
@@ -377,6 +382,9 @@ class AsyncLLM:
                 if kind == "add":
                     added += 1
                     self._apply_add(*cmd[1:])
+                elif kind == "abort_all":
+                    for rid in list(self._requests):
+                        self._deliver(rid, self.engine.abort_request(rid), finished=True)
                 elif kind == "abort":
                     rid = cmd[1]
                     if rid in self._requests:

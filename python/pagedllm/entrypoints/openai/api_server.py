@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_handlers
+from pagedllm.entrypoints.openai.lifecycle import GracefulServer, InFlight
 from pagedllm.entrypoints.openai.limits import RequestSizeLimit, default_max_request_bytes
 from pagedllm.entrypoints.openai.metrics import make_registry
 from pagedllm.entrypoints.openai.rate_limit import RateLimiter
@@ -210,6 +211,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="answer 503 (Retry-After) when this many requests already wait")
     parser.add_argument("--threads", type=int, default=0,
                         help="CPU threads for torch and the kernels (0: leave as is)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM / SIGINT: refuse new requests (503) and let those in flight finish for up to "
+                             "this many seconds, then abort them (a second signal exits at once)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
@@ -232,6 +236,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)
     if args.model_tag is not None:
         engine_args.model = args.model_tag
+    if args.shutdown_timeout < 0:
+        raise SystemExit(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args.served_model_name, args.api_key, args.max_queued_requests, shutdown_engine=True,
                     metrics_public=args.metrics_public, force_include_usage=args.enable_force_include_usage,
@@ -239,15 +245,16 @@ def run_server(args: argparse.Namespace) -> int:
                     metrics_prefix=args.metrics_prefix, max_request_bytes=args.max_request_bytes,
                     max_logprobs=args.max_logprobs, rate_limit_rpm=args.rate_limit_rpm,
                     rate_limit_tpm=args.rate_limit_tpm)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+    in_flight = InFlight(app)  # outermost: counts every request, 503s new ones while draining
+    config = uvicorn.Config(in_flight, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, engine, in_flight, args.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", app.state.ctx.model_name, args.host, args.port)
     try:
         asyncio.run(server.serve())
     finally:
         engine.shutdown()
-    return 0
+    return server.exit_code
 
 
 def main(argv: Optional[list[str]] = None) -> int:

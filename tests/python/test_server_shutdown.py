@@ -1,0 +1,65 @@
+"""Graceful shutdown of `pagedllm serve` (issue 31): on SIGTERM the server refuses new requests
+with 503 (/health too), lets the requests in flight finish, and exits 0; past --shutdown-timeout
+it aborts them (finish_reason "abort") and exits."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_utils import DEFAULT_ARGS, RemoteServer, tiny_model_dir  # noqa: E402
+
+
+def _stream(url: str, body: dict, events: list, started: threading.Event) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                started.set()
+
+
+def _run(timeout_s: float, max_tokens: int):
+    server = RemoteServer(str(tiny_model_dir()), [*DEFAULT_ARGS, "--shutdown-timeout", str(timeout_s)])
+    events: list = []
+    started = threading.Event()
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": max_tokens, "ignore_eos": True}
+    t = threading.Thread(target=_stream, args=(server.url, body, events, started))
+    t.start()
+    assert started.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    return server, t, events
+
+
+def test_sigterm_drains_then_exits_zero():
+    server, t, events = _run(60, 400)
+    try:
+        health = httpx.get(server.url + "/health", timeout=10)
+        refused = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                             timeout=10)
+        assert health.status_code == 503 and refused.status_code == 503
+        assert "shutting down" in refused.json()["error"]["message"] and refused.headers["retry-after"]
+        t.join(60)
+        finish = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+        assert finish == ["length"]  # the request in flight completed
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+
+
+def test_shutdown_timeout_aborts_what_is_still_running():
+    server, t, events = _run(0.5, 480)
+    try:
+        t.join(60)
+        finish = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+        assert finish == ["abort"]  # cut short by the timeout
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
