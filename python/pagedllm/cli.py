@@ -252,6 +252,17 @@ def cmd_bench(argv: list[str]) -> int:
     return throughput.main(argv[1:])
 
 
+#: what `pagedllm serve` imports beyond the core (the [serve] extra), by import name -> pip name
+_SERVER_PACKAGES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "pydantic": "pydantic",
+                    "prometheus_client": "prometheus-client"}
+
+
+def _missing_server_packages() -> list[str]:
+    import importlib.util
+
+    return [pip for mod, pip in _SERVER_PACKAGES.items() if importlib.util.find_spec(mod) is None]
+
+
 def main(argv: Optional[list[str]] = None, stdin: Optional[TextIO] = None, out: Optional[TextIO] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     stdin = stdin or sys.stdin
@@ -259,6 +270,11 @@ def main(argv: Optional[list[str]] = None, stdin: Optional[TextIO] = None, out: 
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])  # the benchmark parses its own options
     if argv[:1] == ["serve"]:  # the server parses its own options (every engine argument)
+        missing = _missing_server_packages()
+        if missing:
+            print(f"pagedllm serve needs {', '.join(missing)}: pip install 'pagedllm[serve]' (or pip install "
+                  f"{' '.join(missing)})", file=sys.stderr)
+            return 2
         from pagedllm.entrypoints.openai.api_server import main as serve_main
 
         return serve_main(argv[1:])

@@ -71,7 +71,7 @@ def run_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_size, bloc
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_reference_single_pass_and_split_k(device, dtype, head_size, block_size, gen):
     # Lengths: 1, not multiples of the block size, an exact multiple, a long one (auto split).
@@ -298,7 +298,7 @@ MIXED = [(37, 37), (100, 23), (50, 1), (1, 1), (64, 64), (20, 0), (129, 1)]
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_mixed_batch_matches_reference(device, dtype, head_size, block_size, gen):
     run_prefill(device, dtype, MIXED, 8, 2, head_size, block_size, gen)

@@ -27,7 +27,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_reshape_and_cache_writes_exactly_the_mapped_slots(device, dtype, head_size, block_size, gen):
     num_blocks, hkv, T = 7, 3, 40
@@ -141,7 +141,7 @@ def test_swap_blocks_errors():
 def test_kv_cache_shape_and_allocate():
     assert ops.kv_cache_shape(5, 16, 3, 64) == (5, 3, 16, 64)
     assert ops.SUPPORTED_BLOCK_SIZES == (16, 32)
-    assert ops.SUPPORTED_HEAD_SIZES == (64, 80, 96, 128, 256)
+    assert ops.SUPPORTED_HEAD_SIZES == (32, 64, 80, 96, 128, 256)
     k, v = ops.allocate_kv_cache(5, 32, 3, 128, torch.bfloat16, "cpu")
     assert k.shape == v.shape == (5, 3, 32, 128) and k.dtype == torch.bfloat16
     assert k.is_contiguous() and not k.any() and k.data_ptr() != v.data_ptr()

@@ -34,7 +34,7 @@ TOL = {
     torch.bfloat16: (2e-2, 2e-2, 8e-3),
     torch.float16: (4e-3, 4e-3, 2e-3),
 }
-HEAD_SIZES = (64, 80, 96, 128, 256)
+HEAD_SIZES = (32, 64, 80, 96, 128, 256)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEV = "cuda"
 

@@ -57,3 +57,18 @@ def test_bad_flag_values_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["--block-size", "x"])
     assert "--block-size" in capsys.readouterr().err
+
+
+def test_serve_without_the_server_packages_is_a_one_line_message(monkeypatch, capsys):
+    """`pagedllm serve` where the [serve] extra is missing: exit status 2 and one line naming the pip
+    command, no traceback."""
+    import importlib.util
+
+    from pagedllm import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("fastapi", "uvicorn")
+                        else real(name, *a))
+    assert cli.main(["serve", "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install 'pagedllm[serve]'" in err and "fastapi" in err and "uvicorn" in err
