@@ -6,6 +6,9 @@ the pytest process on 2 cores, where spinning OpenMP workers would stall each ot
 
 Fixture `gen`: a CPU torch.Generator with a fresh seed every test (printed, so a failure can be
 replayed), for the kernel tests' random inputs.
+
+Fixtures `server` / `client` (module scope): the shared default `pagedllm serve` process of
+server_utils and an `openai` client of it, for server test modules that do not define their own.
 """
 
 import os
@@ -23,3 +26,15 @@ def gen():
     seed = random.SystemRandom().randrange(2**31)
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def server():
+    from server_utils import DEFAULT_ARGS, shared_server
+
+    return shared_server("default", DEFAULT_ARGS)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()

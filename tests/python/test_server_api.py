@@ -16,20 +16,13 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_utils import DEFAULT_ARGS, MAX_MODEL_LEN, shared_server  # noqa: E402
+from server_utils import MAX_MODEL_LEN  # noqa: E402
 
 MODEL = "tiny"
 PROMPT = "The sky over the harbour was grey."
 
 
-@pytest.fixture(scope="module")
-def server():
-    return shared_server("default", DEFAULT_ARGS)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+# fixtures server / client: conftest.py's (the shared default server)
 
 
 def sse_events(server, path: str, body: dict) -> list[dict]:

@@ -21,16 +21,7 @@ from server_utils import DEFAULT_ARGS, MAX_MODEL_LEN, shared_server  # noqa: E40
 
 MODEL = "tiny"
 PROMPT = "The sky over the harbour was grey."
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server("default", DEFAULT_ARGS)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+# fixtures server / client: conftest.py's (the shared default server)
 
 
 def sse_events(url: str, body: dict, headers: dict | None = None) -> list[dict]:

@@ -38,6 +38,13 @@ def _run(timeout_s: float, max_tokens: int):
     return server, t, events
 
 
+def _finish_then_exit(server, t, events) -> list:
+    """The streamed request's finish reasons, once it ended and the server exited with status 0."""
+    t.join(60)
+    assert server.proc.wait(30) == 0
+    return [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+
+
 def test_sigterm_drains_then_exits_zero():
     server, t, events = _run(60, 400)
     try:
@@ -46,10 +53,7 @@ def test_sigterm_drains_then_exits_zero():
                              timeout=10)
         assert health.status_code == 503 and refused.status_code == 503
         assert "shutting down" in refused.json()["error"]["message"] and refused.headers["retry-after"]
-        t.join(60)
-        finish = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
-        assert finish == ["length"]  # the request in flight completed
-        assert server.proc.wait(30) == 0
+        assert _finish_then_exit(server, t, events) == ["length"]  # the request in flight completed
     finally:
         server.stop()
 
@@ -57,9 +61,6 @@ def test_sigterm_drains_then_exits_zero():
 def test_shutdown_timeout_aborts_what_is_still_running():
     server, t, events = _run(0.5, 480)
     try:
-        t.join(60)
-        finish = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
-        assert finish == ["abort"]  # cut short by the timeout
-        assert server.proc.wait(30) == 0
+        assert _finish_then_exit(server, t, events) == ["abort"]  # cut short by the timeout
     finally:
         server.stop()
