@@ -354,3 +354,16 @@ def test_rate_limits_per_api_key_answer_429_with_retry_after(limited):
     assert metrics['pagedllm:rate_limited_requests_total{limit="requests",model_name="tiny"}'] >= 1
     assert metrics['pagedllm:rate_limited_requests_total{limit="tokens",model_name="tiny"}'] >= 1
     assert httpx.post(url, json=body, headers={"Authorization": "Bearer k3"}, timeout=60).status_code == 401
+
+
+def test_openapi_document_says_what_the_server_answers(server):
+    doc = httpx.get(server.url + "/openapi.json").json()
+    health = doc["paths"]["/health"]["get"]["responses"]
+    assert set(health) >= {"200", "503"} and not health["200"].get("content")
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert any(ct.startswith("text/plain") for ct in metrics)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert {"400", "401", "413", "429", "503"} <= set(responses)
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")

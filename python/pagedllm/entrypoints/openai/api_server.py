@@ -32,7 +32,8 @@ from pagedllm.entrypoints.openai.metrics import make_registry
 from pagedllm.entrypoints.openai.rate_limit import RateLimiter
 from pagedllm.metrics import PREFIX, Counter
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
+    DetokenizeResponse, ErrorResponse, ModelCard,
     ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,
 )
 from pagedllm.entrypoints.openai.serving import ServingContext, check_model
@@ -41,8 +42,18 @@ from pagedllm.entrypoints.openai.serving_completion import CompletionHandler
 
 logger = logging.getLogger("pagedllm")
 
-_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-           503: {"model": ErrorResponse}}
+_ERROR = {"model": ErrorResponse}
+#: the errors every route may answer (with an API key: 401; over --max-request-bytes: 413; over a
+#: rate limit: 429; queue full or shutting down: 503)
+_ERRORS = {400: _ERROR, 401: _ERROR, 404: _ERROR, 413: _ERROR, 429: _ERROR, 503: _ERROR}
+
+
+def _generation_responses(model) -> dict:
+    """OpenAPI responses of a generation route: the JSON body, or with stream=true server-sent
+    events (each `data:` line one chunk of the same shape, then `data: [DONE]`), and the errors."""
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": {
+        "type": "string", "description": "stream=true: `data: <chunk JSON>` lines, then `data: [DONE]`"}}}},
+        **_ERRORS}
 
 
 def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
@@ -105,7 +116,9 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
                                           401, None)
             return await call_next(request)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "the engine is running (empty body)", "content": {}},
+        503: {"description": "the engine is not running, or the server is shutting down", **_ERROR}})
     async def health() -> Response:
         if not engine.is_running:
             return error_response("the engine is not running", 503)
@@ -117,7 +130,9 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
 
         return {"version": pagedllm.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition (docs/serving.md lists the series)",
+        "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}, 401: _ERROR})
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -126,11 +141,12 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
         return ModelList(data=[ModelCard(id=n, root=str(engine.engine.model_path), max_model_len=ctx.max_model_len)
                                for n in names])
 
-    @app.post("/v1/completions", responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_generation_responses(CompletionResponse))
     async def create_completion(request: CompletionRequest, raw_request: Request):
         return await completions(request, raw_request)
 
-    @app.post("/v1/chat/completions", responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_generation_responses(ChatCompletionResponse))
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await chat(request, raw_request)
 
