@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
 import random
 import socket
 import statistics
@@ -164,6 +163,64 @@ async def run_load(base_url: str, model: str, prompts, concurrency: int | None, 
     return summarize(results, wall)
 
 
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _metric(text: str, name: str) -> float:
+    """Sum of a /metrics series over its labels (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in "{ "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def run_soak(base_url: str, model: str, prompts, concurrency: int, seconds: float, api_key: str | None,
+                   pid: int | None, sample_s: float, warmup_s: float) -> dict:
+    """`concurrency` clients sending streamed requests back to back (cycling through `prompts`) for
+    `seconds`; the server's resident memory every `sample_s` seconds (when its pid is known); then,
+    with the load gone, its KV-cache usage and running / waiting requests from /metrics."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    results: list[Result] = []
+    rss: list[tuple[float, int]] = []
+    start = time.perf_counter()
+    deadline = start + seconds
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def worker(i: int):
+            k = i
+            while time.perf_counter() < deadline:
+                prompt, max_tokens = prompts[k % len(prompts)]
+                k += concurrency
+                results.append(await one_request(client, url, model, prompt, max_tokens, headers))
+
+        async def sampler():
+            while time.perf_counter() < deadline:
+                if pid is not None:
+                    rss.append((round(time.perf_counter() - start, 1), _rss_bytes(pid)))
+                await asyncio.sleep(sample_s)
+
+        await asyncio.gather(sampler(), *(worker(i) for i in range(concurrency)))
+        wall = time.perf_counter() - start
+        await asyncio.sleep(2.0)  # the last requests' blocks are freed by the engine's next iteration
+        text = (await client.get(base_url.rstrip("/") + "/metrics", headers=headers)).text
+    after = [b for t, b in rss if t >= warmup_s]
+    out = {"soak_seconds": seconds, "concurrency": concurrency, **summarize(results, wall),
+           "rss_samples": rss, "final": {
+               "kv_cache_usage_perc": _metric(text, "pagedllm:kv_cache_usage_perc"),
+               "num_requests_running": _metric(text, "pagedllm:num_requests_running"),
+               "num_requests_waiting": _metric(text, "pagedllm:num_requests_waiting")}}
+    if after:
+        out["rss_after_warmup_bytes"] = {"first": after[0], "last": after[-1], "max": max(after)}
+        out["rss_growth_after_warmup"] = (after[-1] - after[0]) / after[0]
+    return out
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -209,7 +266,16 @@ def main(argv=None) -> int:
                     help="start `pagedllm serve [--server-model] ARGS` on a free port and benchmark it")
     ap.add_argument("--server-model", default=None)
     ap.add_argument("--out", default=None, help="output JSON path (default bench/results/<date>-<host>-serve.json)")
+    ap.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                    help="a soak instead of the load levels: --concurrency[0] (default 16) clients back to back for "
+                         "SECONDS; the server's resident memory over time (its pid: --start-server or --server-pid) "
+                         "and, after the load, its KV-cache usage (issue 31: flat within 5%% after warm-up, 0 at the end)")
+    ap.add_argument("--server-pid", type=int, default=None, help="pid of the server under --soak (its memory)")
+    ap.add_argument("--soak-sample", type=float, default=10.0, help="seconds between memory samples (--soak)")
+    ap.add_argument("--soak-warmup", type=float, default=60.0, help="seconds of the soak before memory counts")
     args = ap.parse_args(argv)
+    if args.soak is not None and args.concurrency is None:
+        args.concurrency = [16]
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = [1, 8, 32]
 
@@ -229,7 +295,18 @@ def main(argv=None) -> int:
         model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
                                         timeout=30).json()["data"][0]["id"]
         runs = []
-        loads = [("concurrency", c) for c in args.concurrency or []] + [("request_rate", r) for r in args.request_rate or []]
+        if args.soak is not None:
+            prompts = make_prompts(max(args.num_prompts[0], args.concurrency[0]), args.input_len, args.output_len,
+                                   args.range_ratio, args.seed, *args.vocab_range)
+            soak = asyncio.run(run_soak(args.base_url, model, prompts, args.concurrency[0], args.soak, args.api_key,
+                                        proc.pid if proc is not None else args.server_pid, args.soak_sample,
+                                        args.soak_warmup))
+            runs.append(soak)
+            print(f"{args.label} soak {args.soak:.0f} s x {args.concurrency[0]}: {soak['completed']} requests, "
+                  f"errors {soak['errors']}, rss growth after warm-up {soak.get('rss_growth_after_warmup')}, "
+                  f"final {soak['final']}", file=sys.stderr)
+        loads = [] if args.soak is not None else (
+            [("concurrency", c) for c in args.concurrency or []] + [("request_rate", r) for r in args.request_rate or []])
         counts = args.num_prompts if len(args.num_prompts) == len(loads) else [args.num_prompts[0]] * len(loads)
         for (kind, value), count in zip(loads, counts):
             # the same seed: every level (and every server) sees the same prompts, a prefix of them
