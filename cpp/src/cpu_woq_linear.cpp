@@ -1,10 +1,11 @@
 // Launchers and kernels of pagedllm/cpu_woq_linear.h (weight-only quantized projections).
 //
 // woq_linear widens x to float32 once per call (rows that already are float32 are read in place)
-// and sums each row's groups once (for formats with an offset). Threads claim blocks of 16 output
-// rows dynamically; for a block, every tile of up to 8 activation rows runs over all of K, the
-// block's 16 x K codes staying in L1/L2 between tiles, so the weight is read from memory once per
-// call. Per group: the codes of 16 outputs are widened to float32 (bits 8: one VPMOVSXBD per k;
+// and sums each row's groups once (for formats with an offset). Both products share
+// for_each_block: the activation rows go in panels of at most 256 KiB; threads claim (panel, unit of
+// 16-output blocks) pairs dynamically, and in a pair every tile of up to 8 activation rows runs over
+// all of K, the unit's codes staying in L1/L2 between tiles, so the weight is read from memory once
+// per panel (once per call up to a panel's rows). woq_linear's units are one block. Per group: the codes of 16 outputs are widened to float32 (bits 8: one VPMOVSXBD per k;
 // bits 4: one VPMOVZXBD per pair of k, then a mask and a shift), each tile row FMAs them with its
 // broadcast x into a group accumulator, which is then scaled into the row's total:
 // acc = fma(group_sum, scale, acc), acc = fma(min, x_group_sum, acc).
@@ -428,7 +429,7 @@ void vnni_tile(const VnniOperands& o, int64_t b0, int64_t m0, float* acc, int64_
   const int8_t* xq = o.xq + m0 * o.K;
   const float* sx = o.sx + m0 * o.G;
   const int32_t* qoff = o.qoff + m0 * o.G;
-  const float* xsum = o.xsum + m0 * o.G;
+  const float* xsum = HasMin ? o.xsum + m0 * o.G : nullptr;
   for (int64_t g = 0; g < o.G; ++g) {
     __m512i acci[R][NB];
     for (int r = 0; r < R; ++r)

@@ -229,10 +229,8 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative ints, got {ids!r:.80}.")
             self.allowed_token_ids = sorted({int(t) for t in ids})
         need_int("truncate_prompt_tokens", allow_none=True)
-        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
-                                                            or self.truncate_prompt_tokens == -1):
-            raise ValueError(f"truncate_prompt_tokens must be >= 1 (keep the prompt's last k tokens) or -1 (the last "
-                             f"max_model_len - 1), got {self.truncate_prompt_tokens}.")
+        if self.truncate_prompt_tokens is not None:
+            _check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
                      "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
@@ -319,4 +317,21 @@ class SamplingParams:
         return f"SamplingParams({parts})"
 
 
-__all__ = ["SamplingParams", "RequestOutputKind", "SamplingType", "_SAMPLING_EPS"]
+def _check_truncate_prompt_tokens(keep: int) -> None:
+    if not (keep >= 1 or keep == -1):
+        raise ValueError(f"truncate_prompt_tokens must be >= 1 (keep the prompt's last k tokens) or -1 (the last "
+                         f"max_model_len - 1), got {keep}.")
+
+
+def truncate_prompt_ids(token_ids: list[int], keep: Optional[int], max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` token ids (-1: the last
+    max_model_len - 1; None: all of them, the same list). ValueError naming the field for keep 0
+    or below -1."""
+    if keep is None:
+        return token_ids
+    _check_truncate_prompt_tokens(keep)
+    keep = max_model_len - 1 if keep == -1 else keep
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
+__all__ = ["SamplingParams", "RequestOutputKind", "SamplingType", "_SAMPLING_EPS", "truncate_prompt_ids"]

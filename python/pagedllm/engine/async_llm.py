@@ -169,7 +169,6 @@ class AsyncLLM:
         self._histograms = {  # vLLM v1's front-end histograms, its bucket bounds
             "time_to_first_token_seconds": HistogramData(TTFT_BUCKETS),
             "inter_token_latency_seconds": HistogramData(ITL_BUCKETS),
-            "time_per_output_token_seconds": HistogramData(ITL_BUCKETS),  # vLLM's older name of the same
             "e2e_request_latency_seconds": HistogramData(E2E_BUCKETS),
             "request_queue_time_seconds": HistogramData(E2E_BUCKETS),
             "request_inference_time_seconds": HistogramData(E2E_BUCKETS),
@@ -439,7 +438,6 @@ class AsyncLLM:
                     hist["time_to_first_token_seconds"].observe(now - tracked.arrival)
                 else:
                     hist["inter_token_latency_seconds"].observe(now - tracked.last_token_time)
-                    hist["time_per_output_token_seconds"].observe(now - tracked.last_token_time)
                 tracked.last_token_time = now
                 tracked.tokens_seen = total
             if out.finished:
@@ -490,6 +488,9 @@ class AsyncLLM:
         with self._lock:
             for name, hist in self._histograms.items():
                 metrics.append(hist.metric(PREFIX + name, dict(labels)))
+            # vLLM's older name of the same series (its dashboards still query it)
+            metrics.append(self._histograms["inter_token_latency_seconds"].metric(
+                PREFIX + "time_per_output_token_seconds", dict(labels)))
             for reason, count in self._finished_by_reason.items():
                 metrics.append(Counter(PREFIX + "request_success", {**labels, "finished_reason": reason}, count))
             self._metrics_snapshot = metrics

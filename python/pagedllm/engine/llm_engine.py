@@ -59,7 +59,7 @@ from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample import Sampler, compute_prompt_logprobs
 from pagedllm.sample.sampler import PendingSample
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
 from pagedllm.executor import EXECUTOR_BACKENDS, ExecutorConfig, make_executor
 from pagedllm.model_executor.layers.linear import partition_heads
 from pagedllm.model_executor.quantization import get_quantization_config, required_dtype
@@ -209,11 +209,10 @@ class LLMEngine:
         is dropped: the outputs' prompt and prompt_token_ids are the kept tokens')."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        keep = params.truncate_prompt_tokens
-        if keep is not None:
-            keep = self.max_model_len - 1 if keep == -1 else keep
-            if len(prompt_token_ids) > keep:
-                prompt_token_ids, prompt = list(prompt_token_ids)[-keep:], None
+        if params.truncate_prompt_tokens is not None:
+            kept = truncate_prompt_ids(list(prompt_token_ids), params.truncate_prompt_tokens, self.max_model_len)
+            if len(kept) < len(prompt_token_ids):
+                prompt_token_ids, prompt = kept, None
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty (0 tokens)")

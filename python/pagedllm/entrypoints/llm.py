@@ -18,7 +18,7 @@ from pagedllm.engine.llm_engine import EngineArgs, LLMEngine
 from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
 from pagedllm.metrics import Metric
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
 
 logger = logging.getLogger("pagedllm")
 
@@ -151,9 +151,8 @@ class LLM:
         engine = self.llm_engine
         parsed = [self._parse_prompt(p) for p in items]
         for (_, ids), p in zip(parsed, params):  # validate everything before queueing anything
-            keep = p.truncate_prompt_tokens  # the engine keeps the last tokens of a longer prompt
-            n = len(ids) if keep is None else min(len(ids), engine.max_model_len - 1 if keep == -1 else keep)
-            if n >= engine.max_model_len:
+            # (the engine keeps the last tokens of a longer prompt with truncate_prompt_tokens)
+            if len(truncate_prompt_ids(ids, p.truncate_prompt_tokens, engine.max_model_len)) >= engine.max_model_len:
                 raise ValueError(f"a prompt has {len(ids)} tokens, but max_model_len is {engine.max_model_len}: "
                                  "prompts must be shorter than max_model_len")
         ids_in_order = []

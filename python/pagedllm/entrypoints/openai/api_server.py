@@ -29,16 +29,15 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, inst
 from pagedllm.entrypoints.openai.lifecycle import GracefulServer, InFlight
 from pagedllm.entrypoints.openai.limits import RequestSizeLimit, default_max_request_bytes
 from pagedllm.entrypoints.openai.metrics import make_registry
-from pagedllm.entrypoints.openai.rate_limit import RateLimiter
-from pagedllm.metrics import PREFIX, Counter
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
-    DetokenizeResponse, ErrorResponse, ModelCard,
-    ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,
+    DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,
 )
+from pagedllm.entrypoints.openai.rate_limit import RateLimiter
 from pagedllm.entrypoints.openai.serving import ServingContext, check_model
 from pagedllm.entrypoints.openai.serving_chat import ChatHandler, conversation
 from pagedllm.entrypoints.openai.serving_completion import CompletionHandler
+from pagedllm.metrics import PREFIX, Counter
 
 logger = logging.getLogger("pagedllm")
 
@@ -84,6 +83,7 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
                          RateLimiter(rate_limit_rpm, rate_limit_tpm))
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
+
     def all_metrics():  # the engine's and the server's own (rate-limited requests)
         labels = {"model_name": names[0]}
         return engine.get_metrics() + [Counter(PREFIX + "rate_limited_requests", {**labels, "limit": k}, v)
@@ -168,14 +168,13 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
         @app.get("/tokenizer_info", response_model=TokenizerInfoResponse)
         async def get_tokenizer_info():
             tok = ctx.tokenizer
-            info = {k: v for k, v in getattr(tok, "init_kwargs", {}).items()
-                    if isinstance(v, (str, int, float, bool)) or v is None}
-            info.update(tokenizer_class=type(tok).__name__, model_max_length=ctx.max_model_len,
-                        vocab_size=len(tok), chat_template=getattr(tok, "chat_template", None),
-                        **{name: getattr(tok, name, None) for name in ("bos_token", "eos_token", "pad_token",
-                                                                       "unk_token")})
-            return TokenizerInfoResponse(**{k: v for k, v in info.items() if isinstance(v, (str, int, float, bool))
-                                            or v is None})
+            info = {**getattr(tok, "init_kwargs", {}), "tokenizer_class": type(tok).__name__,
+                    "model_max_length": ctx.max_model_len, "vocab_size": len(tok),
+                    "chat_template": getattr(tok, "chat_template", None),
+                    **{name: getattr(tok, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}}
+            # the JSON-plain settings (init_kwargs also hold objects such as AddedToken)
+            return TokenizerInfoResponse(**{k: v for k, v in info.items()
+                                            if v is None or isinstance(v, (str, int, float, bool))})
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest):

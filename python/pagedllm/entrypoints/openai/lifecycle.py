@@ -60,7 +60,8 @@ class GracefulServer(uvicorn.Server):
         self.in_flight = in_flight
         self.shutdown_timeout = float(shutdown_timeout)
         self.exit_code = 0
-        self._deadline = None
+        self._deadline = None  # draining: when to abort what is still in flight
+        self._aborted_at = None  # the abort's time: its final responses get 5 s, then exit anyway
 
     def handle_exit(self, sig, frame) -> None:
         if self._deadline is not None:  # a second signal: now
@@ -79,19 +80,14 @@ class GracefulServer(uvicorn.Server):
             self.exit_code = 1
             self._start_drain()
         if self._deadline is not None:
-            if self.in_flight.count == 0:
+            now = time.monotonic()
+            if self.in_flight.count == 0 or (self._aborted_at is not None and now >= self._aborted_at + 5.0):
                 self.should_exit = True
-            elif time.monotonic() >= self._deadline:
+            elif self._aborted_at is None and now >= self._deadline:
                 logger.warning("--shutdown-timeout reached with %d requests in flight: aborting them",
                                self.in_flight.count)
                 await self.engine.abort_all()
-                self._deadline = time.monotonic() + 5.0  # their final responses, then exit anyway
-                self.shutdown_timeout = 0.0
-                if self.in_flight.count == 0:
-                    self.should_exit = True
-            if self.shutdown_timeout == 0.0 and time.monotonic() >= self._deadline:
-                self.should_exit = True
+                self._aborted_at = now
         return await super().on_tick(counter)
-
 
 __all__ = ["GracefulServer", "InFlight"]

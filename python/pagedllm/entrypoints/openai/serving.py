@@ -22,7 +22,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, from_val
 from pagedllm.entrypoints.openai.protocol import _SamplingFields
 from pagedllm.entrypoints.openai.rate_limit import RateLimiter
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
 
 #: Most top logprobs a request may ask for per token (vLLM's default max_logprobs; --max-logprobs).
 MAX_LOGPROBS = 20
@@ -135,13 +135,12 @@ def check_unknown_fields(req) -> None:
 
 
 def truncate_prompt(ids: list[int], keep: Optional[int], ctx: "ServingContext") -> list[int]:
-    """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len - 1)."""
-    if keep is None:
-        return ids
-    if keep == 0 or keep < -1:
-        raise OpenAIError(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", 400, "truncate_prompt_tokens")
-    keep = ctx.max_model_len - 1 if keep == -1 else keep
-    return ids[-keep:] if len(ids) > keep else ids
+    """truncate_prompt_tokens (sampling_params.truncate_prompt_ids) before the length checks; a bad
+    value is a 400 naming the field."""
+    try:
+        return truncate_prompt_ids(ids, keep, ctx.max_model_len)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
 
 
 def check_unsupported(req: _SamplingFields, ctx: Optional["ServingContext"] = None) -> None:

@@ -24,8 +24,8 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
-    check_n, check_queue, check_rate_limit, check_unsupported, continuous_usage, prompt_logprobs_json, sampling_params, sse, sse_error,
-    token_bytes, truncate_prompt,
+    check_n, check_queue, check_rate_limit, check_unsupported, continuous_usage, prompt_logprobs_json,
+    sampling_params, sse, sse_error, token_bytes, truncate_prompt,
 )
 
 

@@ -24,13 +24,13 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
-    check_n, check_queue, check_rate_limit, check_unsupported, continuous_usage, prompt_logprobs_json, sampling_params, sse, sse_error,
-    token_pieces, truncate_prompt,
+    check_n, check_queue, check_rate_limit, check_unsupported, continuous_usage, prompt_logprobs_json,
+    sampling_params, sse, sse_error, token_pieces, truncate_prompt,
 )
+from pagedllm.outputs import CompletionOutput
 
 #: max_tokens of a completion request that gives none (OpenAI's Completions API and vLLM)
 DEFAULT_MAX_TOKENS = 16
-from pagedllm.outputs import CompletionOutput
 
 
 def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[PromptInput]:
