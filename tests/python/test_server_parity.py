@@ -149,6 +149,8 @@ def test_bad_requests_are_400s_naming_the_field_while_neighbours_complete(server
     err = assert_400(_post_raw(server.url + "/v1/completions", BAD_REQUESTS[0][1] | {"model": MODEL}),
                      "repetition_penalty", "1e-30")
     assert "1e-60" in err["message"]
+    metrics = server.metrics()  # nothing left running, no KV block held
+    assert metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:kv_cache_usage_perc"] == 0
 
 
 # ---------------------------------------------------------------------------- API key
@@ -252,7 +254,7 @@ def test_tokenize_returns_token_strs(server):
 @pytest.fixture(scope="module")
 def flagged():
     return shared_server("flags", [*DEFAULT_ARGS, "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
-                                   "--root-path", "/api", "--max-logprobs", "-1"])
+                                   "--root-path", "/api", "--max-logprobs", "-1", "--max-request-bytes", "4096"])
 
 
 def test_force_include_usage_tokenizer_info_and_root_path(flagged):
@@ -262,6 +264,11 @@ def test_force_include_usage_tokenizer_info_and_root_path(flagged):
     info = httpx.get(flagged.url + "/tokenizer_info").json()
     assert info["tokenizer_class"] and info["model_max_length"] == MAX_MODEL_LEN and "im_start" in info["chat_template"]
     assert {"url": "/api"} in httpx.get(flagged.url + "/openapi.json").json()["servers"]
+    # --max-request-bytes 4096: a 5 kB body is refused, a small one is not
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    r = httpx.post(flagged.url + "/v1/completions", json={**body, "user": "x" * 5000}, timeout=60)
+    assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+    assert httpx.post(flagged.url + "/v1/completions", json=body, timeout=60).status_code == 200
 
 
 # ---------------------------------------------------------------------------- request size
