@@ -8,6 +8,13 @@ TTFT, TPOT, ITL (p50/p90/p99, mean; milliseconds), request and token throughput,
     python bench/serve.py --base-url http://127.0.0.1:8000 --concurrency 1 8 32 --num-prompts 64
     python bench/serve.py --start-server "--dtype bfloat16" --concurrency 1 8 32   # starts pagedllm
     python bench/serve.py --base-url ... --request-rate 4 --num-prompts 64
+    python bench/serve.py --start-server "--load-format dummy" --server-model DIR --offline \
+        --concurrency 1 16 64 256 --num-prompts 32 256 512 1024 --client-processes 4
+
+--offline first runs pagedllm's offline engine with the server's engine arguments on the same
+prompts at each concurrency (c requests in flight, no HTTP), so each level reports the server's
+fraction of it and ITL p99 / TPOT p50 (1.5 or less: one chunk per token). --client-processes
+spreads the clients over processes so that the load generator is not what is measured.
 
 Definitions (as vLLM's benchmark_serving): TTFT = time from sending the request to the first
 streamed token; TPOT = (e2e - TTFT) / (output tokens - 1) per request; ITL = time between
@@ -135,13 +142,17 @@ def summarize(results: list[Result], wall: float) -> dict:
     }
 
 
-async def run_load(base_url: str, model: str, prompts, concurrency: int | None, rate: float | None, seed: int,
-                   api_key: str | None) -> dict:
+async def _load(base_url: str, model: str, prompts, concurrency: int | None, rate: float | None, seed: int,
+                api_key: str | None, start_at: float | None = None) -> tuple[list[Result], float, float]:
+    """(results, start, end) of one load: `concurrency` clients back to back, or Poisson arrivals;
+    start_at: the perf_counter time to begin at (client processes start together)."""
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency or 0, 256), max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         results: list[Result] = []
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         start = time.perf_counter()
         if concurrency is not None:
             queue = list(prompts)
@@ -159,8 +170,96 @@ async def run_load(base_url: str, model: str, prompts, concurrency: int | None, 
                 tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens, headers)))
                 await asyncio.sleep(rng.expovariate(rate))
             results = list(await asyncio.gather(*tasks))
-        wall = time.perf_counter() - start
-    return summarize(results, wall)
+        end = time.perf_counter()
+    return results, start, end
+
+
+def _load_in_process(job) -> tuple[list[Result], float, float]:
+    """One client process's share of a load (--client-processes); perf_counter is the system's
+    monotonic clock, shared by the processes of one machine."""
+    return asyncio.run(_load(*job))
+
+
+def run_load(base_url: str, model: str, prompts, concurrency: int | None, rate: float | None, seed: int,
+             api_key: str | None, processes: int = 1) -> dict:
+    """Summary of one load. processes > 1: the clients (and the prompts, round robin) split over that
+    many processes, so that the load generator's own Python is not what is measured at high
+    concurrency (a fixed concurrency only)."""
+    if processes <= 1 or concurrency is None:
+        results, start, end = asyncio.run(_load(base_url, model, prompts, concurrency, rate, seed, api_key))
+        return summarize(results, end - start)
+    import multiprocessing
+
+    processes = min(processes, concurrency)
+    start_at = time.perf_counter() + 5.0  # after every process has started and imported httpx
+    jobs = [(base_url, model, prompts[i::processes], concurrency // processes + (i < concurrency % processes),
+             None, seed, api_key, start_at) for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        parts = pool.map(_load_in_process, jobs)
+    results = [r for part in parts for r in part[0]]
+    return summarize(results, max(p[2] for p in parts) - min(p[1] for p in parts))
+
+
+def offline_levels(server_args: str, server_model: str | None, jobs: list[tuple[int, list]]) -> list[dict]:
+    """pagedllm's offline engine (LLMEngine, no server) on the same prompts at each concurrency:
+    `c` requests in flight, the next added as one finishes. The engine arguments are those
+    `pagedllm serve` would build from server_args; runs in a spawned process (its GPU memory is
+    free before the server starts). jobs: (concurrency, prompts). Returns per level the output
+    tok/s and the mean decode step time."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_offline_levels, (server_args, server_model, jobs))
+
+
+def _offline_levels(server_args: str, server_model: str | None, jobs) -> list[dict]:
+    sys.path.insert(0, str(ROOT / "python"))
+    import argparse as _argparse
+
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.api_server import add_server_args
+    from pagedllm.entrypoints.openai.cli_args import engine_args_from
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+    parser = _argparse.ArgumentParser()
+    add_server_args(parser)
+    ns = parser.parse_args([*([server_model] if server_model else []), *server_args.split()])
+    if ns.threads > 0:
+        import torch
+
+        torch.set_num_threads(ns.threads)
+    engine_args = engine_args_from(ns)
+    if ns.model_tag is not None:
+        engine_args.model = ns.model_tag
+    engine = LLMEngine(engine_args)
+    out = []
+    try:
+        warmup = [(2, jobs[0][1][:4])] if jobs else []  # compiles / captures before the first level
+        for concurrency, prompts in warmup + list(jobs):
+            queue = list(prompts)
+            ids = iter(range(1 << 62))
+            tokens = steps = 0
+            start = time.perf_counter()
+
+            def add():
+                prompt, max_tokens = queue.pop(0)
+                engine.add_request(f"o{next(ids)}", None, prompt, SamplingParams(
+                    max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
+
+            for _ in range(min(concurrency, len(queue))):
+                add()
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    tokens += sum(len(c.token_ids) for c in o.outputs)
+                    if o.finished and queue:
+                        add()
+                steps += 1
+            wall = time.perf_counter() - start
+            out.append({"concurrency": concurrency, "num_prompts": len(prompts), "output_throughput_tok_s": tokens / wall,
+                        "duration_s": wall, "steps": steps})
+    finally:
+        engine.shutdown()
+    return out[1:]
 
 
 def _rss_bytes(pid: int) -> int:
@@ -229,9 +328,10 @@ def git_commit() -> str:
         return "unknown"
 
 
-def start_pagedllm(extra: str, port: int, model: str | None) -> subprocess.Popen:
+def start_pagedllm(extra: str, port: int, model: str | None, log: str | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pagedllm", "serve", *([model] if model else []), "--port", str(port), *extra.split()]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sink = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -261,10 +361,18 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-range", type=int, nargs=2, default=[1000, 20000], help="token ids of random prompts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before each run")
+    ap.add_argument("--offline", action="store_true",
+                    help="with --start-server: first run pagedllm's offline engine (the server's engine arguments, "
+                         "no server) on the same prompts at each --concurrency; the JSON gets each level's "
+                         "offline tok/s and the server's fraction of it")
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="split each fixed-concurrency load over this many client processes (the load generator's "
+                         "Python must not be the bottleneck at high concurrency)")
     ap.add_argument("--label", default="pagedllm", help="name of the server under test, in the JSON")
     ap.add_argument("--start-server", default=None, metavar="ARGS",
                     help="start `pagedllm serve [--server-model] ARGS` on a free port and benchmark it")
     ap.add_argument("--server-model", default=None)
+    ap.add_argument("--server-log", default=None, help="the started server's output to this file (default: discarded)")
     ap.add_argument("--out", default=None, help="output JSON path (default bench/results/<date>-<host>-serve.json)")
     ap.add_argument("--soak", type=float, default=None, metavar="SECONDS",
                     help="a soak instead of the load levels: --concurrency[0] (default 16) clients back to back for "
@@ -279,13 +387,25 @@ def main(argv=None) -> int:
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = [1, 8, 32]
 
+    offline = {}
+    if args.offline:
+        if args.start_server is None or not args.concurrency:
+            ap.error("--offline needs --start-server (its engine arguments) and --concurrency")
+        counts = args.num_prompts if len(args.num_prompts) == len(args.concurrency) else [args.num_prompts[0]] * len(
+            args.concurrency)
+        jobs = [(c, make_prompts(n, args.input_len, args.output_len, args.range_ratio, args.seed, *args.vocab_range))
+                for c, n in zip(args.concurrency, counts)]
+        for level in offline_levels(args.start_server, args.server_model, jobs):
+            offline[level["concurrency"]] = level
+            print(f"offline concurrency={level['concurrency']}: {level['output_throughput_tok_s']:.1f} out tok/s",
+                  file=sys.stderr)
     proc = None
     if args.start_server is not None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         t0 = time.perf_counter()
-        proc = start_pagedllm(args.start_server, port, args.server_model)
+        proc = start_pagedllm(args.start_server, port, args.server_model, args.server_log)
         print(f"pagedllm serve up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         args.base_url = f"http://127.0.0.1:{port}"
     if args.base_url is None:
@@ -314,10 +434,17 @@ def main(argv=None) -> int:
                                    *args.vocab_range)
             if args.warmup:
                 warm = make_prompts(args.warmup, args.input_len, 8, 0.0, args.seed + 99, *args.vocab_range)
-                asyncio.run(run_load(args.base_url, model, warm, args.warmup, None, args.seed, args.api_key))
-            summary = asyncio.run(run_load(args.base_url, model, prompts, value if kind == "concurrency" else None,
-                                           value if kind == "request_rate" else None, args.seed, args.api_key))
-            runs.append({kind: value, "num_prompts": count, **summary})
+                run_load(args.base_url, model, warm, args.warmup, None, args.seed, args.api_key)
+            summary = run_load(args.base_url, model, prompts, value if kind == "concurrency" else None,
+                               value if kind == "request_rate" else None, args.seed, args.api_key,
+                               args.client_processes)
+            run = {kind: value, "num_prompts": count, **summary}
+            if kind == "concurrency" and value in offline:
+                run["offline_output_throughput_tok_s"] = offline[value]["output_throughput_tok_s"]
+                run["fraction_of_offline"] = summary["output_throughput_tok_s"] / run["offline_output_throughput_tok_s"]
+                # one chunk per token: the issue's bound is ITL p99 <= 1.5 x TPOT p50
+                run["itl_p99_over_tpot_p50"] = summary["itl_ms"]["p99"] / summary["tpot_ms"]["p50"]
+            runs.append(run)
             print(f"{args.label} {kind}={value}: {summary['output_throughput_tok_s']:.1f} out tok/s, "
                   f"TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, TPOT p50 {summary['tpot_ms']['p50']:.1f} ms, "
                   f"errors {summary['errors']}", file=sys.stderr)

@@ -1,8 +1,10 @@
 """AsyncLLM: the asyncio front end of an LLMEngine (vLLM's ``vllm.v1.engine.async_llm.AsyncLLM``).
 
-One background thread (the *engine thread*) owns the LLMEngine and runs its step loop; asyncio
-code talks to it only through a command queue, so the model keeps running while requests are
-tokenized, validated, detokenized into HTTP chunks and sent::
+The engine runs in its own process by default (vLLM's engine core; engine/core_client.py), or on
+a thread of this one (``multiprocess=False`` / PAGEDLLM_ENABLE_MULTIPROCESSING=0). Either way an
+EngineLoop (engine/core_loop.py) owns the LLMEngine and steps it; asyncio code talks to it only
+by commands, so the model keeps running while requests are tokenized, validated and their
+chunks rendered and sent — and, with the process, without sharing the GIL with them::
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., max_model_len=512))
     async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
@@ -10,21 +12,25 @@ tokenized, validated, detokenized into HTTP chunks and sent::
     await engine.abort("req-1")             # that generator ends (finish_reason "abort") < 1 s
     engine.get_metrics(); engine.shutdown()
 
-Threads and queues:
-  event loop  --(add / abort commands, queue.SimpleQueue)-->  engine thread
-  engine thread: apply commands, ``LLMEngine.step()``, then hand each step's RequestOutputs to the
-  event loop with one ``loop.call_soon_threadsafe`` per step; each request has a
-  ``RequestOutputCollector`` that merges outputs the consumer has not read yet (DELTA outputs
-  are concatenated, CUMULATIVE ones replaced), so a slow client never queues up unbounded data.
+Flow: event loop --(add / abort commands)--> engine loop: apply commands, ``LLMEngine.step()``,
+then one event tuple per iteration back to this process's events thread (the engine thread
+itself, or the reader of the engine process's pipe), which settles the adds, observes latencies
+and hands each step's RequestOutputs to the event loop with one ``loop.call_soon_threadsafe``
+per step. Each request has a ``RequestOutputCollector`` that merges outputs the consumer has not
+read yet (DELTA outputs are concatenated, CUMULATIVE ones replaced), so a slow client never
+queues up unbounded data. Detokenization and stop strings run in the engine (process).
 
 Errors: ``add_request`` / ``generate`` raise ValueError (nothing queued, nothing leaked) for a bad
 prompt or params, before anything is yielded. If a step raises (a bug), every request in flight
-gets that error, their KV blocks are freed and the loop keeps serving.
+gets that error, their KV blocks are freed and the loop keeps serving. If the engine dies (its
+process exits), every request in flight and every later call gets EngineDeadError and
+``is_running`` turns False (the server then drains and exits with status 1).
 
-Metrics: ``get_metrics()`` returns the engine's metrics (see pagedllm.metrics) as of the last
-loop iteration, plus the front-end histograms time_to_first_token_seconds,
-inter_token_latency_seconds, e2e_request_latency_seconds (measured on the engine thread when
-the step's outputs are produced) and the counter request_success (label finished_reason).
+Metrics: ``get_metrics()`` returns the engine's metrics (see pagedllm.metrics) as of its last
+report (at least every 50 ms while busy, and with every finished request), plus the front-end
+histograms time_to_first_token_seconds, inter_token_latency_seconds,
+e2e_request_latency_seconds, ... (measured here when a step's outputs arrive) and the counter
+request_success (label finished_reason).
 """
 
 from __future__ import annotations
@@ -32,13 +38,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import itertools
 import logging
-import queue
 import threading
 import time
 from typing import Any, AsyncGenerator, Optional, Union
 
-from pagedllm.engine.llm_engine import EngineArgs, LLMEngine
+from pagedllm.engine.core_client import InprocClient, MPClient, multiprocessing_enabled
+from pagedllm.engine.llm_engine import EngineArgs
 from pagedllm.metrics import PREFIX, Counter, HistogramData, Metric
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -74,7 +81,7 @@ class AsyncEngineArgs(EngineArgs):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (after shutdown())."""
+    """The engine has stopped (after shutdown(), or its process / thread died)."""
 
 
 class RequestOutputCollector:
@@ -131,40 +138,53 @@ def _merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 @dataclasses.dataclass
 class _Tracked:
-    """Engine-thread bookkeeping of one request (for the latency histograms)."""
+    """Front-end bookkeeping of one request (its collector, the latency histograms)."""
 
     collector: RequestOutputCollector
     loop: asyncio.AbstractEventLoop
     arrival: float
     params: Optional[SamplingParams] = None
+    prompt_token_ids: Optional[list] = None  # as sent; the engine's (truncated) ids once known
     tokens_seen: int = 0
     last_token_time: Optional[float] = None
     seq_tokens: dict = dataclasses.field(default_factory=dict)  # sequence index -> output tokens
 
 
 class AsyncLLM:
-    """Asynchronous engine: an LLMEngine stepped by a background thread (see module docstring).
+    """Asynchronous engine: an LLMEngine stepped by an engine-core process or thread (module
+    docstring).
 
     Construct with ``AsyncLLM.from_engine_args(AsyncEngineArgs(...))`` or
-    ``AsyncLLM(model=..., **LLM keyword arguments)``. Thread-safe for asyncio callers on any one
-    event loop per request."""
+    ``AsyncLLM(model=..., **LLM keyword arguments)``; ``multiprocess`` (default: the environment's
+    PAGEDLLM_ENABLE_MULTIPROCESSING, on) picks the engine's own process over a thread of this one.
+    Thread-safe for asyncio callers on any one event loop per request."""
 
-    def __init__(self, engine_args: Optional[EngineArgs] = None, **kwargs: Any):
+    def __init__(self, engine_args: Optional[EngineArgs] = None, *, multiprocess: Optional[bool] = None,
+                 **kwargs: Any):
         if engine_args is None:
             engine_args = AsyncEngineArgs(**kwargs)
         elif kwargs:
             raise TypeError("pass either engine_args or keyword arguments, not both")
-        self.engine = LLMEngine(engine_args)
-        # The front end tokenizes on the event loop while the engine thread detokenizes: each
-        # thread gets its own tokenizer object (a fast tokenizer is not safe to share).
-        self.tokenizer = copy.deepcopy(self.engine.tokenizer)
-        self.model_config = self.engine.model_config
-        self.max_model_len = self.engine.max_model_len
-        self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-        self._requests: dict[str, _Tracked] = {}  # engine thread only
-        self._lock = threading.Lock()  # guards the fields below
-        self._pending_adds = 0
-        self._metrics_snapshot: list[Metric] = []
+        self._lock = threading.Lock()  # guards the fields below (event loop vs the events thread)
+        self._requests: dict[str, _Tracked] = {}  # accepted by the engine, not finished
+        self._pending: dict[str, tuple[_Tracked, asyncio.Future]] = {}  # sent, not yet accepted
+        self._engine_metrics: list[Metric] = []
+        self._stopped = False
+        self._dead: Optional[str] = None
+        self._finished_by_reason = {r: 0 for r in FINISH_REASONS}
+        if multiprocess is None:
+            multiprocess = multiprocessing_enabled()
+        client_cls = MPClient if multiprocess else InprocClient
+        self.client = client_cls(engine_args, self._on_message)
+        info = self.client.info
+        self.info = info
+        # The front end tokenizes on the event loop while the engine detokenizes: a thread of its
+        # own gets its own tokenizer object (a fast tokenizer is not safe to share).
+        self.tokenizer = info.tokenizer if multiprocess else copy.deepcopy(info.tokenizer)
+        self.model_config = info.model_config
+        self.max_model_len = info.max_model_len
+        self._model_name = info.model_name
+        self._ids = itertools.count()
         tokens = buckets_1_2_5(self.max_model_len)
         self._histograms = {  # vLLM v1's front-end histograms, its bucket bounds
             "time_to_first_token_seconds": HistogramData(TTFT_BUCKETS),
@@ -180,46 +200,54 @@ class AsyncLLM:
             "request_params_max_tokens": HistogramData(tokens),
             "request_params_n": HistogramData(N_BUCKETS),
         }
-        self._finished_by_reason = {r: 0 for r in FINISH_REASONS}
-        self._refresh_metrics()
-        self._stopped = False
-        self._dead: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run_loop, name="pagedllm-engine", daemon=True)
-        self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
-        return cls(engine_args)
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> "AsyncLLM":
+        return cls(engine_args, **kwargs)
 
     # ------------------------------------------------------------------ public API (event loop)
     @property
     def is_running(self) -> bool:
-        return not self._stopped and self._thread.is_alive()
+        return not self._stopped and self._dead is None and self.client.is_alive()
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self._model_name
 
     def set_model_name(self, name: str) -> None:
         """The model_name label of the metrics (the server sets its served model name)."""
-        self.engine.model_name = name
+        self._model_name = name
+        self.client.send(("model_name", name))
+
+    @property
+    def engine_args(self) -> EngineArgs:
+        return self.info.args
+
+    @property
+    def generation_defaults(self) -> dict:
+        """The model's generation_config.json sampling defaults (temperature, top_p, ...)."""
+        return self.info.generation_defaults
+
+    @property
+    def model_path(self):
+        return self.info.model_path
 
     def get_tokenizer(self):
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.engine.generation_defaults)
+        return SamplingParams(**self.info.generation_defaults)
 
     def new_request_id(self) -> str:
-        return self.engine.new_request_id()
+        return str(next(self._ids))
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting for the engine: queued in the scheduler or not yet handed to it."""
+        """Requests waiting for the engine: queued in the scheduler or not yet accepted by it."""
         with self._lock:
-            waiting = next((m.value for m in self._metrics_snapshot
+            waiting = next((m.value for m in self._engine_metrics
                             if m.name == PREFIX + "num_requests_waiting"), 0)
-            return int(waiting) + self._pending_adds
+            return int(waiting) + len(self._pending)
 
     async def add_request(
         self,
@@ -236,16 +264,23 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         collector = RequestOutputCollector(params.output_kind)
         accepted: asyncio.Future = loop.create_future()
-        tracked = _Tracked(collector, loop, time.monotonic(), params)
+        ids = list(prompt_token_ids)
+        tracked = _Tracked(collector, loop, time.monotonic(), params, prompt_token_ids=ids)
         with self._lock:
-            self._pending_adds += 1
-        self._commands.put(("add", request_id, prompt, list(prompt_token_ids), params, priority, cache_salt,
-                            tracked, accepted))
+            if request_id in self._requests or request_id in self._pending:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._pending[request_id] = (tracked, accepted)
+        try:
+            self.client.send(("add", request_id, prompt, ids, params, priority, cache_salt))
+        except BaseException:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            raise
         try:
             await asyncio.shield(accepted)
         except asyncio.CancelledError:
             # The caller went away while the engine was accepting: make sure nothing stays queued.
-            self._commands.put(("abort", request_id))
+            self._send_quietly(("abort", [request_id]))
             raise
         return collector
 
@@ -271,47 +306,58 @@ class AsyncLLM:
                 yield out
         finally:
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._send_quietly(("abort", [request_id]))
 
     async def abort(self, request_id: Union[str, list[str]]) -> None:
         """Abort request(s): their generators yield a final output with finish_reason "abort"
-        and end; their KV blocks are freed by the engine thread's next iteration."""
-        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            self._commands.put(("abort", rid))
+        and end; their KV blocks are freed by the engine's next iteration."""
+        rids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if rids:
+            self._send_quietly(("abort", rids))
 
     async def abort_all(self) -> None:
         """Abort every request in flight (a server's shutdown timeout): each generator yields a final
         output with finish_reason "abort"."""
-        self._commands.put(("abort_all",))
+        self._send_quietly(("abort_all",))
 
     def get_metrics(self) -> list[Metric]:
-        """Engine metrics (as of the last loop iteration) plus the front-end histograms."""
+        """Engine metrics (as of the engine's last report) plus the front-end histograms."""
+        labels = {"model_name": self._model_name}
         with self._lock:
-            return list(self._metrics_snapshot)
+            metrics = list(self._engine_metrics)
+            for name, hist in self._histograms.items():
+                metrics.append(hist.metric(PREFIX + name, dict(labels)))
+            # vLLM's older name of the same series (its dashboards still query it)
+            metrics.append(self._histograms["inter_token_latency_seconds"].metric(
+                PREFIX + "time_per_output_token_seconds", dict(labels)))
+            for reason, count in self._finished_by_reason.items():
+                metrics.append(Counter(PREFIX + "request_success", {**labels, "finished_reason": reason}, count))
+        return metrics
 
     async def check_health(self) -> None:
         self._check_alive()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread, abort what is in flight, free the KV pool and the weights.
-        Idempotent; another engine can be created in this process afterwards."""
+        """Stop the engine (its process or thread), abort what is in flight, free the KV pool and
+        the weights. Idempotent; another engine can be created in this process afterwards."""
         if self._stopped:
             return
         self._stopped = True
-        self._commands.put(("stop",))
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.error("engine thread did not stop within %.0f s", timeout)
-            return
-        self.engine.shutdown()
-        import gc
-
-        gc.collect()
+        self.client.shutdown(timeout)
 
     # ------------------------------------------------------------------ helpers (event loop)
     def _check_alive(self) -> None:
-        if self._stopped or not self._thread.is_alive():
-            raise EngineDeadError("the engine is shut down" if self._stopped else f"the engine thread died: {self._dead!r}")
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        if self._dead is not None or not self.client.is_alive():
+            raise EngineDeadError(f"the engine died: {self._dead}")
+
+    def _send_quietly(self, cmd: tuple) -> None:
+        """Send a command whose loss does not matter once the engine is gone (aborts)."""
+        try:
+            self.client.send(cmd)
+        except EngineDeadError:
+            pass
 
     def _parse_prompt(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -326,125 +372,87 @@ class AsyncLLM:
                 return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
         raise ValueError(f"a prompt must be a str, a TextPrompt or a TokensPrompt dict, got {prompt!r:.80}")
 
-    # ------------------------------------------------------------------ engine thread
-    def _run_loop(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                block = not engine.has_unfinished_requests()
-                if not self._apply_commands(block):
-                    break
-                outputs: list[RequestOutput] = []
-                if engine.has_unfinished_requests():
-                    try:
-                        outputs = engine.step()
-                    except Exception as exc:  # a bug: fail the requests in flight, keep serving
-                        logger.exception("engine step failed; aborting %d request(s)", len(self._requests))
-                        self._fail_all(RuntimeError(f"engine step failed: {exc}"))
-                self._dispatch(outputs)
-        except BaseException as exc:  # pragma: no cover - the loop itself failed
-            self._dead = exc
-            logger.exception("engine thread died")
-            self._fail_all(RuntimeError(f"the engine thread died: {exc}"))
-        finally:
-            while True:  # adds queued behind "stop" (or a dead loop): refuse them
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if cmd[0] == "add":
-                    tracked, accepted = cmd[7], cmd[8]
-                    _call_soon(tracked.loop, _set_future, accepted, EngineDeadError("the engine is shut down"))
-            for rid in list(self._requests):
-                try:
-                    final = engine.abort_request(rid)
-                except Exception:
-                    final = None
-                self._deliver(rid, final if final is not None else EngineDeadError("the engine is shut down"),
-                              finished=True)
-            self._refresh_metrics()
-
-    def _apply_commands(self, block: bool) -> bool:
-        """Run queued commands (blocking for the first one when idle); False on "stop"."""
-        first = True
-        added = 0
-        try:
-            while True:
-                try:
-                    cmd = self._commands.get(block=block and first, timeout=None)
-                except queue.Empty:
-                    return True
-                first = False
-                kind = cmd[0]
-                if kind == "stop":
-                    return False
-                if kind == "add":
-                    added += 1
-                    self._apply_add(*cmd[1:])
-                elif kind == "abort_all":
-                    for rid in list(self._requests):
-                        self._deliver(rid, self.engine.abort_request(rid), finished=True)
-                elif kind == "abort":
-                    rid = cmd[1]
-                    if rid in self._requests:
-                        final = self.engine.abort_request(rid)
-                        self._deliver(rid, final, finished=True)
-                    elif self.engine.has_request(rid):
-                        self.engine.abort_request(rid)
-        finally:
-            if added:
-                self._refresh_metrics(consumed_adds=added)
-
-    def _apply_add(self, request_id, prompt, ids, params, priority, cache_salt, tracked: _Tracked, accepted) -> None:
-        try:
-            if request_id in self._requests:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self.engine.add_request(request_id, prompt, ids, params, priority=priority, cache_salt=cache_salt)
-        except Exception as exc:
-            tracked.loop.call_soon_threadsafe(_set_future, accepted, exc)
+    # ------------------------------------------------------------------ events (engine / reader thread)
+    def _on_message(self, msg: tuple) -> None:
+        """The engine loop's events (engine/core_loop.py), in order, on one background thread:
+        settle accepted adds, observe latencies, then hand outputs to their event loops (so a
+        consumer that sees an output also sees metrics that include its step)."""
+        if msg[0] == "stopped":
+            self._on_stopped(msg[1])
             return
-        self._requests[request_id] = tracked
-        tracked.loop.call_soon_threadsafe(_set_future, accepted, None)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        """Observe latencies, refresh the metrics snapshot, then hand the outputs to their event
-        loops (so a consumer that sees an output also sees metrics that include its step)."""
-        if not outputs:
-            self._refresh_metrics()
-            return
+        _, accepted, outputs, failed, error, metrics = msg
         now = time.monotonic()
+        calls: list = []  # (loop, fn, args)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            tracked = self._requests.get(out.request_id)
-            if tracked is None:
-                continue
-            self._observe(tracked, out, now)
-            batches.setdefault(tracked.loop, []).append((tracked.collector, out))
-            if out.finished:
-                del self._requests[out.request_id]
-        self._refresh_metrics()
+        with self._lock:
+            if metrics is not None:
+                self._engine_metrics = metrics
+            for rid, exc in accepted:
+                entry = self._pending.pop(rid, None)
+                if entry is None:
+                    continue
+                tracked, fut = entry
+                if exc is None:
+                    self._requests[rid] = tracked
+                calls.append((tracked.loop, _set_future, (fut, exc)))
+            for out in outputs:
+                tracked = self._requests.get(out.request_id)
+                if tracked is None:
+                    continue
+                if out.prompt_token_ids is None:  # sent once by the engine process
+                    out.prompt_token_ids = tracked.prompt_token_ids
+                else:
+                    tracked.prompt_token_ids = out.prompt_token_ids
+                self._observe(tracked, out, now)
+                batches.setdefault(tracked.loop, []).append((tracked.collector, out))
+                if out.finished:
+                    del self._requests[out.request_id]
+            if failed:
+                exc = RuntimeError(error or "engine step failed")
+                for rid in failed:
+                    tracked = self._requests.pop(rid, None)
+                    if tracked is not None:
+                        self._finished_by_reason["error"] += 1
+                        batches.setdefault(tracked.loop, []).append((tracked.collector, exc))
+        for loop, fn, args in calls:
+            _call_soon(loop, fn, *args)
         for loop, items in batches.items():
             _call_soon(loop, _put_all, items)
 
+    def _on_stopped(self, error: Optional[str]) -> None:
+        """The engine loop ended: refuse what is still pending, fail what is still running."""
+        if error is not None:
+            self._dead = error
+            if not self._stopped:
+                logger.error("the engine stopped: %s", error)
+        exc = EngineDeadError("the engine is shut down" if error is None else f"the engine died: {error}")
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            requests, self._requests = self._requests, {}
+        for tracked, fut in pending.values():
+            _call_soon(tracked.loop, _set_future, fut, exc)
+        for tracked in requests.values():
+            _call_soon(tracked.loop, _put_all, [(tracked.collector, exc)])
+
     def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
+        """Latency histograms of one output (the caller holds the lock)."""
         delta = tracked.collector.aggregate
         for c in out.outputs:
             tracked.seq_tokens[c.index] = tracked.seq_tokens.get(c.index, 0) * delta + len(c.token_ids)
         total = sum(tracked.seq_tokens.values())
         hist = self._histograms
-        with self._lock:
-            if total > tracked.tokens_seen:
-                if tracked.last_token_time is None:
-                    hist["time_to_first_token_seconds"].observe(now - tracked.arrival)
-                else:
-                    hist["inter_token_latency_seconds"].observe(now - tracked.last_token_time)
-                tracked.last_token_time = now
-                tracked.tokens_seen = total
-            if out.finished:
-                hist["e2e_request_latency_seconds"].observe(now - tracked.arrival)
-                reason = out.outputs[0].finish_reason if out.outputs else "abort"
-                self._finished_by_reason[reason if reason in self._finished_by_reason else "abort"] += 1
-                self._observe_finished(tracked, out, total)
+        if total > tracked.tokens_seen:
+            if tracked.last_token_time is None:
+                hist["time_to_first_token_seconds"].observe(now - tracked.arrival)
+            else:
+                hist["inter_token_latency_seconds"].observe(now - tracked.last_token_time)
+            tracked.last_token_time = now
+            tracked.tokens_seen = total
+        if out.finished:
+            hist["e2e_request_latency_seconds"].observe(now - tracked.arrival)
+            reason = out.outputs[0].finish_reason if out.outputs else "abort"
+            self._finished_by_reason[reason if reason in self._finished_by_reason else "abort"] += 1
+            self._observe_finished(tracked, out, total)
 
     def _observe_finished(self, tracked: _Tracked, out: RequestOutput, total: int) -> None:
         """vLLM's per-request histograms of a finished request (vllm.v1.metrics: queued ->
@@ -464,37 +472,6 @@ class AsyncLLM:
             hist["request_params_n"].observe(tracked.params.n)
             if tracked.params.max_tokens is not None:
                 hist["request_params_max_tokens"].observe(tracked.params.max_tokens)
-
-    def _deliver(self, request_id: str, item, finished: bool) -> None:
-        tracked = self._requests.pop(request_id, None) if finished else self._requests.get(request_id)
-        if tracked is None or item is None:
-            return
-        if isinstance(item, RequestOutput):
-            self._observe(tracked, item, time.monotonic())
-        self._refresh_metrics()
-        _call_soon(tracked.loop, _put_all, [(tracked.collector, item)])
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for rid in list(self._requests):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                logger.exception("abort of %s failed", rid)
-            self._deliver(rid, exc, finished=True)
-
-    def _refresh_metrics(self, consumed_adds: int = 0) -> None:
-        metrics = self.engine.get_metrics()
-        labels = {"model_name": self.engine.model_name}
-        with self._lock:
-            for name, hist in self._histograms.items():
-                metrics.append(hist.metric(PREFIX + name, dict(labels)))
-            # vLLM's older name of the same series (its dashboards still query it)
-            metrics.append(self._histograms["inter_token_latency_seconds"].metric(
-                PREFIX + "time_per_output_token_seconds", dict(labels)))
-            for reason, count in self._finished_by_reason.items():
-                metrics.append(Counter(PREFIX + "request_success", {**labels, "finished_reason": reason}, count))
-            self._metrics_snapshot = metrics
-            self._pending_adds -= consumed_adds
 
 
 def _set_future(fut: asyncio.Future, exc: Optional[BaseException]) -> None:

@@ -138,7 +138,7 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
-        return ModelList(data=[ModelCard(id=n, root=str(engine.engine.model_path), max_model_len=ctx.max_model_len)
+        return ModelList(data=[ModelCard(id=n, root=str(engine.model_path), max_model_len=ctx.max_model_len)
                                for n in names])
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_generation_responses(CompletionResponse))
@@ -261,12 +261,14 @@ def run_server(args: argparse.Namespace) -> int:
                     max_logprobs=args.max_logprobs, rate_limit_rpm=args.rate_limit_rpm,
                     rate_limit_tpm=args.rate_limit_tpm)
     in_flight = InFlight(app)  # outermost: counts every request, 503s new ones while draining
+    # loop="auto": uvloop when installed (a [serve] dependency on Linux, as vLLM's), else asyncio's
     config = uvicorn.Config(in_flight, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, loop="auto")
     server = GracefulServer(config, engine, in_flight, args.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", app.state.ctx.model_name, args.host, args.port)
     try:
-        asyncio.run(server.serve())
+        with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+            runner.run(server.serve())
     finally:
         engine.shutdown()
     return server.exit_code

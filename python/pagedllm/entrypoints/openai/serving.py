@@ -26,8 +26,6 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams, truncate
 
 #: Most top logprobs a request may ask for per token (vLLM's default max_logprobs; --max-logprobs).
 MAX_LOGPROBS = 20
-#: How often a running request checks whether its client went away (seconds).
-DISCONNECT_POLL_S = 0.1
 
 
 @dataclasses.dataclass
@@ -164,7 +162,7 @@ def check_unsupported(req: _SamplingFields, ctx: Optional["ServingContext"] = No
 
 def check_n(ctx: ServingContext, n: int) -> None:
     """n sequences of one prompt run side by side: at most max_num_seqs."""
-    limit = ctx.engine.engine.args.max_num_seqs
+    limit = ctx.engine.engine_args.max_num_seqs
     if isinstance(n, int) and n > limit:
         raise OpenAIError(f"n={n} is more than max_num_seqs={limit} (sequences that run at once)", 400, "n")
 
@@ -174,7 +172,7 @@ def sampling_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int, 
     """SamplingParams for a request: the model's generation_config defaults for omitted
     temperature / top_p / top_k / min_p / repetition_penalty, output_kind DELTA (the handlers
     accumulate). ValueError of SamplingParams -> 400 naming the field."""
-    defaults = ctx.engine.engine.generation_defaults
+    defaults = ctx.engine.generation_defaults
 
     def pick(name: str, fallback):
         value = getattr(req, name)
@@ -230,6 +228,7 @@ class GroupStreamingResponse(StreamingResponse):
     def __init__(self, content, group: "RequestGroup"):
         super().__init__(content, media_type="text/event-stream")
         self.group = group
+        group.streamed = True  # starlette's response watches the client and cancels the stream
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -251,6 +250,7 @@ class RequestGroup:
         self.collectors: list[RequestOutputCollector] = []
         self.finished: set[int] = set()
         self.disconnected = False
+        self.streamed = False  # set by GroupStreamingResponse: no watcher of our own needed
 
     async def add(self, prompts: list[PromptInput], params: list[SamplingParams], priority: int,
                   cache_salt: Optional[str]) -> None:
@@ -274,18 +274,31 @@ class RequestGroup:
             await self.ctx.engine.abort(pending)
 
     async def _watch_disconnect(self) -> None:
+        """Abort the group when the client disconnects (a non-streamed response): waits on the ASGI
+        receive channel, which yields http.disconnect once the body was read and the client went
+        away (no polling)."""
+        receive = self.raw_request.receive
         while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            if await self.raw_request.is_disconnected():
+            message = await receive()
+            if message.get("type") == "http.disconnect":
                 self.disconnected = True
                 await self.abort()
                 return
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (prompt index, RequestOutput) until every request finished (aborted ones too)."""
-        watcher = asyncio.create_task(self._watch_disconnect())
+        watcher = None if self.streamed else asyncio.create_task(self._watch_disconnect())
         getters: dict[asyncio.Task, int] = {}
         try:
+            if len(self.collectors) == 1:  # one prompt: await its collector directly (per token)
+                collector = self.collectors[0]
+                while True:
+                    out = await collector.get()
+                    if out.finished:
+                        self.finished.add(0)
+                    yield 0, out
+                    if out.finished:
+                        return
             for i, c in enumerate(self.collectors):
                 getters[asyncio.create_task(c.get())] = i
             while getters:
@@ -299,7 +312,8 @@ class RequestGroup:
                         getters[asyncio.create_task(self.collectors[i].get())] = i
                     yield i, out
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             for task in getters:
                 task.cancel()
             await self.abort()

@@ -1,0 +1,165 @@
+"""EngineLoop: the busy loop that owns an LLMEngine for AsyncLLM (vLLM's EngineCore busy loop).
+
+It runs on AsyncLLM's engine thread, or in the engine-core process (engine/core_client.py): the
+same code either way, talking to the front end only through messages.
+
+Commands in (tuples, in order)::
+
+    ("add", request_id, prompt, prompt_token_ids, SamplingParams, priority, cache_salt)
+    ("abort", [request_id, ...])      ("abort_all",)      ("model_name", name)      ("stop",)
+
+Events out, one tuple per loop iteration that has something to say::
+
+    ("events", accepted, outputs, failed, error, metrics)
+
+- accepted: [(request_id, None | exception)] for the adds applied (an exception: refused, e.g.
+  ValueError for a prompt longer than max_model_len; nothing was queued);
+- outputs: the RequestOutputs of the step (and the final outputs of aborted requests);
+- failed: request ids finished because the step raised (error: its message); their KV blocks are
+  freed and the loop keeps serving;
+- metrics: the engine's metrics (pagedllm.metrics), or None when unchanged enough to skip (a
+  snapshot always comes with accepted adds, finished requests, failures and going idle, else at
+  most every ``metrics_interval`` seconds).
+
+When the loop ends (a "stop" command, the commands' source closing, or a bug in the loop itself)
+it aborts every request still in the engine, sends their final outputs and then
+``("stopped", error)`` (error: None after a clean stop).
+
+Bandwidth: ``strip_prompt_ids=True`` (the process transport) sends a request's prompt_token_ids
+with its first output only; the front end restores them (it keeps them per request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Optional
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger("pagedllm")
+
+#: a command source: recv(block) -> the next command, or None when block is False and none is queued;
+#: raises EOFError when the source is closed
+Recv = Callable[[bool], Optional[tuple]]
+Emit = Callable[[tuple], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, recv: Recv, emit: Emit, metrics_interval: float = 0.0,
+                 strip_prompt_ids: bool = False):
+        self.engine = engine
+        self.recv = recv
+        self.emit = emit
+        self.metrics_interval = metrics_interval
+        self.strip_prompt_ids = strip_prompt_ids
+        self._sent_prompt: set[str] = set()  # requests whose prompt ids went out already
+        self._last_metrics = 0.0
+
+    def run(self) -> None:
+        engine = self.engine
+        error: Optional[str] = None
+        try:
+            while True:
+                accepted, outputs = [], []
+                if not self._apply_commands(not engine.has_unfinished_requests(), accepted, outputs):
+                    break
+                failed, step_error = [], None
+                if engine.has_unfinished_requests():
+                    try:
+                        outputs += engine.step()
+                    except Exception as exc:  # a bug: fail the requests in flight, keep serving
+                        failed = list(engine.output_processor.requests)
+                        logger.exception("engine step failed; aborting %d request(s)", len(failed))
+                        step_error = f"engine step failed: {exc}"
+                        for rid in failed:
+                            self._abort(rid)
+                self._send(accepted, outputs, failed, step_error)
+        except EOFError:  # the front end is gone
+            error = None
+        except BaseException as exc:  # pragma: no cover - the loop itself failed
+            logger.exception("the engine loop died")
+            error = f"the engine loop died: {exc!r}"
+        finally:
+            finals = []
+            for rid in list(engine.output_processor.requests):
+                final = self._abort(rid)
+                if final is not None:
+                    finals.append(final)
+            try:
+                if finals:
+                    self._send([], finals, [], None, force_metrics=True)
+                self.emit(("stopped", error))
+            except Exception:  # the front end is gone: nobody to tell
+                pass
+
+    # ---------------------------------------------------------------------------------------
+    def _apply_commands(self, block: bool, accepted: list, outputs: list) -> bool:
+        """Run queued commands (waiting for the first one when block); False on "stop"."""
+        first = True
+        while True:
+            cmd = self.recv(block and first)
+            if cmd is None:
+                return True
+            first = False
+            kind = cmd[0]
+            if kind == "add":
+                rid = cmd[1]
+                try:
+                    self.engine.add_request(rid, cmd[2], cmd[3], cmd[4], priority=cmd[5], cache_salt=cmd[6])
+                except Exception as exc:
+                    accepted.append((rid, exc))
+                else:
+                    accepted.append((rid, None))
+            elif kind == "abort":
+                for rid in cmd[1]:
+                    final = self._abort(rid)
+                    if final is not None:
+                        outputs.append(final)
+            elif kind == "abort_all":
+                for rid in list(self.engine.output_processor.requests):
+                    final = self._abort(rid)
+                    if final is not None:
+                        outputs.append(final)
+            elif kind == "model_name":
+                self.engine.model_name = cmd[1]
+            elif kind == "stop":
+                return False
+            else:
+                raise ValueError(f"unknown engine command {kind!r}")
+
+    def _abort(self, rid: str) -> Optional[RequestOutput]:
+        try:
+            return self.engine.abort_request(rid)
+        except Exception:
+            logger.exception("abort of %s failed", rid)
+            return None
+
+    def _send(self, accepted: list, outputs: list, failed: list, error: Optional[str],
+              force_metrics: bool = False) -> None:
+        now = time.monotonic()
+        idle = not self.engine.has_unfinished_requests()
+        want_metrics = (force_metrics or accepted or failed or idle or now - self._last_metrics >= self.metrics_interval
+                        or any(o.finished for o in outputs))
+        if not (accepted or outputs or failed or want_metrics):
+            return
+        metrics = self.engine.get_metrics() if want_metrics else None
+        if metrics is not None:
+            self._last_metrics = now
+        if self.strip_prompt_ids:
+            outputs = [self._strip(o) for o in outputs]
+            self._sent_prompt.difference_update(failed)
+        self.emit(("events", accepted, outputs, failed, error, metrics))
+
+    def _strip(self, out: RequestOutput) -> RequestOutput:
+        rid = out.request_id
+        if out.finished:
+            first = rid not in self._sent_prompt
+            self._sent_prompt.discard(rid)
+            return out if first else dataclasses.replace(out, prompt_token_ids=None)
+        if rid in self._sent_prompt:
+            return dataclasses.replace(out, prompt_token_ids=None)
+        self._sent_prompt.add(rid)
+        return out
