@@ -15,17 +15,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from server_utils import MAX_MODEL_LEN, tiny_model_dir  # noqa: E402
 
-from pagedllm.engine.async_llm import AsyncEngineArgs, AsyncLLM  # noqa: E402
+from pagedllm.engine.async_llm import AsyncEngineArgs, AsyncLLM, EngineDeadError  # noqa: E402
+from pagedllm.engine.core_client import InprocClient, MPClient  # noqa: E402
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["process", "thread"])
+def engine(request):
+    """The engine in its own process (the default) and on a thread of this one: every test runs on both."""
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=str(tiny_model_dir()), dtype="float32", max_model_len=MAX_MODEL_LEN,
-        kv_cache_memory_bytes=32 << 20, max_num_seqs=32))
+        kv_cache_memory_bytes=32 << 20, max_num_seqs=32), multiprocess=request.param == "process")
+    assert isinstance(eng.client, MPClient if request.param == "process" else InprocClient)
     yield eng
     eng.shutdown()
 
@@ -171,3 +174,31 @@ def test_shutdown_then_a_second_engine():
     finally:
         second.shutdown()
     assert a[-1].outputs[0].token_ids == b[-1].outputs[0].token_ids
+
+
+def test_engine_process_death_fails_requests_in_flight():
+    """SIGKILL of the engine process: the request in flight raises EngineDeadError, is_running turns
+    False and a new request is refused with EngineDeadError."""
+    import os
+    import signal
+
+    eng = AsyncLLM(model=str(tiny_model_dir()), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                   kv_cache_memory_bytes=4 << 20, multiprocess=True)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+        async def run():
+            seen = 0
+            with pytest.raises(EngineDeadError, match="exited with status -9"):
+                async for _ in eng.generate({"prompt_token_ids": [1, 2, 3]}, params, "doomed"):
+                    seen += 1
+                    if seen == 3:
+                        os.kill(eng.client.pid, signal.SIGKILL)
+            return seen
+
+        assert asyncio.run(run()) >= 3
+        assert not eng.is_running
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect(eng, {"prompt_token_ids": [1, 2, 3]}, params, "after"))
+    finally:
+        eng.shutdown()

@@ -1,10 +1,12 @@
 """Graceful shutdown of `pagedllm serve` (issue 31): on SIGTERM the server refuses new requests
 with 503 (/health too), lets the requests in flight finish, and exits 0; past --shutdown-timeout
-it aborts them (finish_reason "abort") and exits."""
+it aborts them (finish_reason "abort") and exits. An engine process that dies fails the requests
+in flight and makes the server exit with status 1."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -62,5 +64,46 @@ def test_shutdown_timeout_aborts_what_is_still_running():
     server, t, events = _run(0.5, 480)
     try:
         assert _finish_then_exit(server, t, events) == ["abort"]  # cut short by the timeout
+    finally:
+        server.stop()
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine-core process among the server's children (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return int(pid)
+    raise AssertionError(f"no engine process among {children}")
+
+
+def test_engine_process_death_fails_requests_and_exits_one():
+    """The engine runs in its own process (the default): when it dies, the request in flight ends
+    with an error event, /health answers 503 until the server exits, and it exits with status 1."""
+    server = RemoteServer(str(tiny_model_dir()), DEFAULT_ARGS)
+    try:
+        events: list = []
+        started = threading.Event()
+        body = {"model": "tiny", "prompt": "a long story", "max_tokens": 480, "ignore_eos": True}
+        t = threading.Thread(target=_stream, args=(server.url, body, events, started))
+        t.start()
+        assert started.wait(60)
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
+        statuses = []
+        deadline = time.monotonic() + 30
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                statuses.append(httpx.get(server.url + "/health", timeout=2).status_code)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.01)
+        t.join(30)
+        assert server.proc.wait(30) == 1
+        assert 503 in statuses and 200 not in statuses[statuses.index(503):], statuses
+        errors = [e["error"] for e in events if "error" in e]
+        assert errors and "engine" in errors[0]["message"], events[-3:]
+        assert not any(c.get("finish_reason") == "length" for e in events for c in e.get("choices", []))
     finally:
         server.stop()

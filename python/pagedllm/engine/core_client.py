@@ -129,6 +129,7 @@ class MPClient:
             raise
         self._reader = threading.Thread(target=self._read, name="pagedllm-engine-reader", daemon=True)
         self._reader.start()
+        logger.info("engine core process %d ready", self._proc.pid)
 
     @property
     def pid(self) -> Optional[int]:
