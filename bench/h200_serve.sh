@@ -3,7 +3,10 @@
 #   build; a config-only Llama-3-8B folder (random weights: --load-format dummy); then
 #   bench/serve.py --offline: the offline engine and `pagedllm serve` (engine in its own process,
 #   the default) on the same prompts at 1 / 16 / 64 / 256 concurrent streams of 256 in / 256 out;
-#   then the same server with the engine on a thread (PAGEDLLM_ENABLE_MULTIPROCESSING=0).
+#   then the same server with the engine on a thread (PAGEDLLM_ENABLE_MULTIPROCESSING=0) (STAGE=all;
+#   STAGE=mp: the first part only). STAGE=profile: the server under 64 then 256 streams, its
+#   processes' CPU use per level and 8 s of py-spy samples of the front end and of the engine
+#   process at 256 (py-spy's wheel carried in .whl).
 # The server's packages travel as wheels (.whl, carried; see the device README), since the
 # device image has neither fastapi nor pydantic.
 #   OUT=/dir NAME=s16a bash bench/h200_serve.sh
@@ -45,5 +48,44 @@ for r in json.load(open(sys.argv[1]))["runs"]:
 EOF
 }
 
-run mp --offline
-PAGEDLLM_ENABLE_MULTIPROCESSING=0 run thread
+profile() {  # the server (engine process) under 256 streams, sampled by py-spy (carried in .whl)
+  local port=8199 spy=/tmp/site/bin/py-spy pid engine
+  python3 -m pagedllm serve /tmp/llama3-8b --port $port $ARGS > "$OUT/$NAME-server-profile.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 180); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
+    sleep 1
+  done
+  engine=$(python3 -c "
+import sys; sys.path.insert(0, 'bench')
+from pathlib import Path
+for t in Path('/proc/$pid/task').iterdir():
+    for c in (t / 'children').read_text().split():
+        if b'spawn_main' in Path(f'/proc/{c}/cmdline').read_bytes() and b'resource_tracker' not in Path(f'/proc/{c}/cmdline').read_bytes():
+            print(c)
+" | head -1)
+  echo "server $pid engine $engine" | tee -a "$OUT/summary.log"
+  timeout 200 python3 bench/serve.py --base-url http://127.0.0.1:$port --server-pid $pid --input-len 256 \
+    --output-len 256 --client-processes 4 --concurrency 64 256 --num-prompts 256 1024 --label pagedllm-profile \
+    --out "$OUT/$NAME-serve-profile.json" > "$OUT/$NAME-profile.log" 2>&1 &
+  local load=$!
+  sleep 25  # the c=64 level, then into c=256
+  PYTHONPATH= timeout 30 $spy record -p $pid -d 8 -r 200 --nonblocking --threads -f raw -o "$OUT/$NAME-spy-frontend.txt" \
+    > "$OUT/$NAME-spy-frontend.log" 2>&1 &
+  PYTHONPATH= timeout 30 $spy record -p $engine -d 8 -r 200 --nonblocking --threads -f raw -o "$OUT/$NAME-spy-engine.txt" \
+    > "$OUT/$NAME-spy-engine.log" 2>&1
+  wait $load
+  kill $pid; wait $pid
+  echo "profile: $(grep 'out tok/s' "$OUT/$NAME-profile.log" | tr '\n' ' ')" | tee -a "$OUT/summary.log"
+  python3 -c "
+import json, sys
+for r in json.load(open('$OUT/$NAME-serve-profile.json'))['runs']:
+    print('  c=%d cpu %s' % (r['concurrency'], {k: round(v, 2) for k, v in r.get('server_cpu_utilization', {}).items()}))
+" | tee -a "$OUT/summary.log"
+}
+
+case ${STAGE:-all} in
+  all) run mp --offline; PAGEDLLM_ENABLE_MULTIPROCESSING=0 run thread ;;
+  mp) run mp --offline ;;
+  profile) profile ;;
+esac

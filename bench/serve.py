@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import random
 import socket
 import statistics
@@ -262,6 +263,30 @@ def _offline_levels(server_args: str, server_model: str | None, jobs) -> list[di
     return out[1:]
 
 
+def process_cpu(pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) so far of a server process and of each of its child processes
+    ("server", "engine" for pagedllm's engine-core process, else "child-<pid>"); {} off Linux."""
+    if pid is None:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    try:
+        out = {"server": cpu(pid)}
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+                name = ("engine" if b"spawn_main" in cmd and b"resource_tracker" not in cmd
+                        else f"child-{child}")
+                out[name] = cpu(int(child))
+        return out
+    except OSError:
+        return {}
+
+
 def _rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -378,7 +403,8 @@ def main(argv=None) -> int:
                     help="a soak instead of the load levels: --concurrency[0] (default 16) clients back to back for "
                          "SECONDS; the server's resident memory over time (its pid: --start-server or --server-pid) "
                          "and, after the load, its KV-cache usage (issue 31: flat within 5%% after warm-up, 0 at the end)")
-    ap.add_argument("--server-pid", type=int, default=None, help="pid of the server under --soak (its memory)")
+    ap.add_argument("--server-pid", type=int, default=None,
+                    help="pid of the server (--base-url): its memory under --soak, its CPU time per run")
     ap.add_argument("--soak-sample", type=float, default=10.0, help="seconds between memory samples (--soak)")
     ap.add_argument("--soak-warmup", type=float, default=60.0, help="seconds of the soak before memory counts")
     args = ap.parse_args(argv)
@@ -435,9 +461,15 @@ def main(argv=None) -> int:
             if args.warmup:
                 warm = make_prompts(args.warmup, args.input_len, 8, 0.0, args.seed + 99, *args.vocab_range)
                 run_load(args.base_url, model, warm, args.warmup, None, args.seed, args.api_key)
+            pid = proc.pid if proc is not None else args.server_pid
+            cpu0 = process_cpu(pid)
             summary = run_load(args.base_url, model, prompts, value if kind == "concurrency" else None,
                                value if kind == "request_rate" else None, args.seed, args.api_key,
                                args.client_processes)
+            cpu1 = process_cpu(pid)
+            if cpu1:  # the server's CPU seconds per second of the run (1.0 = one core busy), per process
+                summary["server_cpu_utilization"] = {k: (cpu1[k] - cpu0.get(k, 0.0)) / summary["duration_s"]
+                                                     for k in cpu1}
             run = {kind: value, "num_prompts": count, **summary}
             if kind == "concurrency" and value in offline:
                 run["offline_output_throughput_tok_s"] = offline[value]["output_throughput_tok_s"]
