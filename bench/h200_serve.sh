@@ -43,8 +43,10 @@ import json, sys
 for r in json.load(open(sys.argv[1]))["runs"]:
     print(f"  c={r['concurrency']}: {r['output_throughput_tok_s']:.0f} tok/s"
           + (f" = {r['fraction_of_offline']:.3f} of offline {r['offline_output_throughput_tok_s']:.0f}"
-             f", ITL p99 / TPOT p50 {r['itl_p99_over_tpot_p50']:.2f}" if "fraction_of_offline" in r else "")
-          + f", TPOT p50 {r['tpot_ms']['p50']:.2f} ms, ITL p99 {r['itl_ms']['p99']:.2f} ms, errors {r['errors']}")
+             f", ITL p99 / TPOT p50 {r['itl_p99_over_tpot_p50']:.2f}, offline ITL p99 {r['offline_itl_ms']['p99']:.2f} ms"
+             if "fraction_of_offline" in r else "")
+          + f", TPOT p50 {r['tpot_ms']['p50']:.2f} ms, ITL p99 {r['itl_ms']['p99']:.2f} ms"
+          + f", tokens/chunk {r.get('output_tokens_per_chunk', 0):.3f}, errors {r['errors']}")
 EOF
 }
 

@@ -52,6 +52,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    chunks: int = 0  # streamed chunks that carried text
     error: str = ""
 
 
@@ -101,6 +102,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                     last = now
                     chunks += 1
         res.e2e = time.perf_counter() - start
+        res.chunks = chunks
         if res.output_tokens == 0:
             res.output_tokens = chunks
         res.ok = last is not None
@@ -138,6 +140,8 @@ def summarize(results: list[Result], wall: float) -> dict:
         "request_throughput_rps": len(ok) / wall, "output_throughput_tok_s": out_tokens / wall,
         "total_token_throughput_tok_s": (in_tokens + out_tokens) / wall,
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        # 1.0: one chunk per token (more: the server merged tokens into chunks, or held text back)
+        "output_tokens_per_chunk": out_tokens / max(1, sum(r.chunks for r in ok)),
         "ttft_ms": stats([r.ttft for r in ok]), "tpot_ms": stats(tpot),
         "itl_ms": stats([x for r in ok for x in r.itl]), "e2e_ms": stats([r.e2e for r in ok]),
     }
@@ -239,7 +243,9 @@ def _offline_levels(server_args: str, server_model: str | None, jobs) -> list[di
         for concurrency, prompts in warmup + list(jobs):
             queue = list(prompts)
             ids = iter(range(1 << 62))
-            tokens = steps = 0
+            tokens = steps = outputs = 0
+            last: dict[str, float] = {}  # request -> time of its last tokens
+            itl: list[float] = []
             start = time.perf_counter()
 
             def add():
@@ -250,14 +256,25 @@ def _offline_levels(server_args: str, server_model: str | None, jobs) -> list[di
             for _ in range(min(concurrency, len(queue))):
                 add()
             while engine.has_unfinished_requests():
-                for o in engine.step():
-                    tokens += sum(len(c.token_ids) for c in o.outputs)
-                    if o.finished and queue:
-                        add()
+                step = engine.step()
+                now = time.perf_counter()
+                for o in step:
+                    n = sum(len(c.token_ids) for c in o.outputs)
+                    if n:
+                        tokens += n
+                        outputs += 1
+                        if o.request_id in last:
+                            itl.append(now - last[o.request_id])
+                        last[o.request_id] = now
+                    if o.finished:
+                        last.pop(o.request_id, None)
+                        if queue:
+                            add()
                 steps += 1
             wall = time.perf_counter() - start
             out.append({"concurrency": concurrency, "num_prompts": len(prompts), "output_throughput_tok_s": tokens / wall,
-                        "duration_s": wall, "steps": steps})
+                        "duration_s": wall, "steps": steps, "output_tokens_per_output": tokens / max(1, outputs),
+                        "itl_ms": {"p50": pct(itl, 50) * 1e3, "p90": pct(itl, 90) * 1e3, "p99": pct(itl, 99) * 1e3}})
     finally:
         engine.shutdown()
     return out[1:]
@@ -474,8 +491,10 @@ def main(argv=None) -> int:
             if kind == "concurrency" and value in offline:
                 run["offline_output_throughput_tok_s"] = offline[value]["output_throughput_tok_s"]
                 run["fraction_of_offline"] = summary["output_throughput_tok_s"] / run["offline_output_throughput_tok_s"]
-                # one chunk per token: the bound is ITL p99 <= 1.5 x TPOT p50
+                # one chunk per token: the bound is ITL p99 <= 1.5 x TPOT p50; prefill steps
+                # between decode steps stretch ITL offline too, hence the offline engine's own ITL
                 run["itl_p99_over_tpot_p50"] = summary["itl_ms"]["p99"] / summary["tpot_ms"]["p50"]
+                run["offline_itl_ms"] = offline[value]["itl_ms"]
             runs.append(run)
             print(f"{args.label} {kind}={value}: {summary['output_throughput_tok_s']:.1f} out tok/s, "
                   f"TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, TPOT p50 {summary['tpot_ms']['p50']:.1f} ms, "

@@ -10,8 +10,9 @@ Both run an EngineLoop (engine/core_loop.py) over an LLMEngine and hand its even
 - ``MPClient`` (the default; ``PAGEDLLM_ENABLE_MULTIPROCESSING=0`` turns it off, as vLLM's
   VLLM_ENABLE_V1_MULTIPROCESSING): the loop in an engine-core process started with "spawn" (a
   script that creates an AsyncLLM at module level needs ``if __name__ == "__main__":``, as with
-  vLLM). Commands and events travel as pickles over a pipe (a socket pair); a reader thread here
-  receives the events. The engine process ignores SIGINT / SIGTERM (the server drains first and
+  vLLM). Commands and events travel as pickles over a pipe (a socket pair), RequestOutputs as
+  tuples (engine/serial_utils.py; a request's prompt_token_ids with its first output only, the
+  front end keeps them); a reader thread here receives the events. The engine process ignores SIGINT / SIGTERM (the server drains first and
   then stops it) and exits when this process is gone. If it dies, the reader thread reports
   ("stopped", "the engine process exited with status N") and AsyncLLM fails what is in flight.
 
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from pagedllm.engine.llm_engine import EngineArgs, LLMEngine
+from pagedllm.engine.serial_utils import decode_output
 
 logger = logging.getLogger("pagedllm")
 
@@ -157,6 +159,8 @@ class MPClient:
                 if msg[0] == "stopped":
                     error = msg[1]
                     break
+                if msg[0] == "events":
+                    msg = msg[:2] + ([decode_output(t) for t in msg[2]],) + msg[3:]
                 self._on_message(msg)
         except (EOFError, OSError):
             self._proc.join(2.0)
@@ -227,6 +231,7 @@ def engine_core_main(conn, engine_args: EngineArgs, threads: int, log: tuple) ->
 
     from pagedllm import ops
     from pagedllm.engine.core_loop import EngineLoop
+    from pagedllm.engine.serial_utils import encode_output, without_prompt_ids
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -246,13 +251,30 @@ def engine_core_main(conn, engine_args: EngineArgs, threads: int, log: tuple) ->
             return None
         return conn.recv()  # EOFError once the front end is gone
 
+    sent_prompt: set[str] = set()  # requests whose prompt_token_ids went out already (sent once)
+
+    def encode(out) -> tuple:
+        t = encode_output(out)
+        rid = out.request_id
+        if rid in sent_prompt:
+            t = without_prompt_ids(t)
+        if out.finished:
+            sent_prompt.discard(rid)
+        else:
+            sent_prompt.add(rid)
+        return t
+
     def emit(msg: tuple) -> None:
-        if msg[0] == "events" and msg[1]:
-            msg = (msg[0], [(rid, None if exc is None else _portable(exc)) for rid, exc in msg[1]], *msg[2:])
+        if msg[0] == "events":
+            _, accepted, outputs, failed, error, metrics = msg
+            if accepted:
+                accepted = [(rid, None if exc is None else _portable(exc)) for rid, exc in accepted]
+            sent_prompt.difference_update(failed)
+            msg = ("events", accepted, [encode(o) for o in outputs], failed, error, metrics)
         conn.send(msg)
 
     try:
-        EngineLoop(engine, recv, emit, metrics_interval=0.05, strip_prompt_ids=True).run()
+        EngineLoop(engine, recv, emit, metrics_interval=0.05).run()
     finally:
         engine.shutdown()
         try:

@@ -24,14 +24,10 @@ Events out, one tuple per loop iteration that has something to say::
 When the loop ends (a "stop" command, the commands' source closing, or a bug in the loop itself)
 it aborts every request still in the engine, sends their final outputs and then
 ``("stopped", error)`` (error: None after a clean stop).
-
-Bandwidth: ``strip_prompt_ids=True`` (the process transport) sends a request's prompt_token_ids
-with its first output only; the front end restores them (it keeps them per request).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Callable, Optional
@@ -48,14 +44,11 @@ Emit = Callable[[tuple], None]
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, recv: Recv, emit: Emit, metrics_interval: float = 0.0,
-                 strip_prompt_ids: bool = False):
+    def __init__(self, engine: LLMEngine, recv: Recv, emit: Emit, metrics_interval: float = 0.0):
         self.engine = engine
         self.recv = recv
         self.emit = emit
         self.metrics_interval = metrics_interval
-        self.strip_prompt_ids = strip_prompt_ids
-        self._sent_prompt: set[str] = set()  # requests whose prompt ids went out already
         self._last_metrics = 0.0
 
     def run(self) -> None:
@@ -148,18 +141,4 @@ class EngineLoop:
         metrics = self.engine.get_metrics() if want_metrics else None
         if metrics is not None:
             self._last_metrics = now
-        if self.strip_prompt_ids:
-            outputs = [self._strip(o) for o in outputs]
-            self._sent_prompt.difference_update(failed)
         self.emit(("events", accepted, outputs, failed, error, metrics))
-
-    def _strip(self, out: RequestOutput) -> RequestOutput:
-        rid = out.request_id
-        if out.finished:
-            first = rid not in self._sent_prompt
-            self._sent_prompt.discard(rid)
-            return out if first else dataclasses.replace(out, prompt_token_ids=None)
-        if rid in self._sent_prompt:
-            return dataclasses.replace(out, prompt_token_ids=None)
-        self._sent_prompt.add(rid)
-        return out
