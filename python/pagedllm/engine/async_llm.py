@@ -27,10 +27,11 @@ process exits), every request in flight and every later call gets EngineDeadErro
 ``is_running`` turns False (the server then drains and exits with status 1).
 
 Metrics: ``get_metrics()`` returns the engine's metrics (see pagedllm.metrics) as of its last
-report (at least every 50 ms while busy, and with every finished request), plus the front-end
+report (at least every 50 ms while busy, and with every finished request), with vLLM's request
 histograms time_to_first_token_seconds, inter_token_latency_seconds,
-e2e_request_latency_seconds, ... (measured here when a step's outputs arrive) and the counter
-request_success (label finished_reason).
+e2e_request_latency_seconds, ... and the counter request_success (label finished_reason),
+observed by the engine loop (engine/request_stats.py) from the arrival time this front end
+gives each request.
 """
 
 from __future__ import annotations
@@ -46,34 +47,11 @@ from typing import Any, AsyncGenerator, Optional, Union
 
 from pagedllm.engine.core_client import InprocClient, MPClient, multiprocessing_enabled
 from pagedllm.engine.llm_engine import EngineArgs
-from pagedllm.metrics import PREFIX, Counter, HistogramData, Metric
+from pagedllm.metrics import PREFIX, Metric
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedllm")
-
-# Bucket bounds of vLLM's front-end histograms (seconds).
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0]
-FINISH_REASONS = ("stop", "length", "abort", "error")
-#: vLLM's request_params_n buckets
-N_BUCKETS = [1, 2, 5, 10, 20]
-
-
-def buckets_1_2_5(limit: int) -> list[float]:
-    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's token-count buckets)."""
-    out, scale = [], 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > limit:
-                return out
-            out.append(float(m * scale))
-        scale *= 10
-
 
 @dataclasses.dataclass
 class AsyncEngineArgs(EngineArgs):
@@ -138,16 +116,11 @@ def _merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 @dataclasses.dataclass
 class _Tracked:
-    """Front-end bookkeeping of one request (its collector, the latency histograms)."""
+    """Front-end bookkeeping of one request."""
 
     collector: RequestOutputCollector
     loop: asyncio.AbstractEventLoop
-    arrival: float
-    params: Optional[SamplingParams] = None
     prompt_token_ids: Optional[list] = None  # as sent; the engine's (truncated) ids once known
-    tokens_seen: int = 0
-    last_token_time: Optional[float] = None
-    seq_tokens: dict = dataclasses.field(default_factory=dict)  # sequence index -> output tokens
 
 
 class AsyncLLM:
@@ -171,7 +144,6 @@ class AsyncLLM:
         self._engine_metrics: list[Metric] = []
         self._stopped = False
         self._dead: Optional[str] = None
-        self._finished_by_reason = {r: 0 for r in FINISH_REASONS}
         if multiprocess is None:
             multiprocess = multiprocessing_enabled()
         client_cls = MPClient if multiprocess else InprocClient
@@ -185,21 +157,6 @@ class AsyncLLM:
         self.max_model_len = info.max_model_len
         self._model_name = info.model_name
         self._ids = itertools.count()
-        tokens = buckets_1_2_5(self.max_model_len)
-        self._histograms = {  # vLLM v1's front-end histograms, its bucket bounds
-            "time_to_first_token_seconds": HistogramData(TTFT_BUCKETS),
-            "inter_token_latency_seconds": HistogramData(ITL_BUCKETS),
-            "e2e_request_latency_seconds": HistogramData(E2E_BUCKETS),
-            "request_queue_time_seconds": HistogramData(E2E_BUCKETS),
-            "request_inference_time_seconds": HistogramData(E2E_BUCKETS),
-            "request_prefill_time_seconds": HistogramData(E2E_BUCKETS),
-            "request_decode_time_seconds": HistogramData(E2E_BUCKETS),
-            "request_prompt_tokens": HistogramData(tokens),
-            "request_generation_tokens": HistogramData(tokens),
-            "request_max_num_generation_tokens": HistogramData(tokens),
-            "request_params_max_tokens": HistogramData(tokens),
-            "request_params_n": HistogramData(N_BUCKETS),
-        }
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> "AsyncLLM":
@@ -265,13 +222,13 @@ class AsyncLLM:
         collector = RequestOutputCollector(params.output_kind)
         accepted: asyncio.Future = loop.create_future()
         ids = list(prompt_token_ids)
-        tracked = _Tracked(collector, loop, time.monotonic(), params, prompt_token_ids=ids)
+        tracked = _Tracked(collector, loop, prompt_token_ids=ids)
         with self._lock:
             if request_id in self._requests or request_id in self._pending:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._pending[request_id] = (tracked, accepted)
         try:
-            self.client.send(("add", request_id, prompt, ids, params, priority, cache_salt))
+            self.client.send(("add", request_id, prompt, ids, params, priority, cache_salt, time.monotonic()))
         except BaseException:
             with self._lock:
                 self._pending.pop(request_id, None)
@@ -321,18 +278,10 @@ class AsyncLLM:
         self._send_quietly(("abort_all",))
 
     def get_metrics(self) -> list[Metric]:
-        """Engine metrics (as of the engine's last report) plus the front-end histograms."""
-        labels = {"model_name": self._model_name}
+        """The engine's metrics and its request histograms (engine/request_stats.py), as of the
+        engine's last report."""
         with self._lock:
-            metrics = list(self._engine_metrics)
-            for name, hist in self._histograms.items():
-                metrics.append(hist.metric(PREFIX + name, dict(labels)))
-            # vLLM's older name of the same series (its dashboards still query it)
-            metrics.append(self._histograms["inter_token_latency_seconds"].metric(
-                PREFIX + "time_per_output_token_seconds", dict(labels)))
-            for reason, count in self._finished_by_reason.items():
-                metrics.append(Counter(PREFIX + "request_success", {**labels, "finished_reason": reason}, count))
-        return metrics
+            return list(self._engine_metrics)
 
     async def check_health(self) -> None:
         self._check_alive()
@@ -375,13 +324,12 @@ class AsyncLLM:
     # ------------------------------------------------------------------ events (engine / reader thread)
     def _on_message(self, msg: tuple) -> None:
         """The engine loop's events (engine/core_loop.py), in order, on one background thread:
-        settle accepted adds, observe latencies, then hand outputs to their event loops (so a
-        consumer that sees an output also sees metrics that include its step)."""
+        settle accepted adds, keep the metrics snapshot, then hand outputs to their event loops
+        (so a consumer that sees an output also sees metrics that include its step)."""
         if msg[0] == "stopped":
             self._on_stopped(msg[1])
             return
         _, accepted, outputs, failed, error, metrics = msg
-        now = time.monotonic()
         calls: list = []  # (loop, fn, args)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
@@ -403,7 +351,6 @@ class AsyncLLM:
                     out.prompt_token_ids = tracked.prompt_token_ids
                 else:
                     tracked.prompt_token_ids = out.prompt_token_ids
-                self._observe(tracked, out, now)
                 batches.setdefault(tracked.loop, []).append((tracked.collector, out))
                 if out.finished:
                     del self._requests[out.request_id]
@@ -412,7 +359,6 @@ class AsyncLLM:
                 for rid in failed:
                     tracked = self._requests.pop(rid, None)
                     if tracked is not None:
-                        self._finished_by_reason["error"] += 1
                         batches.setdefault(tracked.loop, []).append((tracked.collector, exc))
         for loop, fn, args in calls:
             _call_soon(loop, fn, *args)
@@ -433,45 +379,6 @@ class AsyncLLM:
             _call_soon(tracked.loop, _set_future, fut, exc)
         for tracked in requests.values():
             _call_soon(tracked.loop, _put_all, [(tracked.collector, exc)])
-
-    def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
-        """Latency histograms of one output (the caller holds the lock)."""
-        delta = tracked.collector.aggregate
-        for c in out.outputs:
-            tracked.seq_tokens[c.index] = tracked.seq_tokens.get(c.index, 0) * delta + len(c.token_ids)
-        total = sum(tracked.seq_tokens.values())
-        hist = self._histograms
-        if total > tracked.tokens_seen:
-            if tracked.last_token_time is None:
-                hist["time_to_first_token_seconds"].observe(now - tracked.arrival)
-            else:
-                hist["inter_token_latency_seconds"].observe(now - tracked.last_token_time)
-            tracked.last_token_time = now
-            tracked.tokens_seen = total
-        if out.finished:
-            hist["e2e_request_latency_seconds"].observe(now - tracked.arrival)
-            reason = out.outputs[0].finish_reason if out.outputs else "abort"
-            self._finished_by_reason[reason if reason in self._finished_by_reason else "abort"] += 1
-            self._observe_finished(tracked, out, total)
-
-    def _observe_finished(self, tracked: _Tracked, out: RequestOutput, total: int) -> None:
-        """vLLM's per-request histograms of a finished request (vllm.v1.metrics: queued ->
-        scheduled -> first token -> last token), from its RequestMetrics."""
-        hist, m = self._histograms, out.metrics
-        if m is not None and m.first_scheduled_time is not None:
-            hist["request_queue_time_seconds"].observe(m.first_scheduled_time - m.arrival_time)
-            if m.first_token_time is not None:
-                last = m.last_token_time if m.last_token_time is not None else m.first_token_time
-                hist["request_prefill_time_seconds"].observe(m.first_token_time - m.first_scheduled_time)
-                hist["request_decode_time_seconds"].observe(last - m.first_token_time)
-                hist["request_inference_time_seconds"].observe(last - m.first_scheduled_time)
-        hist["request_prompt_tokens"].observe(len(out.prompt_token_ids))
-        hist["request_generation_tokens"].observe(total)
-        hist["request_max_num_generation_tokens"].observe(max(tracked.seq_tokens.values(), default=0))
-        if tracked.params is not None:
-            hist["request_params_n"].observe(tracked.params.n)
-            if tracked.params.max_tokens is not None:
-                hist["request_params_max_tokens"].observe(tracked.params.max_tokens)
 
 
 def _set_future(fut: asyncio.Future, exc: Optional[BaseException]) -> None:

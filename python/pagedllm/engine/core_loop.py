@@ -5,7 +5,7 @@ same code either way, talking to the front end only through messages.
 
 Commands in (tuples, in order)::
 
-    ("add", request_id, prompt, prompt_token_ids, SamplingParams, priority, cache_salt)
+    ("add", request_id, prompt, prompt_token_ids, SamplingParams, priority, cache_salt, arrival)
     ("abort", [request_id, ...])      ("abort_all",)      ("model_name", name)      ("stop",)
 
 Events out, one tuple per loop iteration that has something to say::
@@ -17,9 +17,10 @@ Events out, one tuple per loop iteration that has something to say::
 - outputs: the RequestOutputs of the step (and the final outputs of aborted requests);
 - failed: request ids finished because the step raised (error: its message); their KV blocks are
   freed and the loop keeps serving;
-- metrics: the engine's metrics (pagedllm.metrics), or None when unchanged enough to skip (a
-  snapshot always comes with accepted adds, finished requests, failures and going idle, else at
-  most every ``metrics_interval`` seconds).
+- metrics: the engine's metrics (pagedllm.metrics) and the request histograms the loop observes
+  (engine/request_stats.py; ``arrival``: the front end's time.monotonic() at add_request), or
+  None when unchanged enough to skip (a snapshot always comes with accepted adds, finished
+  requests, failures and going idle, else at most every ``metrics_interval`` seconds).
 
 When the loop ends (a "stop" command, the commands' source closing, or a bug in the loop itself)
 it aborts every request still in the engine, sends their final outputs and then
@@ -33,6 +34,7 @@ import time
 from typing import Callable, Optional
 
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.request_stats import RequestStats
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm")
@@ -49,6 +51,7 @@ class EngineLoop:
         self.recv = recv
         self.emit = emit
         self.metrics_interval = metrics_interval
+        self.stats = RequestStats(engine.max_model_len)
         self._last_metrics = 0.0
 
     def run(self) -> None:
@@ -106,6 +109,7 @@ class EngineLoop:
                     accepted.append((rid, exc))
                 else:
                     accepted.append((rid, None))
+                    self.stats.on_add(rid, cmd[4], cmd[7])
             elif kind == "abort":
                 for rid in cmd[1]:
                     final = self._abort(rid)
@@ -133,12 +137,17 @@ class EngineLoop:
     def _send(self, accepted: list, outputs: list, failed: list, error: Optional[str],
               force_metrics: bool = False) -> None:
         now = time.monotonic()
+        self.stats.on_outputs(outputs, now)
+        self.stats.on_failed(failed)
         idle = not self.engine.has_unfinished_requests()
         want_metrics = (force_metrics or accepted or failed or idle or now - self._last_metrics >= self.metrics_interval
                         or any(o.finished for o in outputs))
         if not (accepted or outputs or failed or want_metrics):
             return
-        metrics = self.engine.get_metrics() if want_metrics else None
+        metrics = None
+        if want_metrics:
+            name = self.engine.model_name
+            metrics = self.engine.get_metrics() + self.stats.metrics({"model_name": name} if name else {})
         if metrics is not None:
             self._last_metrics = now
         self.emit(("events", accepted, outputs, failed, error, metrics))
