@@ -129,12 +129,15 @@ class AsyncLLM:
 
     Construct with ``AsyncLLM.from_engine_args(AsyncEngineArgs(...))`` or
     ``AsyncLLM(model=..., **LLM keyword arguments)``; ``multiprocess`` (default: the environment's
-    PAGEDLLM_ENABLE_MULTIPROCESSING, on) picks the engine's own process over a thread of this one.
-    Thread-safe for asyncio callers on any one event loop per request."""
+    PAGEDLLM_ENABLE_MULTIPROCESSING, on) picks the engine's own process over a thread of this one;
+    engine_conn + engine_info attach to an engine process already running (one of the server's
+    API processes: engine/core_client.start_engine_process). Thread-safe for asyncio callers on any one event loop per request."""
 
     def __init__(self, engine_args: Optional[EngineArgs] = None, *, multiprocess: Optional[bool] = None,
-                 **kwargs: Any):
-        if engine_args is None:
+                 engine_conn=None, engine_info=None, **kwargs: Any):
+        if engine_conn is not None:  # an API server process: the engine process runs already
+            engine_args = engine_info.args
+        elif engine_args is None:
             engine_args = AsyncEngineArgs(**kwargs)
         elif kwargs:
             raise TypeError("pass either engine_args or keyword arguments, not both")
@@ -144,10 +147,14 @@ class AsyncLLM:
         self._engine_metrics: list[Metric] = []
         self._stopped = False
         self._dead: Optional[str] = None
-        if multiprocess is None:
-            multiprocess = multiprocessing_enabled()
-        client_cls = MPClient if multiprocess else InprocClient
-        self.client = client_cls(engine_args, self._on_message)
+        if engine_conn is not None:
+            multiprocess = True
+            self.client = MPClient(None, self._on_message, conn=engine_conn, info=engine_info)
+        else:
+            if multiprocess is None:
+                multiprocess = multiprocessing_enabled()
+            client_cls = MPClient if multiprocess else InprocClient
+            self.client = client_cls(engine_args, self._on_message)
         info = self.client.info
         self.info = info
         # The front end tokenizes on the event loop while the engine detokenizes: a thread of its

@@ -8,16 +8,17 @@ Both run an EngineLoop (engine/core_loop.py) over an LLMEngine and hand its even
   work (scheduling, batch preparation, sampling, detokenization) shares the GIL with the event
   loop that serves HTTP.
 - ``MPClient`` (the default; ``PAGEDLLM_ENABLE_MULTIPROCESSING=0`` turns it off, as vLLM's
-  VLLM_ENABLE_V1_MULTIPROCESSING): the loop in an engine-core process started with "spawn" (a
-  script that creates an AsyncLLM at module level needs ``if __name__ == "__main__":``, as with
-  vLLM). Commands and events travel as pickles over a pipe (a socket pair), RequestOutputs as
-  tuples (engine/serial_utils.py; a request's prompt_token_ids with its first output only, the
-  front end keeps them); a reader thread here receives the events. The engine process ignores SIGINT / SIGTERM (the server drains first and
-  then stops it) and exits when this process is gone. If it dies, the reader thread reports
-  ("stopped", "the engine process exited with status N") and AsyncLLM fails what is in flight.
+  VLLM_ENABLE_V1_MULTIPROCESSING): the loop in the engine-core process (engine/core_proc.py),
+  started with "spawn" (a script that creates an AsyncLLM at module level needs
+  ``if __name__ == "__main__":``, as with vLLM). Commands and events travel as pickles over a
+  pipe (a socket pair), RequestOutputs as tuples (engine/serial_utils.py); a reader thread here
+  receives the events. If the process dies, the reader reports ("stopped", "the engine process
+  exited with status N") and AsyncLLM fails what is in flight.
+  ``start_engine_process(args, n)`` starts one engine for n front ends (the server's
+  --api-server-count); ``MPClient(conn=..., info=...)`` attaches a front end to its pipe.
 
 ``EngineInfo``: what the front end needs of the engine without owning it (model config,
-max_model_len, tokenizer, generation defaults, the engine arguments).
+max_model_len, tokenizer, generation defaults, the engine arguments, its process id).
 """
 
 from __future__ import annotations
@@ -27,11 +28,8 @@ import gc
 import logging
 import multiprocessing
 import os
-import pickle
 import queue
-import signal
 import threading
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -62,11 +60,12 @@ class EngineInfo:
     max_model_len: int
     generation_defaults: dict
     tokenizer: Any
+    pid: int  # of the process that runs the engine
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineInfo":
         return cls(engine.args, engine.model_config, engine.model_path, engine.model_name, engine.max_model_len,
-                   dict(engine.generation_defaults), engine.tokenizer)
+                   dict(engine.generation_defaults), engine.tokenizer, os.getpid())
 
 
 class InprocClient:
@@ -108,48 +107,74 @@ class InprocClient:
         return True
 
 
-class MPClient:
-    """The engine loop in its own process (module docstring)."""
+def start_engine_process(engine_args: EngineArgs, num_clients: int = 1):
+    """Start the engine-core process for num_clients front ends and wait until its engine is
+    built. Returns (process, [pipe per front end], EngineInfo); raises the engine's start-up error
+    (ValueError for bad arguments) after the process has exited."""
+    import torch
 
-    def __init__(self, engine_args: EngineArgs, on_message: OnMessage):
-        import torch
+    from pagedllm.engine.core_proc import engine_core_main
 
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        root = logging.getLogger()
-        log = (logging.getLogger("pagedllm").getEffectiveLevel(), bool(root.handlers))
-        self._proc = ctx.Process(target=engine_core_main, name="pagedllm-engine-core",
-                                 args=(child, engine_args, torch.get_num_threads(), log), daemon=False)
-        self._proc.start()
+    ctx = multiprocessing.get_context("spawn")
+    pairs = [ctx.Pipe(duplex=True) for _ in range(num_clients)]
+    root = logging.getLogger()
+    log = (logging.getLogger("pagedllm").getEffectiveLevel(), bool(root.handlers))
+    proc = ctx.Process(target=engine_core_main, name="pagedllm-engine-core",
+                       args=([child for _, child in pairs], engine_args, torch.get_num_threads(), log), daemon=False)
+    proc.start()
+    for _, child in pairs:
         child.close()
-        self._send_lock = threading.Lock()
-        self._on_message = on_message
+    conns = [conn for conn, _ in pairs]
+    try:
+        while not conns[0].poll(0.5):
+            if not proc.is_alive():
+                raise RuntimeError(f"the engine process exited with status {proc.exitcode} before it was ready")
         try:
-            self.info = self._wait_ready()
-        except BaseException:
-            self._stop_process(5.0)
-            raise
-        self._reader = threading.Thread(target=self._read, name="pagedllm-engine-reader", daemon=True)
-        self._reader.start()
-        logger.info("engine core process %d ready", self._proc.pid)
-
-    @property
-    def pid(self) -> Optional[int]:
-        """The engine-core process's pid."""
-        return self._proc.pid
-
-    def _wait_ready(self) -> EngineInfo:
-        while not self._conn.poll(0.5):
-            if not self._proc.is_alive():
-                raise RuntimeError(f"the engine process exited with status {self._proc.exitcode} before it was ready")
-        try:
-            msg = self._conn.recv()
+            msg = conns[0].recv()
         except EOFError:
-            self._proc.join(5.0)
-            raise RuntimeError(f"the engine process exited with status {self._proc.exitcode} before it was ready") from None
+            proc.join(5.0)
+            raise RuntimeError(f"the engine process exited with status {proc.exitcode} before it was ready") from None
         if msg[0] == "error":
             raise msg[1]
-        return msg[1]
+    except BaseException:
+        for conn in conns:
+            conn.close()
+        _stop_process(proc, 5.0)
+        raise
+    logger.info("engine core process %d ready", proc.pid)
+    return proc, conns, msg[1]
+
+
+def _stop_process(proc, timeout: float) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        logger.error("the engine process did not stop within %.0f s: terminating it", timeout)
+        proc.terminate()
+        proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+
+
+class MPClient:
+    """The engine loop in its own process (module docstring): started here (engine_args), or
+    already running with this front end's pipe (conn and info; the process is not ours to stop)."""
+
+    def __init__(self, engine_args: Optional[EngineArgs], on_message: OnMessage, *, conn=None,
+                 info: Optional[EngineInfo] = None):
+        if conn is None:
+            self._proc, (self._conn,), self.info = start_engine_process(engine_args, 1)
+        else:
+            self._proc, self._conn, self.info = None, conn, info
+        self._send_lock = threading.Lock()
+        self._on_message = on_message
+        self._reader = threading.Thread(target=self._read, name="pagedllm-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        """The engine-core process's pid."""
+        return self.info.pid
 
     def _read(self) -> None:
         error: Optional[str] = None
@@ -163,8 +188,10 @@ class MPClient:
                     msg = msg[:2] + ([decode_output(t) for t in msg[2]],) + msg[3:]
                 self._on_message(msg)
         except (EOFError, OSError):
-            self._proc.join(2.0)
-            code = self._proc.exitcode
+            code = None
+            if self._proc is not None:
+                self._proc.join(2.0)
+                code = self._proc.exitcode
             error = f"the engine process exited with status {code}" if code is not None else "the engine process is gone"
             logger.error("%s", error)
         except BaseException as exc:  # pragma: no cover - a bug in on_message
@@ -190,94 +217,7 @@ class MPClient:
         except Exception:
             pass
         self._reader.join(timeout)
-        return self._stop_process(timeout)
-
-    def _stop_process(self, timeout: float) -> bool:
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            logger.error("the engine process did not stop within %.0f s: terminating it", timeout)
-            self._proc.terminate()
-            self._proc.join(5.0)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5.0)
         self._conn.close()
+        if self._proc is not None:
+            _stop_process(self._proc, timeout)
         return True
-
-
-def _portable(exc: BaseException) -> BaseException:
-    """exc if it survives pickling, else a ValueError / RuntimeError with its message."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        cls = ValueError if isinstance(exc, ValueError) else RuntimeError
-        return cls(str(exc) if cls is ValueError else f"{type(exc).__name__}: {exc}")
-
-
-def engine_core_main(conn, engine_args: EngineArgs, threads: int, log: tuple) -> None:
-    """Entry point of the engine-core process (module docstring): build the LLMEngine, answer
-    ("ready", EngineInfo) or ("error", exception), then run the EngineLoop on the pipe."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from pagedllm.worker.worker_process import _exit_with_parent
-
-    _exit_with_parent()
-    level, configure = log
-    if configure:
-        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pagedllm").setLevel(level)
-    import torch
-
-    from pagedllm import ops
-    from pagedllm.engine.core_loop import EngineLoop
-    from pagedllm.engine.serial_utils import encode_output, without_prompt_ids
-
-    if threads > 0:
-        torch.set_num_threads(threads)
-        if hasattr(ops, "set_num_threads"):
-            ops.set_num_threads(threads)
-    try:
-        engine = LLMEngine(engine_args)
-    except BaseException as exc:
-        logger.debug("engine start-up failed:\n%s", traceback.format_exc())
-        conn.send(("error", _portable(exc)))
-        conn.close()
-        return
-    conn.send(("ready", EngineInfo.of(engine)))
-
-    def recv(block: bool) -> Optional[tuple]:
-        if not block and not conn.poll():
-            return None
-        return conn.recv()  # EOFError once the front end is gone
-
-    sent_prompt: set[str] = set()  # requests whose prompt_token_ids went out already (sent once)
-
-    def encode(out) -> tuple:
-        t = encode_output(out)
-        rid = out.request_id
-        if rid in sent_prompt:
-            t = without_prompt_ids(t)
-        if out.finished:
-            sent_prompt.discard(rid)
-        else:
-            sent_prompt.add(rid)
-        return t
-
-    def emit(msg: tuple) -> None:
-        if msg[0] == "events":
-            _, accepted, outputs, failed, error, metrics = msg
-            if accepted:
-                accepted = [(rid, None if exc is None else _portable(exc)) for rid, exc in accepted]
-            sent_prompt.difference_update(failed)
-            msg = ("events", accepted, [encode(o) for o in outputs], failed, error, metrics)
-        conn.send(msg)
-
-    try:
-        EngineLoop(engine, recv, emit, metrics_interval=0.05).run()
-    finally:
-        engine.shutdown()
-        try:
-            conn.close()
-        except OSError:
-            pass
