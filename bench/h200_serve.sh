@@ -4,7 +4,8 @@
 #   bench/serve.py --offline: the offline engine and `pagedllm serve` (engine in its own process,
 #   the default) on the same prompts at 1 / 16 / 64 / 256 concurrent streams of 256 in / 256 out;
 #   then the same server with the engine on a thread (PAGEDLLM_ENABLE_MULTIPROCESSING=0) (STAGE=all;
-#   STAGE=mp: the first part only). STAGE=profile: the server under 64 then 256 streams, its
+#   STAGE=mp: the first part only; STAGE=asc: --offline with 2 API server processes, then 4).
+#   STAGE=profile: the server under 64 then 256 streams, its
 #   processes' CPU use per level and 8 s of py-spy samples of the front end and of the engine
 #   process at 256 (py-spy's wheel carried in .whl).
 # The server's packages travel as wheels (.whl, carried; see the device README), since the
@@ -89,5 +90,9 @@ for r in json.load(open('$OUT/$NAME-serve-profile.json'))['runs']:
 case ${STAGE:-all} in
   all) run mp --offline; PAGEDLLM_ENABLE_MULTIPROCESSING=0 run thread ;;
   mp) run mp --offline ;;
+  asc)  # several API server processes (--api-server-count)
+    base=$ARGS
+    ARGS="$base --api-server-count 2" run asc2 --offline
+    ARGS="$base --api-server-count 4" run asc4 ;;
   profile) profile ;;
 esac

@@ -229,14 +229,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM / SIGINT: refuse new requests (503) and let those in flight finish for up to "
                              "this many seconds, then abort them (a second signal exits at once)")
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1,
+                        help="HTTP front-end processes sharing the port and one engine process (vLLM's flag): more "
+                             "than 1 when one process's event loop cannot keep up with many concurrent streams")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
 
 
 def run_server(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    """`pagedllm serve`: the engine (its own process by default) and one HTTP front end in this
+    process, or with --api-server-count N > 1 the engine process and N front-end processes that
+    share the listening socket (this process supervises them)."""
     from pagedllm.entrypoints.openai.cli_args import engine_args_from
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -253,7 +257,25 @@ def run_server(args: argparse.Namespace) -> int:
         engine_args.model = args.model_tag
     if args.shutdown_timeout < 0:
         raise SystemExit(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    engine = AsyncLLM.from_engine_args(engine_args)
+    if args.api_server_count < 1:
+        raise SystemExit(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1:
+        if args.rate_limit_rpm is not None or args.rate_limit_tpm is not None:
+            raise SystemExit("--rate-limit-rpm / --rate-limit-tpm count in one process: use them with "
+                             f"--api-server-count 1, not {args.api_server_count}")
+        from pagedllm.entrypoints.openai.api_server_group import run_api_servers
+
+        return run_api_servers(args, engine_args)
+    return serve(args, AsyncLLM.from_engine_args(engine_args))
+
+
+def serve(args: argparse.Namespace, engine: AsyncLLM, sockets=None, early_signals: Optional[list] = None) -> int:
+    """Serve `engine` over HTTP until a signal (GracefulServer's drain) or its death; returns the
+    exit status (1 if the engine died). sockets: already bound listening sockets (several API
+    server processes share one), else bind args.host / args.port. early_signals: signals caught
+    before the server existed (it starts draining at once)."""
+    import uvicorn
+
     app = build_app(engine, args.served_model_name, args.api_key, args.max_queued_requests, shutdown_engine=True,
                     metrics_public=args.metrics_public, force_include_usage=args.enable_force_include_usage,
                     tokenizer_info=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
@@ -265,10 +287,12 @@ def run_server(args: argparse.Namespace) -> int:
     config = uvicorn.Config(in_flight, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5, loop="auto")
     server = GracefulServer(config, engine, in_flight, args.shutdown_timeout)
+    if early_signals:
+        server.handle_exit(early_signals[0], None)
     logger.info("serving %s on http://%s:%d", app.state.ctx.model_name, args.host, args.port)
     try:
         with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-            runner.run(server.serve())
+            runner.run(server.serve(sockets=sockets))
     finally:
         engine.shutdown()
     return server.exit_code
