@@ -94,5 +94,6 @@ case ${STAGE:-all} in
     base=$ARGS
     ARGS="$base --api-server-count 2" run asc2 --offline
     ARGS="$base --api-server-count 4" run asc4 ;;
+  asc4) ARGS="$ARGS --api-server-count 4" run asc4 --offline ;;
   profile) profile ;;
 esac

@@ -145,6 +145,9 @@ class AsyncLLM:
         self._requests: dict[str, _Tracked] = {}  # accepted by the engine, not finished
         self._pending: dict[str, tuple[_Tracked, asyncio.Future]] = {}  # sent, not yet accepted
         self._engine_metrics: list[Metric] = []
+        self._metrics_time = 0.0  # time.monotonic() of the snapshot
+        self._metrics_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.shared_engine = engine_conn is not None  # one of several front ends of one engine
         self._stopped = False
         self._dead: Optional[str] = None
         if engine_conn is not None:
@@ -290,6 +293,20 @@ class AsyncLLM:
         with self._lock:
             return list(self._engine_metrics)
 
+    async def refresh_metrics(self, max_age: float = 0.0) -> None:
+        """With an engine shared by several front ends (an API server process), whose snapshot
+        here is only refreshed by this front end's own requests: ask the engine for a fresh one
+        unless it is at most max_age seconds old, and wait for it (about one engine step). A
+        no-op otherwise (the engine reports to its only front end)."""
+        if not self.shared_engine or time.monotonic() - self._metrics_time <= max_age:
+            return
+        self._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._metrics_waiters.append((asyncio.get_running_loop(), fut))
+        self.client.send(("metrics",))
+        await asyncio.wait_for(fut, 30.0)
+
     async def check_health(self) -> None:
         self._check_alive()
 
@@ -342,6 +359,9 @@ class AsyncLLM:
         with self._lock:
             if metrics is not None:
                 self._engine_metrics = metrics
+                self._metrics_time = time.monotonic()
+                waiters, self._metrics_waiters = self._metrics_waiters, []
+                calls += [(loop, _set_future, (fut, None)) for loop, fut in waiters]
             for rid, exc in accepted:
                 entry = self._pending.pop(rid, None)
                 if entry is None:
@@ -382,6 +402,9 @@ class AsyncLLM:
         with self._lock:
             pending, self._pending = self._pending, {}
             requests, self._requests = self._requests, {}
+            waiters, self._metrics_waiters = self._metrics_waiters, []
+        for loop, fut in waiters:
+            _call_soon(loop, _set_future, fut, exc)
         for tracked, fut in pending.values():
             _call_soon(tracked.loop, _set_future, fut, exc)
         for tracked in requests.values():

@@ -7,6 +7,7 @@ Commands in (tuples, in order)::
 
     ("add", request_id, prompt, prompt_token_ids, SamplingParams, priority, cache_salt, arrival)
     ("abort", [request_id, ...])      ("abort_all",)      ("model_name", name)      ("stop",)
+    ("metrics",)                      a metrics snapshot with the next events
 
 Events out, one tuple per loop iteration that has something to say::
 
@@ -53,6 +54,7 @@ class EngineLoop:
         self.metrics_interval = metrics_interval
         self.stats = RequestStats(engine.max_model_len)
         self._last_metrics = 0.0
+        self._metrics_asked = False
 
     def run(self) -> None:
         engine = self.engine
@@ -122,6 +124,8 @@ class EngineLoop:
                         outputs.append(final)
             elif kind == "model_name":
                 self.engine.model_name = cmd[1]
+            elif kind == "metrics":
+                self._metrics_asked = True
             elif kind == "stop":
                 return False
             else:
@@ -140,8 +144,9 @@ class EngineLoop:
         self.stats.on_outputs(outputs, now)
         self.stats.on_failed(failed)
         idle = not self.engine.has_unfinished_requests()
-        want_metrics = (force_metrics or accepted or failed or idle or now - self._last_metrics >= self.metrics_interval
-                        or any(o.finished for o in outputs))
+        want_metrics = (force_metrics or self._metrics_asked or accepted or failed or idle
+                        or now - self._last_metrics >= self.metrics_interval or any(o.finished for o in outputs))
+        self._metrics_asked = False
         if not (accepted or outputs or failed or want_metrics):
             return
         metrics = None

@@ -8,7 +8,10 @@ EngineLoop with ``ClientMux`` as its command source and event sink:
 - commands from every pipe, in arrival order; with several front ends a request id becomes
   ``"<front end>|<id>"`` inside the engine (each front end numbers its requests on its own), and
   a front end's ``abort_all`` / ``stop`` / closed pipe aborts only its own requests;
-- each event goes to the front end that owns its requests (ids restored), metrics to all;
+- each event goes to the front end that owns its requests (ids restored); metrics go with them,
+  and to a front end that asked (``("metrics",)``: its /metrics); with several front ends an idle
+  one gets nothing (a front end still starting does not read its pipe, and a full pipe would
+  stall the engine);
   RequestOutputs travel as tuples (engine/serial_utils.py), a request's prompt_token_ids with
   its first output only (the front end keeps them);
 - the loop stops once every front end has gone (stop command or closed pipe).
@@ -53,6 +56,7 @@ class ClientMux:
         self.pending: collections.deque = collections.deque()
         self.live: list[set[str]] = [set() for _ in conns]  # engine request ids of each front end
         self.sent_prompt: set[str] = set()  # requests whose prompt ids went out already
+        self.asked: set[int] = set()  # front ends waiting for a metrics snapshot
 
     # ---- commands in ------------------------------------------------------------------------
     def recv(self, block: bool) -> Optional[tuple]:
@@ -86,6 +90,9 @@ class ClientMux:
             self.pending.append(("abort", [f"{i}|{r}" for r in cmd[1]]))
         elif kind == "abort_all":
             self.pending.append(("abort", list(self.live[i])))
+        elif kind == "metrics":
+            self.asked.add(i)
+            self.pending.append(cmd)
         elif kind == "stop":  # this front end is leaving: the others keep the engine
             self._send(i, ("stopped", None))
             self._close(i)
@@ -144,8 +151,12 @@ class ClientMux:
             parts[i][2].append(own)
         for i in list(self.open):
             acc, outs, fail = parts[i]
-            if acc or outs or fail or metrics is not None:
-                self._send(i, ("events", acc, outs, fail, error, metrics))
+            mine = bool(acc or outs or fail)
+            wanted = metrics is not None and (not self.multi or mine or i in self.asked)
+            if mine or wanted:
+                self._send(i, ("events", acc, outs, fail, error, metrics if wanted else None))
+                if wanted:
+                    self.asked.discard(i)
 
     def _send(self, i: int, msg: tuple) -> None:
         try:

@@ -134,6 +134,7 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
         "description": "Prometheus text exposition (docs/serving.md lists the series)",
         "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}, 401: _ERROR})
     async def metrics() -> Response:
+        await engine.refresh_metrics()  # an engine shared by several API servers: its current figures
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=ModelList)
