@@ -24,6 +24,7 @@ sequences are; its state is then dropped.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -34,6 +35,18 @@ from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from pagedllm.sample import LogprobsTensors, Sampler, SamplerOutput, TokenTextCache, logprob_dict
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+logger = logging.getLogger("pagedllm")
+
+
+class RequestSetupError(RuntimeError):
+    """Setting up some requests' sequences failed during a step (OutputProcessor.on_schedule).
+    failures: {request_id: the exception}."""
+
+    def __init__(self, failures: dict):
+        self.failures = dict(failures)
+        super().__init__("; ".join(f"request {rid}: {type(e).__name__}: {e}" for rid, e in self.failures.items()))
 
 
 @dataclass
@@ -125,14 +138,31 @@ class OutputProcessor:
             cumulative_logprob=0.0 if want_lp else None,
         )
         self._seq_owner[seq_id] = (request_id, index)
+        try:
+            self.sampler.add_sequence(seq_id, params, state.prompt_token_ids, index, self.eos_token_ids)
+        except BaseException:  # nothing of the sequence stays registered
+            del state.seqs[index]
+            del self._seq_owner[seq_id]
+            raise
         if state.metrics.first_scheduled_time is None:
             state.metrics.first_scheduled_time = time.time()
-        self.sampler.add_sequence(seq_id, params, state.prompt_token_ids, index, self.eos_token_ids)
 
     def on_schedule(self, sched) -> None:
-        """Register SchedulerOutput.new_seqs [(seq_id, request_id, index)] (sampler + state)."""
+        """Register SchedulerOutput.new_seqs [(seq_id, request_id, index)] (sampler + state).
+
+        A sequence whose setup raises (its detokenizer or sampler state) is left unregistered and
+        the others are still registered; then RequestSetupError names the failed requests, so
+        that the engine fails those alone (LLMEngine.step releases the step; the rest is
+        rescheduled)."""
+        failed: dict[str, BaseException] = {}
         for seq_id, request_id, index in sched.new_seqs:
-            self._add_seq(int(seq_id), request_id, int(index))
+            try:
+                self._add_seq(int(seq_id), request_id, int(index))
+            except Exception as exc:
+                logger.exception("setting up request %s failed", request_id)
+                failed.setdefault(request_id, exc)
+        if failed:
+            raise RequestSetupError(failed)
 
     def add_prompt_logprobs(self, request_id: str, first_position: int, tensors: LogprobsTensors) -> None:
         """Store prompt logprobs of rows scoring prompt tokens first_position+1 ... (one row each),

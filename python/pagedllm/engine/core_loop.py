@@ -16,8 +16,9 @@ Events out, one tuple per loop iteration that has something to say::
 - accepted: [(request_id, None | exception)] for the adds applied (an exception: refused, e.g.
   ValueError for a prompt longer than max_model_len; nothing was queued);
 - outputs: the RequestOutputs of the step (and the final outputs of aborted requests);
-- failed: request ids finished because the step raised (error: its message); their KV blocks are
-  freed and the loop keeps serving;
+- failed: request ids finished because the step raised (error: its message): the requests whose
+  own setup failed (RequestSetupError: the others are rescheduled and go on), else every request
+  in flight; their KV blocks are freed and the loop keeps serving;
 - metrics: the engine's metrics (pagedllm.metrics) and the request histograms the loop observes
   (engine/request_stats.py; ``arrival``: the front end's time.monotonic() at add_request), or
   None when unchanged enough to skip (a snapshot always comes with accepted adds, finished
@@ -36,6 +37,7 @@ from typing import Callable, Optional
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.request_stats import RequestStats
+from pagedllm.output_processor import RequestSetupError
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm")
@@ -68,6 +70,11 @@ class EngineLoop:
                 if engine.has_unfinished_requests():
                     try:
                         outputs += engine.step()
+                    except RequestSetupError as exc:  # those requests alone; the step runs again
+                        failed = list(exc.failures)
+                        step_error = f"engine step failed: {exc}"
+                        for rid in failed:
+                            self._abort(rid)
                     except Exception as exc:  # a bug: fail the requests in flight, keep serving
                         failed = list(engine.output_processor.requests)
                         logger.exception("engine step failed; aborting %d request(s)", len(failed))

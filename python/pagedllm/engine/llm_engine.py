@@ -55,7 +55,7 @@ from pagedllm import _C, ops
 from pagedllm.metrics import Counter, HistogramData, Metric, metrics_from_stats
 from pagedllm.model_executor.config import ModelConfig, resolve_dtype
 from pagedllm.model_executor.loader import gguf_source, resolve_model
-from pagedllm.output_processor import OutputProcessor
+from pagedllm.output_processor import OutputProcessor, RequestSetupError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample import Sampler, compute_prompt_logprobs
 from pagedllm.sample.sampler import PendingSample
@@ -278,7 +278,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the RequestOutputs it produced (per each request's
         output_kind; finished requests included). An exception leaves no KV block leaked: the
-        step's sequences are rescheduled (release of a step that was never updated)."""
+        step's sequences are rescheduled (release of a step that was never updated).
+        RequestSetupError names requests whose setup failed: abort those; the others go on."""
         if self.async_scheduling:
             return self._step_async()
         sched = self.core.schedule()
@@ -326,7 +327,15 @@ class LLMEngine:
         try:
             run = None
             if sched.num_tokens > 0:
-                self.output_processor.on_schedule(sched)
+                try:
+                    self.output_processor.on_schedule(sched)
+                except RequestSetupError:
+                    if prev is not None:  # step N's tokens are good: apply them, release N + 1 only
+                        stops = self._finish_step(prev)
+                        owned.pop()
+                        for seq_id, stop_str in stops:
+                            self.core.finish_sequence(seq_id, stop_str)
+                    raise
                 self.histograms["iteration_tokens_total"].observe(int(sched.num_tokens))
                 self.histograms["iteration_num_seqs"].observe(int(sched.num_seqs))
                 prev_sampled = None

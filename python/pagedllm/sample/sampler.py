@@ -212,6 +212,16 @@ class Sampler:
         if not self._free:
             self._grow(self._capacity * 2)
         slot = self._free.pop()
+        try:
+            self._fill_slot(slot, params, prompt_token_ids, index, eos_token_ids)
+        except BaseException:
+            self._free.append(slot)  # nothing registered
+            raise
+        pos = int(np.searchsorted(self._keys, seq_id))
+        self._keys = np.insert(self._keys, pos, seq_id)
+        self._key_slots = np.insert(self._key_slots, pos, slot)
+
+    def _fill_slot(self, slot: int, params: SamplingParams, prompt_token_ids, index: int, eos_token_ids) -> None:
         greedy = params.temperature < _SAMPLING_EPS
         self.temperature[slot] = 0.0 if greedy else params.temperature
         top_k = params.top_k
@@ -247,9 +257,6 @@ class Sampler:
             self.has_seed[slot] = False
             self._seeds[slot] = None
         self._generators[slot] = None  # created at first use
-        pos = int(np.searchsorted(self._keys, seq_id))
-        self._keys = np.insert(self._keys, pos, seq_id)
-        self._key_slots = np.insert(self._key_slots, pos, slot)
 
     def remove_sequence(self, seq_id: int) -> None:
         """Forget ``seq_id`` (finished or aborted) and free its slot; unknown ids are ignored."""
