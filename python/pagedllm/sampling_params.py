@@ -24,6 +24,9 @@ _REPETITION_PENALTY_MIN, _REPETITION_PENALTY_MAX = 1e-30, 1e30
 #: torch.Generator.manual_seed accepts seeds in this range.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
+#: (min, max) of repetition_penalty and of seed, for documents that state the ranges (the OpenAPI schema)
+REPETITION_PENALTY_BOUNDS = (_REPETITION_PENALTY_MIN, _REPETITION_PENALTY_MAX)
+SEED_BOUNDS = (_SEED_MIN, _SEED_MAX)
 
 
 class RequestOutputKind(enum.IntEnum):

@@ -186,7 +186,59 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
             raise OpenAIError(f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
         return DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens))
 
+    limits = {"max_model_len": ctx.max_model_len, "max_num_seqs": engine.engine_args.max_num_seqs,
+              "max_logprobs": max_logprobs, "vocab_size": engine.model_config.vocab_size}
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_with_limits(FastAPI.openapi(app), **limits)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+
+
+def openapi_with_limits(schema: dict, max_model_len: int, max_num_seqs: int, max_logprobs: int,
+                        vocab_size: int) -> dict:
+    """The OpenAPI document with this deployment's limits on the request fields (the static
+    ranges come from protocol.py): what the server refuses with a 400, the schema disallows."""
+    components = schema.get("components", {}).get("schemas", {})
+    for name, model in (("CompletionRequest", CompletionRequest), ("ChatCompletionRequest", ChatCompletionRequest)):
+        props = components.get(name, {}).get("properties", {})
+        # FastAPI's OpenAPI models hold bounds as floats (2**64 - 1 becomes 2**64): the exact ones
+        for field, exact in model.model_json_schema()["properties"].items():
+            for key in ("minimum", "exclusiveMinimum", "maximum"):
+                if key in exact and field in props:
+                    props[field][key] = exact[key]
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:
+                props[field]["maximum"] = max_model_len - 1  # a prompt has at least one token
+        if "n" in props:
+            props["n"]["maximum"] = max_num_seqs
+        for field in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            prop = props.get(field)
+            if prop is None or not any(t.get("type") == "integer" for t in prop.get("anyOf", [prop])):
+                continue
+            if max_logprobs == -1:
+                prop["minimum"], prop["maximum"] = -1, vocab_size
+            else:
+                prop["minimum"], prop["maximum"] = 0, max_logprobs
+        for field in ("stop_token_ids", "allowed_token_ids", "prompt"):
+            _bound_token_ids(props.get(field), vocab_size)
+    return schema
+
+
+def _bound_token_ids(prop, vocab_size: int) -> None:
+    """Token ids anywhere in a property's schema (list[int], list[list[int]]): [0, vocab_size)."""
+    if isinstance(prop, dict):
+        if prop.get("type") == "integer":
+            prop["minimum"], prop["maximum"] = 0, vocab_size - 1
+        for value in prop.values():
+            if isinstance(value, (dict, list)):
+                _bound_token_ids(value, vocab_size)
+    elif isinstance(prop, list):
+        for item in prop:
+            _bound_token_ids(item, vocab_size)
 
 
 # ---------------------------------------------------------------------------- CLI

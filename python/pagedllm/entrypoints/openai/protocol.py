@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedllm.sampling_params import REPETITION_PENALTY_BOUNDS, SEED_BOUNDS
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -59,33 +61,42 @@ class StreamOptions(_Request):
     continuous_usage_stats: Optional[bool] = False
 
 
+def _bounds(**schema) -> dict:
+    """JSON-schema bounds of a field for the OpenAPI document only: SamplingParams enforces them
+    (with its own messages, 400 naming the field); the server adds the deployment's limits
+    (max_model_len, max_num_seqs, --max-logprobs, the vocabulary: api_server.openapi_with_limits)."""
+    return {"json_schema_extra": schema}
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
     model: Optional[str] = None
-    frequency_penalty: Optional[float] = 0.0
-    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = Field(0.0, **_bounds(minimum=-2, maximum=2))
+    presence_penalty: Optional[float] = Field(0.0, **_bounds(minimum=-2, maximum=2))
     logit_bias: Optional[dict[str, float]] = None
-    max_tokens: Optional[int] = Field(default=None, description="omitted: max_model_len - prompt tokens")
-    n: Optional[int] = 1
-    seed: Optional[int] = None
+    max_tokens: Optional[int] = Field(default=None, description="omitted: max_model_len - prompt tokens",
+                                      **_bounds(minimum=0))
+    n: Optional[int] = Field(1, **_bounds(minimum=1))
+    seed: Optional[int] = Field(None, **_bounds(minimum=SEED_BOUNDS[0], maximum=SEED_BOUNDS[1]))
     stop: Optional[Union[str, list[str]]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    temperature: Optional[float] = Field(None, **_bounds(minimum=0))
+    top_p: Optional[float] = Field(None, **_bounds(exclusiveMinimum=0, maximum=1))
     user: Optional[str] = None
     # vLLM's extra sampling parameters
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: Optional[int] = 0
+    top_k: Optional[int] = Field(None, **_bounds(minimum=-1))
+    min_p: Optional[float] = Field(None, **_bounds(minimum=0, maximum=1))
+    repetition_penalty: Optional[float] = Field(None, **_bounds(minimum=REPETITION_PENALTY_BOUNDS[0],
+                                                                maximum=REPETITION_PENALTY_BOUNDS[1]))
+    min_tokens: Optional[int] = Field(0, **_bounds(minimum=0))
     ignore_eos: Optional[bool] = False
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     spaces_between_special_tokens: Optional[bool] = True
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = Field(None, **_bounds(minimum=-1))
     priority: Optional[int] = 0
     cache_salt: Optional[str] = None
     request_id: Optional[str] = None
@@ -105,10 +116,10 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(default=None, description="omitted: 16 (OpenAI's and vLLM's default), "
-                                      "at most max_model_len - prompt tokens")
+                                      "at most max_model_len - prompt tokens", **_bounds(minimum=0))
     best_of: Optional[int] = None
     echo: Optional[bool] = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, **_bounds(minimum=-1))
     suffix: Optional[str] = None
     add_special_tokens: Optional[bool] = True
 
@@ -133,8 +144,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage]
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, **_bounds(minimum=-1))
+    max_completion_tokens: Optional[int] = Field(None, **_bounds(minimum=0))
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None

@@ -90,6 +90,8 @@ class ChatHandler:
         ids = truncate_prompt(self.prompt_ids(req, messages), req.truncate_prompt_tokens, ctx)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if requested is not None and requested < 0:
+            raise OpenAIError(f"{field} must be at least 0, got {requested}", 400, field)
         max_tokens = check_length(ctx, len(ids), requested, "messages", field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(ctx, req, max_tokens, logprobs, req.prompt_logprobs)
