@@ -14,9 +14,9 @@ chunks rendered and sent — and, with the process, without sharing the GIL with
 
 Flow: event loop --(add / abort commands)--> engine loop: apply commands, ``LLMEngine.step()``,
 then one event tuple per iteration back to this process's events thread (the engine thread
-itself, or the reader of the engine process's pipe), which settles the adds, observes latencies
-and hands each step's RequestOutputs to the event loop with one ``loop.call_soon_threadsafe``
-per step. Each request has a ``RequestOutputCollector`` that merges outputs the consumer has not
+itself, or the reader of the engine process's pipe), which settles the adds, keeps the metrics
+snapshot and hands each step's RequestOutputs to the event loop with one
+``loop.call_soon_threadsafe`` per step. Each request has a ``RequestOutputCollector`` that merges outputs the consumer has not
 read yet (DELTA outputs are concatenated, CUMULATIVE ones replaced), so a slow client never
 queues up unbounded data. Detokenization and stop strings run in the engine (process).
 
@@ -131,7 +131,8 @@ class AsyncLLM:
     ``AsyncLLM(model=..., **LLM keyword arguments)``; ``multiprocess`` (default: the environment's
     PAGEDLLM_ENABLE_MULTIPROCESSING, on) picks the engine's own process over a thread of this one;
     engine_conn + engine_info attach to an engine process already running (one of the server's
-    API processes: engine/core_client.start_engine_process). Thread-safe for asyncio callers on any one event loop per request."""
+    API processes: engine/core_client.start_engine_process). Thread-safe for asyncio callers on
+    any one event loop per request."""
 
     def __init__(self, engine_args: Optional[EngineArgs] = None, *, multiprocess: Optional[bool] = None,
                  engine_conn=None, engine_info=None, **kwargs: Any):
