@@ -92,6 +92,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, sampler: Sampler, eos_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.sampler = sampler
+        self._structured = None  # StructuredOutputManager, at the first structured request
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.requests: dict[str, RequestState] = {}
         self._seq_owner: dict[int, tuple[str, int]] = {}
@@ -105,12 +106,22 @@ class OutputProcessor:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.verify_for_vocab(self.sampler.vocab_size)
+        if params.structured_outputs is not None:  # compiled now: a bad one is refused here
+            self.structured_output_manager().compile(params.structured_outputs)
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, metrics=RequestMetrics(time.time()))
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(state.prompt_token_ids)
         self.requests[request_id] = state
         if params.stop:
             self._num_with_stop_strings += 1
+
+    def structured_output_manager(self):
+        """The compiled grammars of this tokenizer (created at the first structured request)."""
+        if self._structured is None:
+            from pagedllm.structured_output import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(self.tokenizer, self.sampler.vocab_size)
+        return self._structured
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -139,7 +150,9 @@ class OutputProcessor:
         )
         self._seq_owner[seq_id] = (request_id, index)
         try:
-            self.sampler.add_sequence(seq_id, params, state.prompt_token_ids, index, self.eos_token_ids)
+            matcher = (self.structured_output_manager().matcher(params.structured_outputs)
+                       if params.structured_outputs is not None else None)
+            self.sampler.add_sequence(seq_id, params, state.prompt_token_ids, index, self.eos_token_ids, matcher)
         except BaseException:  # nothing of the sequence stays registered
             del state.seqs[index]
             del self._seq_owner[seq_id]

@@ -12,6 +12,7 @@ Errors: every invalid value raises ``ValueError`` whose message starts with the 
 from __future__ import annotations
 
 import enum
+import json as _json
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
@@ -27,6 +28,64 @@ _SEED_MAX = 2**64 - 1
 #: (min, max) of repetition_penalty and of seed, for documents that state the ranges (the OpenAPI schema)
 REPETITION_PENALTY_BOUNDS = (_REPETITION_PENALTY_MIN, _REPETITION_PENALTY_MAX)
 SEED_BOUNDS = (_SEED_MIN, _SEED_MAX)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``vllm.sampling_params.StructuredOutputsParams``); exactly
+    one of: ``json`` (a JSON schema, dict or str), ``json_object=True`` (any JSON object), ``regex``,
+    ``choice`` (the output is one of these strings), ``grammar`` (EBNF, xgrammar's dialect of
+    GBNF). ``disable_any_whitespace`` (vLLM's name): JSON without free whitespace between tokens
+    (small models otherwise tend to emit whitespace until max_tokens). Compiled by
+    pagedllm.structured_output (xgrammar) when the request is added."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice and grammar, "
+                             f"got {given or 'none'}.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {type(self.json).__name__}.")
+        if isinstance(self.json, str):
+            try:
+                _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}.") from None
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r:.80}.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}.")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}.")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be a bool, got "
+                             f"{self.disable_any_whitespace!r}.")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the compiled grammar is cached by (JSON kinds: "json-compact" and
+        "json_object-compact" with disable_any_whitespace)."""
+        compact = "-compact" if self.disable_any_whitespace else ""
+        if self.json is not None:
+            return "json" + compact, self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+        if self.json_object:
+            return "json_object" + compact, ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(list(self.choice))
+        return "grammar", self.grammar
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -117,6 +176,8 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
     truncate_prompt_tokens: Optional[int] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    #: output constrained to a JSON schema, a regex, a choice or a grammar (StructuredOutputsParams)
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         # Normalise the forms vLLM accepts.
@@ -240,6 +301,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}.")
+            if self.n != 1:
+                raise ValueError(f"structured_outputs with n={self.n} is not supported yet: use n=1.")
 
     def verify_for_vocab(self, vocab_size: int) -> None:
         """Check token ids against the model's vocabulary (ValueError naming the field).

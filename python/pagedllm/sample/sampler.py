@@ -147,7 +147,9 @@ class Sampler:
         self.has_bias = grow(g("has_bias"), np.bool_, False)
         self.has_allowed = grow(g("has_allowed"), np.bool_, False)
         self.has_seed = grow(g("has_seed"), np.bool_, False)
+        self.has_grammar = grow(g("has_grammar"), np.bool_, False)
         extend = capacity - old
+        self._matchers: list = (g("_matchers") or []) + [None] * extend  # xgrammar GrammarMatcher
         self._generators: list[Optional[torch.Generator]] = (g("_generators") or []) + [None] * extend
         self._seeds: list[Optional[int]] = (g("_seeds") or []) + [None] * extend
         self._stop_ids: list[list[int]] = (g("_stop_ids") or []) + [[] for _ in range(extend)]
@@ -193,6 +195,7 @@ class Sampler:
         prompt_token_ids: Sequence[int] | np.ndarray = (),
         index: int = 0,
         eos_token_ids: Sequence[int] = (),
+        matcher=None,
     ) -> None:
         """Register sequence ``seq_id`` (an engine seq id) with its request's params.
 
@@ -201,6 +204,8 @@ class Sampler:
           ``params.seed + i`` (as vLLM's n > 1 children), so the n draws differ.
         eos_token_ids: the model's EOS ids; masked with stop_token_ids before min_tokens
           outputs (also with ignore_eos: the real EOS ids, never a placeholder).
+        matcher: the sequence's xgrammar GrammarMatcher (structured outputs; pagedllm.structured_output),
+          or None: each step keeps only the tokens it allows, and it accepts each appended token.
         """
         seq_id = int(seq_id)
         if self.has_sequence(seq_id):
@@ -214,6 +219,8 @@ class Sampler:
         slot = self._free.pop()
         try:
             self._fill_slot(slot, params, prompt_token_ids, index, eos_token_ids)
+            self.has_grammar[slot] = matcher is not None
+            self._matchers[slot] = matcher
         except BaseException:
             self._free.append(slot)  # nothing registered
             raise
@@ -272,6 +279,8 @@ class Sampler:
         self._output_ids[slot] = None
         self._bias[slot] = None
         self._allowed[slot] = None
+        self._matchers[slot] = None
+        self.has_grammar[slot] = False
         self._stop_ids[slot] = []
         self._free.append(slot)
 
@@ -293,6 +302,12 @@ class Sampler:
         if pen.any():
             for slot, tok in zip(slots[pen].tolist(), token_ids[known][pen].tolist()):
                 self._output_ids[slot].append(tok)
+        gram = self.has_grammar[slots]
+        if gram.any():
+            for slot, tok in zip(slots[gram].tolist(), token_ids[known][gram].tolist()):
+                matcher = self._matchers[slot]
+                if not matcher.is_terminated() and not matcher.accept_token(int(tok)):
+                    raise RuntimeError(f"the grammar matcher refused token {tok} that its own mask allowed")
 
     # ------------------------------------------------------------------ sampling
     def _generator(self, slot: int) -> torch.Generator:
@@ -334,6 +349,7 @@ class Sampler:
             (self.temperature[slots] < _SAMPLING_EPS).all()
             and not self.has_bias[slots].any()
             and not self.has_allowed[slots].any()
+            and not self.has_grammar[slots].any()
             and not self.has_penalty[slots].any()
             and not (self.num_output_tokens[slots] < self.min_tokens[slots]).any()
         )
@@ -360,6 +376,10 @@ class Sampler:
         if active_min.size:
             rows = active_min.tolist()
             ops.mask_tokens(logits, rows, [self._stop_ids[int(slots[r])] for r in rows])
+        # structured outputs: only the tokens each row's grammar can continue with
+        gram_rows = np.nonzero(self.has_grammar[slots])[0]
+        if gram_rows.size:
+            self._apply_grammar(logits, gram_rows, slots[gram_rows])
         # logit_bias
         for r in np.nonzero(self.has_bias[slots])[0].tolist():
             ids, vals = self._bias[int(slots[r])]
@@ -393,6 +413,18 @@ class Sampler:
                 p = torch.from_numpy(top_p).to(device)
             logits = ops.apply_top_k_top_p(logits, k, p)
         return logits, greedy_sampled, greedy_rows, raw_logprobs
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray) -> None:
+        """-inf for every token the row's GrammarMatcher does not allow next (xgrammar's token
+        bitmask, one bit per token); a terminated matcher allows only its stop tokens."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for i, slot in enumerate(slots.tolist()):
+            self._matchers[slot].fill_next_token_bitmask(bitmask, i)
+        sub = logits[torch.from_numpy(rows).to(logits.device)]
+        xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=self.vocab_size)
+        logits[torch.from_numpy(rows).to(logits.device)] = sub
 
     @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, seq_ids) -> torch.Tensor:

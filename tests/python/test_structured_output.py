@@ -1,0 +1,130 @@
+"""Structured output (SamplingParams(structured_outputs=StructuredOutputsParams(...)), xgrammar)
+on the bundled model: JSON schemas (every output parses and validates with `jsonschema`), any JSON
+object, regexes (fullmatch), choices (an exact member), an EBNF grammar; greedy and seeded
+sampling, sync and async scheduling; unconstrained requests in the same batch give what they
+give alone; invalid constraints are a ValueError naming the field and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams as S
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                      "population": {"type": "number", "minimum": 0, "maximum": 1e8}},
+     "required": ["city", "population"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                               "maxItems": 3},
+                                      "ok": {"type": "boolean"}},
+     "required": ["tags", "ok"], "additionalProperties": False},
+    {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                          "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+                         "required": ["x", "y"], "additionalProperties": False}},
+     "type": "object", "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+     "required": ["start", "end"], "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"const": "circle"}, "radius": {"type": "number", "exclusiveMinimum": 0,
+                                                                              "maximum": 10}},
+     "required": ["kind", "radius"], "additionalProperties": False},
+]
+PROMPTS = ["Give me JSON about a person:", "A city as JSON:", "Some small numbers:", "Tags:",
+           "A line from one point to another:", "A shape:"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(dtype="float32", max_model_len=512, seed=0)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_json_schemas_validate(llm, temperature):
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=160,
+                             structured_outputs=S(json=schema, disable_any_whitespace=True))
+              for i, schema in enumerate(SCHEMAS)]
+    for out, schema in zip(llm.generate(PROMPTS, params, use_tqdm=False), SCHEMAS):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_regex_choice_grammar(llm):
+    cases = [
+        (S(json_object=True, disable_any_whitespace=True), lambda t: isinstance(json.loads(t), dict)),
+        (S(regex=r"\d{3}-\d{4}"), lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
+        (S(regex=r"(yes|no), because [a-z ]{1,20}\."), lambda t: re.fullmatch(r"(yes|no), because [a-z ]{1,20}\.", t)),
+        (S(choice=["Paris", "London", "Rome"]), lambda t: t in ("Paris", "London", "Rome")),
+        (S(choice=["positive", "negative"]), lambda t: t in ("positive", "negative")),
+        (S(grammar='root ::= "The answer is " digit digit? "."\ndigit ::= [0-9]'),
+         lambda t: re.fullmatch(r"The answer is [0-9][0-9]?\.", t)),
+    ]
+    prompts = ['{"name": "Ann", "age": 30}\n{"name": "Bob", "age": 41}\n', "Phone:", "Is it raining?",
+               "The capital of France is", "Sentiment of 'great!':", "6 x 7?"]
+    for temperature in (0.0, 1.0):
+        # sampled, an unbounded JSON object may go on inside a string past any max_tokens: greedy only
+        chosen = cases if temperature == 0.0 else cases[1:]
+        params = [SamplingParams(temperature=temperature, seed=3, max_tokens=120, structured_outputs=c)
+                  for c, _ in chosen]
+        batch = prompts if temperature == 0.0 else prompts[1:]
+        for out, (_, check) in zip(llm.generate(batch, params, use_tqdm=False), chosen):
+            assert out.outputs[0].finish_reason == "stop" and check(out.outputs[0].text), out.outputs[0].text
+
+
+def test_unconstrained_requests_beside_constrained_ones_are_unchanged(llm):
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["Once upon a time", "The weather today"]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    mixed = llm.generate(prompts + ["JSON:", "Phone:"],
+                         [plain, plain, SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=S(json=SCHEMAS[0])),
+                          SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=S(regex=r"\d{3}-\d{4}"))],
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+
+
+def test_async_scheduling_gives_the_same_constrained_outputs(llm):
+    params = [SamplingParams(temperature=0.0, max_tokens=160, structured_outputs=S(json=s, disable_any_whitespace=True))
+              for s in SCHEMAS[:3]]
+    sync = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    other = LLM(dtype="float32", max_model_len=512, seed=0, async_scheduling=True)
+    try:
+        got = [o.outputs[0].token_ids for o in other.generate(PROMPTS[:3], params, use_tqdm=False)]
+    finally:
+        other.shutdown()
+    assert got == sync
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(regex="(unclosed"), "structured_outputs.regex"),
+    (dict(grammar="root ::= missing_rule"), "structured_outputs.grammar"),
+])
+def test_invalid_constraints_are_refused_and_the_engine_keeps_serving(llm, bad, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=S(**bad)), use_tqdm=False)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_bad_params_are_value_errors():
+    with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):
+        S(json='{"type": "object"')
+    with pytest.raises(ValueError, match="n=2"):
+        SamplingParams(n=2, structured_outputs=S(choice=["a", "b"]))
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        S(choice=[])
+
+
+def test_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        S(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one"):
+        S()
