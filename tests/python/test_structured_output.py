@@ -128,3 +128,14 @@ def test_exactly_one_constraint():
         S(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="exactly one"):
         S()
+
+
+def test_a_grammar_other_masks_contradict_fails_no_neighbour(llm):
+    """min_tokens masks the EOS a finished choice needs: that sequence leaves its grammar (logged),
+    and the request beside it in the batch gives what it gives alone."""
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["Once upon a time"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    odd = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6, structured_outputs=S(choice=["yes", "no"]))
+    mixed = llm.generate(["Once upon a time", "Yes or no?"], [plain, odd], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    assert len(mixed[1].outputs[0].token_ids) >= 6

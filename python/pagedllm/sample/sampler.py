@@ -18,6 +18,7 @@ Usage by the engine loop (see pagedllm.sample.__init__ for the whole contract)::
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -32,6 +33,8 @@ _SEED_MASK = 2**64 - 1
 # logits dtypes pagedllm.ops.argmax_rows takes, per device type
 _NATIVE_ARGMAX_DTYPES = {"cpu": (torch.float32, torch.bfloat16),
                          "cuda": (torch.float32, torch.bfloat16, torch.float16)}
+
+logger = logging.getLogger("pagedllm")
 
 
 @dataclass
@@ -307,7 +310,13 @@ class Sampler:
             for slot, tok in zip(slots[gram].tolist(), token_ids[known][gram].tolist()):
                 matcher = self._matchers[slot]
                 if not matcher.is_terminated() and not matcher.accept_token(int(tok)):
-                    raise RuntimeError(f"the grammar matcher refused token {tok} that its own mask allowed")
+                    # only when another mask left no token the grammar allows (e.g. min_tokens
+                    # masking the EOS that the grammar needs): that sequence goes on unconstrained,
+                    # its neighbours are not failed
+                    logger.error("structured output: the grammar refused token %d; the sequence is no longer "
+                                 "constrained", int(tok))
+                    self.has_grammar[slot] = False
+                    self._matchers[slot] = None
 
     # ------------------------------------------------------------------ sampling
     def _generator(self, slot: int) -> torch.Generator:
