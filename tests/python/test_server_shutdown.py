@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -80,7 +81,9 @@ def _engine_pid(server_pid: int) -> int:
 
 def test_engine_process_death_fails_requests_and_exits_one():
     """The engine runs in its own process (the default): when it dies, the request in flight ends
-    with an error event, /health answers 503 until the server exits, and it exits with status 1."""
+    with an error event, /health answers 503 until the server exits, and it exits with status 1.
+    (A second request still sending its body keeps the drain open, so the 503 window is there to
+    see; the server exits once that client gives up.)"""
     server = RemoteServer(str(tiny_model_dir()), DEFAULT_ARGS)
     try:
         events: list = []
@@ -90,18 +93,23 @@ def test_engine_process_death_fails_requests_and_exits_one():
         t.start()
         assert started.wait(60)
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        slow = socket.create_connection(("127.0.0.1", server.port))  # a body that never completes
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        time.sleep(0.3)
         os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
         statuses = []
-        deadline = time.monotonic() + 30
-        while server.proc.poll() is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and 503 not in statuses and server.proc.poll() is None:
             try:
                 statuses.append(httpx.get(server.url + "/health", timeout=2).status_code)
             except httpx.HTTPError:
                 pass
-            time.sleep(0.01)
+            time.sleep(0.02)
+        slow.close()
         t.join(30)
         assert server.proc.wait(30) == 1
-        assert 503 in statuses and 200 not in statuses[statuses.index(503):], statuses
+        assert statuses and statuses[-1] == 503 and set(statuses) <= {200, 503}, statuses
         errors = [e["error"] for e in events if "error" in e]
         assert errors and "engine" in errors[0]["message"], events[-3:]
         assert not any(c.get("finish_reason") == "length" for e in events for c in e.get("choices", []))
