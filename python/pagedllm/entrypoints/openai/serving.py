@@ -73,10 +73,14 @@ def check_rate_limit(ctx: ServingContext, raw_request: Request, tokens: int) -> 
     limiter.admit(key, tokens)
 
 
-def check_queue(ctx: ServingContext) -> None:
-    """503 + Retry-After when max_queued_requests requests already wait for the engine."""
+async def check_queue(ctx: ServingContext) -> None:
+    """503 + Retry-After when max_queued_requests requests already wait for the engine (with an
+    engine shared by several API servers, from a waiting count at most 0.5 s old)."""
     limit = ctx.max_queued_requests
-    if limit is not None and ctx.engine.num_waiting >= limit:
+    if limit is None:
+        return
+    await ctx.engine.refresh_metrics(max_age=0.5)
+    if ctx.engine.num_waiting >= limit:
         raise OpenAIError(f"the server is busy: {ctx.engine.num_waiting} requests are waiting "
                           f"(--max-queued-requests={limit}); retry later", 503, None, {"Retry-After": "1"})
 

@@ -96,9 +96,7 @@ class ChatHandler:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(ctx, req, max_tokens, logprobs, req.prompt_logprobs)
         check_rate_limit(ctx, raw_request, len(ids) + params.n * max_tokens)
-        if ctx.max_queued_requests is not None:  # a shared engine: waiting counts at most 0.5 s old
-            await ctx.engine.refresh_metrics(max_age=0.5)
-        check_queue(ctx)
+        await check_queue(ctx)
         base_id = req.request_id or random_id("chatcmpl")
         group = RequestGroup(ctx, raw_request, base_id)
         await group.add([PromptInput(None, ids)], [params], req.priority, req.cache_salt)

@@ -94,9 +94,7 @@ class CompletionHandler:
             prompt_logprobs = max(logprobs, prompt_logprobs or 0)
         params = [sampling_params(ctx, req, p.max_tokens, logprobs, prompt_logprobs) for p in prompts]
         check_rate_limit(ctx, raw_request, sum(len(p.token_ids) + n * p.max_tokens for p in prompts))
-        if ctx.max_queued_requests is not None:  # a shared engine: waiting counts at most 0.5 s old
-            await ctx.engine.refresh_metrics(max_age=0.5)
-        check_queue(ctx)
+        await check_queue(ctx)
         base_id = req.request_id or random_id("cmpl")
         group = RequestGroup(ctx, raw_request, base_id)
         await group.add(prompts, params, req.priority, req.cache_salt)
