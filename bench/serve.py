@@ -210,7 +210,8 @@ def offline_levels(server_args: str, server_model: str | None, jobs: list[tuple[
     `c` requests in flight, the next added as one finishes. The engine arguments are those
     `pagedllm serve` would build from server_args; runs in a spawned process (its GPU memory is
     free before the server starts). jobs: (concurrency, prompts). Returns per level the output
-    tok/s and the mean decode step time."""
+    tok/s, the wall time, the steps, output tokens per output, and the inter-token latency
+    percentiles (ms, between a request's outputs that carry tokens)."""
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -229,10 +230,10 @@ def _offline_levels(server_args: str, server_model: str | None, jobs) -> list[di
     parser = _argparse.ArgumentParser()
     add_server_args(parser)
     ns = parser.parse_args([*([server_model] if server_model else []), *server_args.split()])
-    if ns.threads > 0:
-        import torch
+    if ns.threads > 0:  # as run_server: torch's and the CPU kernels' threads
+        from pagedllm import ops
 
-        torch.set_num_threads(ns.threads)
+        ops.set_cpu_threads(ns.threads)
     engine_args = engine_args_from(ns)
     if ns.model_tag is not None:
         engine_args.model = ns.model_tag

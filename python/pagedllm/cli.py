@@ -114,15 +114,9 @@ def sampling_params_from(args: argparse.Namespace, **extra):
 def make_llm(args: argparse.Namespace):
     """The LLM for the engine options (threads pinned first when --threads is given)."""
     if args.threads > 0:
-        import torch
+        from pagedllm import ops
 
-        torch.set_num_threads(args.threads)
-        try:
-            from pagedllm import ops
-
-            ops.set_num_threads(args.threads)
-        except (ImportError, AttributeError):
-            pass
+        ops.set_cpu_threads(args.threads)
     from pagedllm import LLM
 
     return LLM(

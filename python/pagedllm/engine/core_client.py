@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 from pagedllm.engine.llm_engine import EngineArgs, LLMEngine
 from pagedllm.engine.serial_utils import decode_output
+from pagedllm.worker.worker_process import stop_processes
 
 logger = logging.getLogger("pagedllm")
 
@@ -139,21 +140,16 @@ def start_engine_process(engine_args: EngineArgs, num_clients: int = 1):
     except BaseException:
         for conn in conns:
             conn.close()
-        _stop_process(proc, 5.0)
+        stop_engine_process(proc, 5.0)
         raise
     logger.info("engine core process %d ready", proc.pid)
     return proc, conns, msg[1]
 
 
-def _stop_process(proc, timeout: float) -> None:
-    proc.join(timeout)
-    if proc.is_alive():
-        logger.error("the engine process did not stop within %.0f s: terminating it", timeout)
-        proc.terminate()
-        proc.join(5.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5.0)
+def stop_engine_process(proc, timeout: float) -> None:
+    """Wait for the engine process to exit (it stops once its pipes close), then end it."""
+    if stop_processes([proc], timeout):
+        logger.error("the engine process did not stop within %.0f s: terminated it", timeout)
 
 
 class MPClient:
@@ -219,5 +215,5 @@ class MPClient:
         self._reader.join(timeout)
         self._conn.close()
         if self._proc is not None:
-            _stop_process(self._proc, timeout)
+            stop_engine_process(self._proc, timeout)
         return True

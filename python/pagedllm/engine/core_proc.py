@@ -171,24 +171,20 @@ def engine_core_main(conns: list, engine_args, threads: int, log: tuple) -> None
     logging as the parent has)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from pagedllm.worker.worker_process import _exit_with_parent
+    from pagedllm.worker.worker_process import exit_with_parent
 
-    _exit_with_parent()
+    exit_with_parent()
     level, configure = log
     if configure:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedllm").setLevel(level)
-    import torch
-
     from pagedllm import ops
     from pagedllm.engine.core_client import EngineInfo
     from pagedllm.engine.core_loop import EngineLoop
     from pagedllm.engine.llm_engine import LLMEngine
 
     if threads > 0:
-        torch.set_num_threads(threads)
-        if hasattr(ops, "set_num_threads"):
-            ops.set_num_threads(threads)
+        ops.set_cpu_threads(threads)
     try:
         engine = LLMEngine(engine_args)
     except BaseException as exc:

@@ -41,7 +41,7 @@ from pagedllm.distributed.shm_broadcast import MessageQueue
 from pagedllm.executor.abstract import Executor, ExecutorConfig
 from pagedllm.executor.step_message import encode_step, max_step_bytes, shutdown_message
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
-from pagedllm.worker.worker_process import worker_main
+from pagedllm.worker.worker_process import stop_processes, worker_main
 
 logger = logging.getLogger("pagedllm")
 
@@ -63,24 +63,9 @@ def _finalize(procs: list, closing: threading.Event, queue: MessageQueue, group_
     the shared memory."""
     closing.set()
     queue.close()  # waiting workers see the close and exit at once
-    _stop_processes(procs, timeout=2.0)
+    stop_processes(procs, timeout=2.0)
     for group in group_box:
         group.destroy()
-
-
-def _stop_processes(procs: list, timeout: float = 5.0) -> None:
-    """Terminate, then kill, whatever of `procs` still runs (the finalizer and shutdown's end)."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(2.0)
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
 
 
 def _monitor(ref, procs: list, conns: list, closing: threading.Event) -> None:
@@ -188,8 +173,7 @@ class MultiprocExecutor(Executor):
         self._monitor.start()
         if device.type == "cpu":
             self._threads_before = (torch.get_num_threads(), ops.get_num_threads())
-            torch.set_num_threads(threads)
-            ops.set_num_threads(threads)
+            ops.set_cpu_threads(threads)
         if self.backend != "shm":
             self._wait_for("joining")
             self.group = GroupCoordinator.init(0, tp, device, self.backend, port=port)
@@ -305,7 +289,7 @@ class MultiprocExecutor(Executor):
                 self.queue.put(shutdown_message(), alive=self.check_health)
             except Exception:  # noqa: BLE001 (a worker died meanwhile: terminate below)
                 pass
-        _stop_processes(self._procs, timeout=10.0)
+        stop_processes(self._procs, timeout=10.0)
         if self._finalizer is not None:
             self._finalizer.detach()
         if self._monitor is not None:

@@ -32,6 +32,7 @@ __all__ = [
     "copy_blocks",
     "swap_blocks",
     "set_num_threads",
+    "set_cpu_threads",
     "get_num_threads",
     "layer_ops_supported",
     "rms_norm",
@@ -115,6 +116,13 @@ def _stream(t: torch.Tensor) -> int:
 
 def set_num_threads(n: int) -> None:
     """Threads the CPU kernels use (n <= 0: all cores). Independent of torch's thread count."""
+    _C.set_num_threads(int(n))
+
+
+def set_cpu_threads(n: int) -> None:
+    """Both torch's intra-op threads and the CPU kernels' threads to n (n >= 1): what --threads and
+    each CPU worker process set."""
+    torch.set_num_threads(int(n))
     _C.set_num_threads(int(n))
 
 

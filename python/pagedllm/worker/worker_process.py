@@ -18,13 +18,16 @@ import multiprocessing.connection
 import os
 import signal
 import threading
+import time
 import traceback
 from typing import Optional
 
 import torch
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
+    """In a spawned child: a daemon thread that ends this process (exit status 1) once the parent
+    process is gone (its sentinel), so that no worker or engine process outlives its server."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -36,11 +39,28 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()
 
 
+def stop_processes(procs: list, timeout: float = 5.0) -> list:
+    """Wait up to `timeout` seconds for `procs` (multiprocessing.Process) to exit, then terminate,
+    then kill whatever still runs. Returns those it had to terminate (for the caller's log)."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    stuck = [p for p in procs if p.is_alive()]
+    for p in stuck:
+        p.terminate()
+    for p in stuck:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    return stuck
+
+
 def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle, reader, conn,
                 threads: int) -> None:
     """Entry point of rank `rank` (see the module docstring). config: executor.abstract.ExecutorConfig."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
+    exit_with_parent()
 
     from pagedllm import ops
     from pagedllm.distributed.parallel_state import GroupCoordinator
@@ -53,8 +73,7 @@ def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle
     try:
         device = torch.device("cuda", rank) if config.device.type == "cuda" else torch.device("cpu")
         if device.type == "cpu":
-            torch.set_num_threads(threads)
-            ops.set_num_threads(threads)
+            ops.set_cpu_threads(threads)
         conn.send(("joining", rank))
         group = GroupCoordinator.init(rank, config.tensor_parallel_size, device, backend, port=port,
                                       shm_handle=shm_handle)

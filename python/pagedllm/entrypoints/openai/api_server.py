@@ -298,13 +298,9 @@ def run_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads > 0:
-        import torch
-
         from pagedllm import ops
 
-        torch.set_num_threads(args.threads)
-        if hasattr(ops, "set_num_threads"):
-            ops.set_num_threads(args.threads)
+        ops.set_cpu_threads(args.threads)
     engine_args = engine_args_from(args)
     if args.model_tag is not None:
         engine_args.model = args.model_tag

@@ -47,7 +47,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_api_servers(args: argparse.Namespace, engine_args) -> int:
-    from pagedllm.engine.core_client import _stop_process, start_engine_process
+    from pagedllm.engine.core_client import start_engine_process, stop_engine_process
 
     n = args.api_server_count
     sock = _bind(args.host, args.port)
@@ -80,7 +80,7 @@ def run_api_servers(args: argparse.Namespace, engine_args) -> int:
         if signalled:
             forward_ready()
     codes = [proc.exitcode for proc in servers]
-    _stop_process(engine_proc, 30.0)
+    stop_engine_process(engine_proc, 30.0)
     bad = [c for c in codes if c]
     return max(1, *[abs(c) for c in bad]) if bad else 0
 
