@@ -59,14 +59,7 @@ profile() {  # the server (engine process) under 256 streams, sampled by py-spy 
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
     sleep 1
   done
-  engine=$(python3 -c "
-import sys; sys.path.insert(0, 'bench')
-from pathlib import Path
-for t in Path('/proc/$pid/task').iterdir():
-    for c in (t / 'children').read_text().split():
-        if b'spawn_main' in Path(f'/proc/{c}/cmdline').read_bytes() and b'resource_tracker' not in Path(f'/proc/{c}/cmdline').read_bytes():
-            print(c)
-" | head -1)
+  engine=$(grep -o 'engine core process [0-9]*' "$OUT/$NAME-server-profile.log" | awk '{print $4}')
   echo "server $pid engine $engine" | tee -a "$OUT/summary.log"
   timeout 200 python3 bench/serve.py --base-url http://127.0.0.1:$port --server-pid $pid --input-len 256 \
     --output-len 256 --client-processes 4 --concurrency 64 256 --num-prompts 256 1024 --label pagedllm-profile \

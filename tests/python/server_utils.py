@@ -134,6 +134,23 @@ class RemoteServer:
             return got["choices"][0]["token_ids"] == ids
         return True
 
+    def spawned_children(self) -> list[int]:
+        """Pids of the server's spawned child processes (its engine process, and its API server
+        processes with --api-server-count > 1); not multiprocessing's resource tracker."""
+        out = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+                if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                    out.append(int(child))
+        return out
+
+    def engine_pid(self) -> int:
+        """The engine process's pid (its start-up log line), checked to be the server's child."""
+        pid = int(re.search(r"engine core process (\d+) ready", self.read_log()).group(1))
+        assert pid in self.spawned_children(), (pid, self.spawned_children())
+        return pid
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,17 +22,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from server_utils import DEFAULT_ARGS, RemoteServer, package_root, tiny_model_dir  # noqa: E402
 
 BODY = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-
-
-def _spawned(pid: int) -> list[int]:
-    """The server's spawned children (the engine process and the front ends)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                out.append(int(child))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +43,7 @@ def _stream_text(url: str) -> str:
 
 
 def test_two_front_ends_serve_concurrent_streams_with_the_same_answers(server):
-    assert len(_spawned(server.proc.pid)) == 3  # the engine process and two front ends
+    assert len(server.spawned_children()) == 3  # the engine process and two front ends
     expected = httpx.post(server.url + "/v1/completions", json=BODY, timeout=60).json()["choices"][0]["text"]
     assert expected
     results: list = [None] * 16
@@ -78,7 +66,7 @@ def test_metrics_are_the_same_from_either_front_end(server):
 def test_sigterm_drains_both_front_ends_and_stops_the_engine():
     s = RemoteServer(str(tiny_model_dir()), [*DEFAULT_ARGS, "--api-server-count", "2"])
     try:
-        children = _spawned(s.proc.pid)
+        children = s.spawned_children()
         assert len(children) == 3
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 0
@@ -91,9 +79,7 @@ def test_sigterm_drains_both_front_ends_and_stops_the_engine():
 def test_engine_death_exits_one():
     s = RemoteServer(str(tiny_model_dir()), [*DEFAULT_ARGS, "--api-server-count", "2"])
     try:
-        engine = int(re.search(r"engine core process (\d+) ready", s.read_log()).group(1))
-        assert engine in _spawned(s.proc.pid)
-        os.kill(engine, signal.SIGKILL)
+        os.kill(s.engine_pid(), signal.SIGKILL)
         assert s.proc.wait(60) == 1
     finally:
         s.stop()

@@ -69,16 +69,6 @@ def test_shutdown_timeout_aborts_what_is_still_running():
         server.stop()
 
 
-def _engine_pid(server_pid: int) -> int:
-    """The engine-core process among the server's children (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    for pid in children:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            return int(pid)
-    raise AssertionError(f"no engine process among {children}")
-
-
 def test_engine_process_death_fails_requests_and_exits_one():
     """The engine runs in its own process (the default): when it dies, the request in flight ends
     with an error event, /health answers 503 until the server exits, and it exits with status 1.
@@ -97,7 +87,7 @@ def test_engine_process_death_fails_requests_and_exits_one():
         slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"prompt\":")
         time.sleep(0.3)
-        os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
+        os.kill(server.engine_pid(), signal.SIGKILL)
         statuses = []
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and 503 not in statuses and server.proc.poll() is None:
