@@ -49,6 +49,10 @@ Emit = Callable[[tuple], None]
 
 
 class EngineLoop:
+    """Steps `engine` while it has work, reading commands with `recv` and sending event tuples with
+    `emit` (module docstring); metrics_interval: seconds between metrics snapshots while busy (0:
+    every iteration). `run()` returns when the loop ends."""
+
     def __init__(self, engine: LLMEngine, recv: Recv, emit: Emit, metrics_interval: float = 0.0):
         self.engine = engine
         self.recv = recv

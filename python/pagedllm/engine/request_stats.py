@@ -61,6 +61,9 @@ class _Request:
 
 
 class RequestStats:
+    """The histograms and counter of the module docstring for one engine; max_model_len sets the
+    token-count buckets (1, 2, 5, 10, ... up to it)."""
+
     def __init__(self, max_model_len: int):
         tokens = buckets_1_2_5(max_model_len)
         self.histograms = {
