@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -74,6 +75,7 @@ class RequestState:
     num_finished: int = 0
     metrics: Optional[RequestMetrics] = None
     tokens_timed: int = 0  # output tokens when metrics.last_token_time was set
+    grammar: Optional[Future] = None  # structured outputs: the compiled grammar (StructuredOutputManager.submit)
 
     @property
     def finished(self) -> bool:
@@ -102,18 +104,24 @@ class OutputProcessor:
     # ------------------------------------------------------------------ requests
     def add_request(
         self, request_id: str, prompt: Optional[str], prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> None:
+    ) -> Optional[Future]:
+        """Register a request; returns its grammar's compile Future (structured outputs: the engine
+        schedules the request once it is done), else None. ValueError: a duplicate id, bad params,
+        a constraint that does not parse."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.verify_for_vocab(self.sampler.vocab_size)
-        if params.structured_outputs is not None:  # compiled now: a bad one is refused here
-            self.structured_output_manager().compile(params.structured_outputs)
+        grammar = None
+        if params.structured_outputs is not None:  # parsed now (a bad one is refused here), compiled meanwhile
+            grammar = self.structured_output_manager().submit(params.structured_outputs)
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, metrics=RequestMetrics(time.time()))
+        state.grammar = grammar
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(state.prompt_token_ids)
         self.requests[request_id] = state
         if params.stop:
             self._num_with_stop_strings += 1
+        return grammar
 
     def structured_output_manager(self):
         """The compiled grammars of this tokenizer (created at the first structured request)."""
@@ -122,6 +130,11 @@ class OutputProcessor:
 
             self._structured = StructuredOutputManager(self.tokenizer, self.sampler.vocab_size)
         return self._structured
+
+    def shutdown(self) -> None:
+        """Stop the grammar compile threads (structured outputs)."""
+        if self._structured is not None:
+            self._structured.shutdown()
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -150,8 +163,8 @@ class OutputProcessor:
         )
         self._seq_owner[seq_id] = (request_id, index)
         try:
-            matcher = (self.structured_output_manager().matcher(params.structured_outputs)
-                       if params.structured_outputs is not None else None)
+            matcher = (self.structured_output_manager().matcher(params.structured_outputs, state.grammar.result())
+                       if state.grammar is not None else None)
             self.sampler.add_sequence(seq_id, params, state.prompt_token_ids, index, self.eos_token_ids, matcher)
         except BaseException:  # nothing of the sequence stays registered
             del state.seqs[index]

@@ -307,8 +307,6 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                                  f"{type(self.structured_outputs).__name__}.")
-            if self.n != 1:
-                raise ValueError(f"structured_outputs with n={self.n} is not supported yet: use n=1.")
 
     def verify_for_vocab(self, vocab_size: int) -> None:
         """Check token ids against the model's vocabulary (ValueError naming the field).

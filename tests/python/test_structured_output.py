@@ -117,8 +117,6 @@ def test_invalid_constraints_are_refused_and_the_engine_keeps_serving(llm, bad, 
 def test_bad_params_are_value_errors():
     with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):
         S(json='{"type": "object"')
-    with pytest.raises(ValueError, match="n=2"):
-        SamplingParams(n=2, structured_outputs=S(choice=["a", "b"]))
     with pytest.raises(ValueError, match="structured_outputs.choice"):
         S(choice=[])
 
@@ -139,3 +137,108 @@ def test_a_grammar_other_masks_contradict_fails_no_neighbour(llm):
     mixed = llm.generate(["Once upon a time", "Yes or no?"], [plain, odd], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone
     assert len(mixed[1].outputs[0].token_ids) >= 6
+
+
+def test_n_sequences_each_follow_the_schema(llm):
+    """n > 1: every sequence has its own matcher (the children start at the prompt's end)."""
+    schema = SCHEMAS[0]
+    out = llm.generate(["A person:"], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=80,
+                                                     structured_outputs=S(json=schema, disable_any_whitespace=True)),
+                       use_tqdm=False)[0]
+    texts = [c.text for c in out.outputs]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    assert len(set(texts)) > 1  # seeds + i: the draws differ
+
+
+class _GatedCompile:
+    """Wraps the grammar compiler: compiles wait until release() (or raise `error`)."""
+
+    def __init__(self, compiler, error=None):
+        import threading
+        self.compiler, self.error, self.gate = compiler, error, threading.Event()
+
+    def compile_grammar(self, grammar):
+        self.gate.wait(timeout=60)
+        if self.error is not None:
+            raise self.error
+        return self.compiler.compile_grammar(grammar)
+
+    def release(self):
+        self.gate.set()
+
+
+@pytest.fixture
+def gated(llm):
+    """The engine's grammar compiler, gated (the cache is emptied before and after)."""
+    manager = llm.llm_engine.output_processor.structured_output_manager()
+    real = manager._compiler
+    manager._compiled.clear()
+    holder = {}
+
+    def install(error=None):
+        holder["gate"] = _GatedCompile(real, error)
+        manager._compiler = holder["gate"]
+        return holder["gate"]
+
+    yield install
+    if "gate" in holder:
+        holder["gate"].release()
+    manager._compiler = real
+    manager._compiled.clear()
+
+
+def test_grammars_compile_off_the_step_loop(llm, gated):
+    """While a request's grammar compiles, the engine steps the other requests; the constrained
+    request starts once its grammar is ready and still follows it; an abort meanwhile leaks nothing."""
+    engine = llm.llm_engine
+    gate = gated()
+    free_blocks = engine.core.stats().num_free_blocks
+    engine.add_request("plain", "Once upon a time", engine.tokenizer.encode("Once upon a time"),
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    engine.add_request("json", "A person:", engine.tokenizer.encode("A person:"),
+                       SamplingParams(temperature=0.0, max_tokens=80,
+                                      structured_outputs=S(json=SCHEMAS[0], disable_any_whitespace=True)))
+    engine.add_request("dropped", "A city:", engine.tokenizer.encode("A city:"),
+                       SamplingParams(max_tokens=8, structured_outputs=S(json=SCHEMAS[1])))
+    done = {}
+    for _ in range(6):  # the plain request runs to its end while both grammars wait
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert set(done) == {"plain"} and len(done["plain"].outputs[0].token_ids) == 6
+    assert engine.has_unfinished_requests()
+    aborted = engine.abort_request("dropped")
+    assert aborted.finished and aborted.outputs == []  # as any request aborted before its first step
+    gate.release()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert set(done) == {"plain", "json"}
+    jsonschema.validate(json.loads(done["json"].outputs[0].text), SCHEMAS[0])
+    assert engine.core.stats().num_free_blocks == free_blocks
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_request_alone(llm, gated):
+    engine = llm.llm_engine
+    gate = gated(RuntimeError("compiler exploded"))
+    engine.add_request("plain", "Hello", engine.tokenizer.encode("Hello"),
+                       SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    engine.add_request("json", "A person:", engine.tokenizer.encode("A person:"),
+                       SamplingParams(max_tokens=20, structured_outputs=S(json=SCHEMAS[0])))
+    gate.release()
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert len(done["plain"].outputs[0].token_ids) == 5
+    assert done["json"].finished and done["json"].outputs == []
+    assert not engine.has_request("json")
+    # once known to fail, the same constraint is refused when added
+    with pytest.raises(ValueError, match="failed to compile"):
+        engine.add_request("again", "A person:", engine.tokenizer.encode("A person:"),
+                           SamplingParams(max_tokens=20, structured_outputs=S(json=SCHEMAS[0])))
+    assert not engine.has_request("again")

@@ -187,6 +187,8 @@ class LLMEngine:
         self._pending = None  # (UpdateResult, sample_seq_ids, SamplerOutput) of a deferred step
         self._ready: list[RequestOutput] = []  # outputs of a deferred step, returned by the next step()
         self._inflight: Optional[_InFlight] = None  # async scheduling: the launched, not yet updated step
+        # structured outputs: requests whose grammar compiles off the step loop, (Future, token ids, RequestParams)
+        self._compiling: dict[str, tuple[concurrent.futures.Future, np.ndarray, Any]] = {}
 
     # ---- requests -------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -238,12 +240,48 @@ class LLMEngine:
         if rp.max_tokens < 0 or rp.max_tokens > room:
             rp.max_tokens = room
         rp.min_tokens = min(rp.min_tokens, rp.max_tokens)
-        self.output_processor.add_request(request_id, prompt, list(map(int, prompt_token_ids)), params)
+        grammar = self.output_processor.add_request(request_id, prompt, list(map(int, prompt_token_ids)), params)
+        if grammar is not None and not grammar.done():  # scheduled once its grammar is compiled (_admit_compiled)
+            self._compiling[request_id] = (grammar, arr.astype(np.int32), rp)
+            return
+        self._add_to_core(request_id, arr.astype(np.int32), rp, grammar)
+
+    def _add_to_core(self, request_id: str, token_ids: np.ndarray, rp, grammar) -> None:
         try:
-            self.core.add_request(request_id, arr.astype(np.int32), rp)
+            if grammar is not None and grammar.exception() is not None:  # the request is dropped, nothing queued
+                raise ValueError(f"structured_outputs: the grammar failed to compile: {grammar.exception()}")
+            self.core.add_request(request_id, token_ids, rp)
         except BaseException:
             self.output_processor.abort_request(request_id)
             raise
+
+    def _admit_compiled(self) -> None:
+        """Hand the requests whose grammars finished compiling to the scheduler (structured
+        outputs compile off the step loop). One whose compile failed is finished with "abort"
+        and the error logged. With nothing else to run, waits briefly for the first compile."""
+        if not self._compiling:
+            return
+        if not self.core.has_unfinished_requests() and self._inflight is None and self._pending is None:
+            concurrent.futures.wait([f for f, _, _ in self._compiling.values()], timeout=0.01,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for request_id, (grammar, token_ids, rp) in list(self._compiling.items()):
+            if not grammar.done():
+                continue
+            del self._compiling[request_id]
+            if grammar.exception() is not None:  # the request alone fails; the engine goes on
+                logger.error("request %s: its structured output grammar failed to compile: %s", request_id,
+                             grammar.exception())
+                out = self.output_processor.abort_request(request_id)
+                if out is not None:
+                    self._ready.append(out)
+                continue
+            try:
+                self.core.add_request(request_id, token_ids, rp)
+            except Exception as exc:  # noqa: BLE001 - as above
+                logger.error("request %s: the scheduler refused it: %s", request_id, exc)
+                out = self.output_processor.abort_request(request_id)
+                if out is not None:
+                    self._ready.append(out)
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """Abort a request (finish_reason "abort"); returns its final output, None if unknown.
@@ -251,6 +289,8 @@ class LLMEngine:
         of the request that the flushed steps produced and step() has not returned yet are folded
         into the returned one (DELTA: their tokens, text and logprobs come first), so nothing of
         the request is returned after its final output."""
+        if self._compiling.pop(request_id, None) is not None:  # never reached the scheduler
+            return self.output_processor.abort_request(request_id)
         self._flush_pending()
         self._flush_inflight()
         state = self.output_processor.requests.get(request_id)
@@ -269,7 +309,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.core.has_unfinished_requests() or self._pending is not None or self._inflight is not None
-                or bool(self._ready))
+                or bool(self._ready) or bool(self._compiling))
 
     def has_request(self, request_id: str) -> bool:
         return self.output_processor.has_request(request_id)
@@ -280,6 +320,7 @@ class LLMEngine:
         output_kind; finished requests included). An exception leaves no KV block leaked: the
         step's sequences are rescheduled (release of a step that was never updated).
         RequestSetupError names requests whose setup failed: abort those; the others go on."""
+        self._admit_compiled()
         if self.async_scheduling:
             return self._step_async()
         sched = self.core.schedule()
@@ -450,6 +491,7 @@ class LLMEngine:
         if self.core is not None:
             for request_id in list(self.output_processor.requests):
                 self.abort_request(request_id)
+            self.output_processor.shutdown()
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
             self.executor = None

@@ -3,22 +3,32 @@ JSON object, a regex, one of several strings, or an EBNF grammar, through xgramm
 2024, "XGrammar: Flexible and Efficient Structured Generation Engine for Large Language Models";
 vLLM's, SGLang's and TensorRT-LLM's grammar engine).
 
-``StructuredOutputManager(tokenizer, vocab_size)`` compiles a request's constraint once (cached by
-its kind and text; an invalid one is a ValueError naming the field) and gives each sequence its
-own ``xgrammar.GrammarMatcher``. The Sampler (sample/sampler.py) fills a token bitmask from each
-constrained sequence's matcher before sampling, so that only tokens the grammar can continue
-with keep their logits (EOS only where the grammar may end), and advances the matcher with each
-token the engine appends.
+``StructuredOutputManager(tokenizer, vocab_size)`` turns a request's constraint into a grammar
+when the request is added (parsing only, well under a millisecond; an invalid schema, regex or
+grammar is a ValueError naming the field, nothing queued) and compiles it against the tokenizer
+on a background thread (tens of milliseconds for a schema; xgrammar releases the GIL), so the
+step loop goes on meanwhile: the engine holds the request back until its grammar is compiled
+(LLMEngine.add_request). Compiled grammars are cached by kind and text (the most recent
+``CACHE_SIZE``). Each sequence gets its own ``xgrammar.GrammarMatcher``; the Sampler
+(sample/sampler.py) fills a token bitmask from each constrained sequence's matcher before
+sampling, so that only tokens the grammar can continue with keep their logits (EOS only where the
+grammar may end), and advances the matcher with each token the engine appends.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
 __all__ = ["StructuredOutputManager", "StructuredOutputsParams"]
+
+#: compiled grammars kept per tokenizer (the least recently used go first)
+CACHE_SIZE = 256
 
 
 class StructuredOutputManager:
@@ -32,38 +42,53 @@ class StructuredOutputManager:
         self._xgr = xgr
         self.vocab_size = int(vocab_size)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-        self._compiler = xgr.GrammarCompiler(info)
-        self._compiled: dict[tuple[str, str], Any] = {}
+        # our own cache (bounded, of futures); xgrammar's would keep every grammar ever compiled
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) // 2)),
+                                        thread_name_prefix="pagedllm-grammar")
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar of params as a Future (cached; compiled on a background thread).
+        Errors: ValueError naming the field, raised here, when the constraint does not parse."""
+        key = params.key()
+        future = self._compiled.get(key)
+        if future is not None:
+            self._compiled.move_to_end(key)
+            return future
+        grammar = self._grammar(*key)
+        future = self._pool.submit(self._compiler.compile_grammar, grammar)
+        self._compiled[key] = future
+        while len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return future
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of params (cached). ValueError naming the field when invalid."""
-        kind, text = params.key()
-        key = (kind, text)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compile(kind, text)
-            self._compiled[key] = compiled
-        return compiled
+        """The compiled grammar of params, waiting for it. ValueError naming the field when invalid."""
+        return self.submit(params).result()
 
-    def matcher(self, params: StructuredOutputsParams):
-        """A fresh GrammarMatcher for one sequence constrained by params."""
-        return self._xgr.GrammarMatcher(self.compile(params))
+    def matcher(self, params: StructuredOutputsParams, compiled=None):
+        """A fresh GrammarMatcher for one sequence constrained by params (of `compiled`, its
+        compiled grammar, when the caller holds it)."""
+        return self._xgr.GrammarMatcher(compiled if compiled is not None else self.compile(params))
 
-    def _compile(self, kind: str, text: str):
-        c = self._compiler
+    def _grammar(self, kind: str, text: str):
+        """xgrammar's Grammar of a constraint (parsing only, no tokenizer work)."""
+        G = self._xgr.Grammar
         kind, compact = kind.removesuffix("-compact"), kind.endswith("-compact")
         try:
             if kind == "json":
-                return c.compile_json_schema(text, any_whitespace=not compact)
-            if kind == "json_object":
-                if compact:
-                    return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-                return c.compile_builtin_json_grammar()
+                return G.from_json_schema(text, any_whitespace=not compact)
+            if kind == "json_object":  # an object (OpenAI's JSON mode), not any JSON value
+                return G.from_json_schema('{"type": "object"}', any_whitespace=not compact)
             if kind == "regex":
-                return c.compile_regex(text)
+                return G.from_regex(text)
             if kind == "choice":
                 choices = json.loads(text)
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices))
-            return c.compile_grammar(text)
-        except Exception as exc:  # xgrammar's parse / compile errors
+                return G.from_ebnf("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices))
+            return G.from_ebnf(text)
+        except Exception as exc:  # xgrammar's parse errors
             raise ValueError(f"structured_outputs.{kind}: cannot compile it: {exc}") from None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
