@@ -134,7 +134,7 @@ CHAT_MALFORMED = [
     ({"model": MODEL}, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
      "response_format"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "content"),

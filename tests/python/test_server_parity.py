@@ -193,7 +193,7 @@ def test_unknown_fields_are_400s_and_informational_ones_are_accepted(server):
     url = server.url + "/v1/completions"
     base = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     assert_400(httpx.post(url, json={**base, "guided_json": {"type": "object"}}, timeout=60), "guided_json",
-               "structured output")
+               "structured_outputs")
     assert_400(httpx.post(url, json={**base, "temprature": 0.5}, timeout=60), "temprature")  # a typo
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert_400(httpx.post(server.url + "/v1/chat/completions", json={**chat, "bad_words": ["x"]}, timeout=60),

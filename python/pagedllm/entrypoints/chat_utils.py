@@ -19,13 +19,15 @@ def chat_prompt_token_ids(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: Optional[dict[str, Any]] = None,
+    tools: Optional[list[dict]] = None,
 ) -> list[int]:
     """Token ids of `conversation` (list of {"role", "content", ...}) rendered by the tokenizer's
-    chat template (or `chat_template`, a Jinja string). Errors: ValueError when the tokenizer has
-    no chat template or the template rejects the conversation."""
+    chat template (or `chat_template`, a Jinja string), with `tools` (OpenAI's tool objects) for
+    templates that describe them. Errors: ValueError when the tokenizer has no chat template or the
+    template rejects the conversation."""
     try:
         text = tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False,
+            conversation, chat_template=chat_template, tools=tools, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {}),
         )

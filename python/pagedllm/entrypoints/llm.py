@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 from pagedllm.engine.llm_engine import EngineArgs, LLMEngine
+from pagedllm.entrypoints.chat_templates import load_chat_template
 from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
 from pagedllm.metrics import Metric
 from pagedllm.outputs import RequestOutput
@@ -187,15 +188,21 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[dict] = None,
+        tools: Optional[list[dict]] = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (list of {"role", "content"}) or a list of them,
-        rendered by the tokenizer's chat template (or `chat_template`), BOS exactly once."""
+        rendered by the tokenizer's chat template (or `chat_template`: Jinja text, a file, or a
+        bundled template's name such as "hermes_tools"), BOS exactly once. tools: OpenAI's tool
+        objects, for templates that describe them (the output is text; constrain it with
+        SamplingParams(structured_outputs=...) or parse it with a tool parser)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
+        if chat_template is not None:
+            chat_template = load_chat_template(chat_template)
         prompts = []
         for c in conversations:
             ids = self._chat_ids(c, chat_template, add_generation_prompt, continue_final_message,
-                                 chat_template_kwargs or {})
+                                 chat_template_kwargs or {}, tools)
             # RequestOutput.prompt: the rendered conversation, as vLLM reports it
             prompts.append({"prompt": tok.decode(ids), "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -242,9 +249,10 @@ class LLM:
             raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         raise ValueError(f"a prompt must be a str, a TextPrompt or a TokensPrompt dict, got {type(prompt).__name__}")
 
-    def _chat_ids(self, conversation, chat_template, add_generation_prompt, continue_final_message, kwargs) -> list[int]:
+    def _chat_ids(self, conversation, chat_template, add_generation_prompt, continue_final_message, kwargs,
+                  tools=None) -> list[int]:
         return chat_prompt_token_ids(self.llm_engine.tokenizer, conversation, chat_template,
-                                     add_generation_prompt, continue_final_message, kwargs)
+                                     add_generation_prompt, continue_final_message, kwargs, tools)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine

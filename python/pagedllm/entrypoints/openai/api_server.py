@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import secrets
 from contextlib import asynccontextmanager
@@ -25,6 +26,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.chat_templates import load_chat_template
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_handlers
 from pagedllm.entrypoints.openai.lifecycle import GracefulServer, InFlight
 from pagedllm.entrypoints.openai.limits import RequestSizeLimit, default_max_request_bytes
@@ -37,6 +39,7 @@ from pagedllm.entrypoints.openai.rate_limit import RateLimiter
 from pagedllm.entrypoints.openai.serving import ServingContext, check_model
 from pagedllm.entrypoints.openai.serving_chat import ChatHandler, conversation
 from pagedllm.entrypoints.openai.serving_completion import CompletionHandler
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.metrics import PREFIX, Counter
 
 logger = logging.getLogger("pagedllm")
@@ -61,7 +64,9 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
               metrics_public: bool = False, force_include_usage: bool = False,
               tokenizer_info: bool = False, root_path: str = "", metrics_prefix: str = "pagedllm",
               max_request_bytes: Optional[int] = None, max_logprobs: int = 20,
-              rate_limit_rpm: Optional[int] = None, rate_limit_tpm: Optional[int] = None) -> FastAPI:
+              rate_limit_rpm: Optional[int] = None, rate_limit_tpm: Optional[int] = None,
+              chat_template: Optional[str] = None, enable_auto_tool_choice: bool = False,
+              tool_call_parser: Optional[str] = None, structured_outputs_config: Optional[dict] = None) -> FastAPI:
     """The FastAPI app serving `engine`. served_model_names: names accepted in "model" (the first
     is reported); default the engine's model name. api_key: required on every route but /health
     (and /metrics with metrics_public). shutdown_engine: shut the engine down when the app stops.
@@ -72,15 +77,25 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
     context length when None). max_logprobs: most logprobs per token a request may ask for (-1:
     no limit, logprobs -1 = the whole vocabulary allowed). api_key may be several keys (each
     request names one); rate_limit_rpm / rate_limit_tpm: requests / tokens per minute per key
-    (rate_limit.py)."""
+    (rate_limit.py). chat_template: a file, Jinja text or a bundled template's name, used when a
+    request names none. enable_auto_tool_choice + tool_call_parser ("hermes" | "llama3_json"):
+    tool_choice "auto" reads calls out of the output. structured_outputs_config:
+    {"disable_any_whitespace": bool}, the requests' default. Errors: ValueError naming the bad one."""
     names = list(served_model_names or [engine.model_name])
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
     engine.set_model_name(names[0])  # the metrics' model_name label, as vLLM's
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be >= -1 (-1: no limit), got {max_logprobs}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of {', '.join(sorted(TOOL_PARSERS))}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser (hermes | llama3_json)")
     ctx = ServingContext(engine, names, max_queued_requests, force_include_usage, max_logprobs,
-                         RateLimiter(rate_limit_rpm, rate_limit_tpm))
+                         RateLimiter(rate_limit_rpm, rate_limit_tpm),
+                         chat_template=load_chat_template(chat_template) if chat_template is not None else None,
+                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                         structured_outputs_defaults=dict(structured_outputs_config or {}))
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
 
@@ -161,7 +176,8 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
         else:
             req = ChatCompletionRequest(messages=request.messages, add_generation_prompt=request.add_generation_prompt,
                                         continue_final_message=request.continue_final_message)
-            ids = chat.prompt_ids(req, conversation(request.messages))
+            tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+            ids = chat.prompt_ids(req, conversation(request.messages), tools)
         strs = ctx.tokenizer.convert_ids_to_tokens(list(ids)) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=list(ids), token_strs=strs)
 
@@ -242,6 +258,22 @@ def _bound_token_ids(prop, vocab_size: int) -> None:
 
 
 # ---------------------------------------------------------------------------- CLI
+def _structured_outputs_config(text: str) -> dict:
+    """--structured-outputs-config: JSON with backend (xgrammar, the one pagedllm has; "auto" means
+    it) and disable_any_whitespace (the default of requests that do not set it)."""
+    try:
+        cfg = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(cfg, dict) or set(cfg) - {"backend", "disable_any_whitespace"}:
+        raise argparse.ArgumentTypeError(f"give an object with backend and/or disable_any_whitespace, got {text!r}")
+    if cfg.get("backend", "xgrammar") not in ("xgrammar", "auto"):
+        raise argparse.ArgumentTypeError(f"backend {cfg['backend']!r}: pagedllm's grammar engine is xgrammar")
+    if not isinstance(cfg.get("disable_any_whitespace", False), bool):
+        raise argparse.ArgumentTypeError("disable_any_whitespace must be true or false")
+    return {k: v for k, v in cfg.items() if k == "disable_any_whitespace"}
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     from pagedllm.entrypoints.openai.cli_args import add_engine_args
 
@@ -285,6 +317,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-count", "-asc", type=int, default=1,
                         help="HTTP front-end processes sharing the port and one engine process (vLLM's flag): more "
                              "than 1 when one process's event loop cannot keep up with many concurrent streams")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template of requests that name none: a file, Jinja text, or a bundled template "
+                             "(hermes_tools: ChatML with tools, for --tool-call-parser hermes)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto" (the default with tools): the --tool-call-parser reads the model\'s '
+                             "calls out of its output")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how the model writes tool calls (hermes: <tool_call> blocks; llama3_json: Llama 3.1 JSON)")
+    parser.add_argument("--structured-outputs-config", type=_structured_outputs_config, default={},
+                        help='JSON defaults of structured outputs, vLLM\'s: {"backend": "xgrammar", '
+                             '"disable_any_whitespace": true}')
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
@@ -330,7 +373,9 @@ def serve(args: argparse.Namespace, engine: AsyncLLM, sockets=None, early_signal
                     tokenizer_info=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
                     metrics_prefix=args.metrics_prefix, max_request_bytes=args.max_request_bytes,
                     max_logprobs=args.max_logprobs, rate_limit_rpm=args.rate_limit_rpm,
-                    rate_limit_tpm=args.rate_limit_tpm)
+                    rate_limit_tpm=args.rate_limit_tpm, chat_template=args.chat_template,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                    structured_outputs_config=args.structured_outputs_config)
     in_flight = InFlight(app)  # outermost: counts every request, 503s new ones while draining
     # loop="auto": uvloop when installed (a [serve] dependency on Linux, as vLLM's), else asyncio's
     config = uvicorn.Config(in_flight, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

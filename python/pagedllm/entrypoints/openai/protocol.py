@@ -68,6 +68,23 @@ def _bounds(**schema) -> dict:
     return {"json_schema_extra": schema}
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(max_length=64)
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
@@ -108,6 +125,10 @@ class _SamplingFields(_Request):
                                                   "(-1: the last max_model_len - 1)")
     return_tokens_as_token_ids: Optional[bool] = Field(default=False, description="logprobs name tokens as "
                                                        "'token_id:<id>' instead of their text")
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = Field(
+        default=None, description="vLLM's structured outputs: exactly one of json (a JSON schema), json_object, "
+        "regex, choice, grammar (EBNF); disable_any_whitespace (docs/structured_output.md)")
 
 
 class CompletionRequest(_SamplingFields):
@@ -129,14 +150,37 @@ class ContentPart(_Request):
     text: Optional[str] = None
 
 
+class FunctionCallParam(_Request):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallParam(_Request):
+    """An assistant message's tool call, as the client sends it back."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
     role: str
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallParam]] = None  # role assistant
+    tool_call_id: Optional[str] = None  # role tool: the call this message answers
 
 
-class ResponseFormat(_Request):
-    type: str
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments; omitted: no arguments
+    strict: Optional[bool] = None
+
+
+class ChatCompletionToolParam(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -146,9 +190,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, **_bounds(minimum=-1))
     max_completion_tokens: Optional[int] = Field(None, **_bounds(minimum=0))
-    response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[ChatCompletionToolParam]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = Field(
+        default=None, description='"none" | "auto" (the default with tools; needs --enable-auto-tool-choice) | '
+        '"required" | {"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: Optional[bool] = True
     echo: Optional[bool] = False
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
@@ -167,6 +213,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
     return_token_strs: Optional[bool] = False
+    tools: Optional[list[ChatCompletionToolParam]] = None  # with messages: as the chat template shows them
 
 
 class DetokenizeRequest(_Request):
@@ -243,9 +290,21 @@ class ChatLogprobs(_Response):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -268,9 +327,25 @@ class ChatCompletionResponse(_Response):
     prompt_token_ids: Optional[list[int]] = None
 
 
+class DeltaFunctionCall(_Response):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Response):
+    """One piece of a streamed tool call: the first names it (id, type, function.name), the next
+    ones add argument text; index tells the calls of one message apart."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(_Response):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(_Response):

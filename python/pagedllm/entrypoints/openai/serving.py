@@ -21,6 +21,7 @@ from pagedllm.engine.async_llm import AsyncLLM, RequestOutputCollector
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, from_value_error
 from pagedllm.entrypoints.openai.protocol import _SamplingFields
 from pagedllm.entrypoints.openai.rate_limit import RateLimiter
+from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
 
@@ -40,6 +41,13 @@ class ServingContext:
     max_logprobs: int = MAX_LOGPROBS
     #: --rate-limit-rpm / --rate-limit-tpm (rate_limit.py); None: no limits
     rate_limiter: Optional["RateLimiter"] = None
+    #: --chat-template: the template used when a request names none (None: the tokenizer's)
+    chat_template: Optional[str] = None
+    #: --enable-auto-tool-choice / --tool-call-parser (tool_calls.py, tool_parsers/)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None
+    #: --structured-outputs-config: defaults of a request's structured outputs (disable_any_whitespace)
+    structured_outputs_defaults: dict = dataclasses.field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -113,13 +121,15 @@ INFORMATIONAL_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "
                                   "prompt_cache_key", "vllm_xargs"})
 #: Fields of vLLM's or OpenAI's API that pagedllm does not implement yet, with what to say.
 _NOT_YET = {
-    **{f: "structured output is not supported yet" for f in (
+    **{f: "vLLM replaced the guided_* fields with structured_outputs ({\"json\": ...} | {\"regex\": ...} | "
+          "{\"choice\": [...]} | {\"grammar\": ...}); send that instead" for f in (
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern", "structural_tag", "structured_outputs")},
+        "guided_whitespace_pattern")},
+    "structural_tag": "structural tags are not supported (use structured_outputs or tools)",
     "bad_words": "bad_words is not supported", "logits_processors": "logits processors are not supported",
     "prompt_embeds": "prompt embeddings are not supported", "length_penalty": "beam search is not supported",
     "functions": "function calling is not supported", "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported", "audio": "audio output is not supported",
+"audio": "audio output is not supported",
     "modalities": "only text output is supported", "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning models are not supported", "web_search_options": "web search is not supported",
     "documents": "documents are not supported", "mm_processor_kwargs": "multimodal inputs are not supported",
@@ -172,10 +182,16 @@ def check_n(ctx: ServingContext, n: int) -> None:
 
 
 def sampling_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int, logprobs: Optional[int],
-                    prompt_logprobs: Optional[int]) -> SamplingParams:
+                    prompt_logprobs: Optional[int], tool_constraint: Optional[dict] = None,
+                    skip_special_tokens: Optional[bool] = None) -> SamplingParams:
     """SamplingParams for a request: the model's generation_config defaults for omitted
     temperature / top_p / top_k / min_p / repetition_penalty, output_kind DELTA (the handlers
-    accumulate). ValueError of SamplingParams -> 400 naming the field."""
+    accumulate), the output constraint of structured_outputs / response_format (or of tool_choice:
+    tool_constraint). ValueError of SamplingParams -> 400 naming the field."""
+    fields = req.structured_outputs
+    if fields is not None or tool_constraint or getattr(req, "response_format", None) is not None:
+        fields = {**ctx.structured_outputs_defaults, **(fields or {})}
+    structured = structured_outputs_params(fields, getattr(req, "response_format", None), tool_constraint)
     defaults = ctx.engine.generation_defaults
 
     def pick(name: str, fallback):
@@ -207,12 +223,14 @@ def sampling_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int, 
             min_tokens=req.min_tokens or 0,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens is not False,
+            skip_special_tokens=(req.skip_special_tokens is not False if skip_special_tokens is None
+                                 else skip_special_tokens),
             spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logit_bias=bias,
             allowed_token_ids=req.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured,
         )
     except ValueError as exc:
         raise from_value_error(exc) from None

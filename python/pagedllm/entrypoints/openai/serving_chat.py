@@ -5,12 +5,19 @@ one choice per chunk, each with its index, as OpenAI and vLLM; the running usage
 with stream_options continuous_usage_stats; prompt_token_ids (return_token_ids) and
 prompt_logprobs on the response, or on the first chunk of a stream, as vLLM).
 
-Not implemented, answered with a 400 naming the field: tools, tool_choice (other than "none"),
-a response_format other than text, non-text content parts.
+Structured outputs (response_format json_object / json_schema, vLLM's structured_outputs:
+structured_outputs.py) and tools (tools, tool_choice, parallel_tool_calls: tool_calls.py; the
+model's calls read by the --tool-call-parser, tool_parsers/): the message's tool_calls, or in a
+stream delta.tool_calls pieces whose concatenation is the same calls; tool messages (role "tool",
+tool_call_id) and assistant messages with tool_calls go to the chat template, the arguments as
+objects (as vLLM hands them to templates).
+
+Not implemented, answered with a 400 naming the field: non-text content parts.
 """
 
 from __future__ import annotations
 
+import json
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
@@ -20,13 +27,17 @@ from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
-    ChatStreamChoice, ChatTokenLogprob, DeltaMessage, PromptTokensDetails, TopLogprob, UsageInfo, random_id,
+    ChatStreamChoice, ChatTokenLogprob, DeltaMessage, DeltaToolCall, FunctionCall, PromptTokensDetails, ToolCall,
+    TopLogprob, UsageInfo, random_id,
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE, GroupStreamingResponse, PromptInput, RequestGroup, ServingContext, check_length, check_model,
     check_n, check_queue, check_rate_limit, check_unsupported, continuous_usage, prompt_logprobs_json,
     sampling_params, sse, sse_error, token_bytes, truncate_prompt,
 )
+from pagedllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools
+from pagedllm.entrypoints.openai.tool_parsers import ToolCallStreamer
+from pagedllm.entrypoints.openai.tool_parsers.abstract import tool_call_id
 
 
 def conversation(req_messages) -> list[dict]:
@@ -45,22 +56,27 @@ def conversation(req_messages) -> list[dict]:
                                       f"got {part.type!r}", 400, "messages")
                 texts.append(part.text)
             content = "\n".join(texts)
-        msg = {"role": m.role, "content": content if content is not None else ""}
+        msg: dict = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            calls = []
+            for k, tc in enumerate(m.tool_calls):
+                try:  # templates expect the arguments as an object (as vLLM hands them over)
+                    arguments = json.loads(tc.function.arguments)
+                except ValueError:
+                    raise OpenAIError(f"messages[{i}].tool_calls[{k}].function.arguments: not JSON: "
+                                      f"{tc.function.arguments[:80]!r}", 400, "messages") from None
+                calls.append({"id": tc.id, "type": "function",
+                              "function": {"name": tc.function.name, "arguments": arguments}})
+            msg["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
 
 def check_chat_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise OpenAIError("tools: tool calling is not supported by this server", 400, "tools")
-    if req.tool_choice is not None and req.tool_choice != "none":
-        raise OpenAIError("tool_choice: tool calling is not supported by this server (only 'none')", 400,
-                          "tool_choice")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise OpenAIError(f"response_format: type {req.response_format.type!r} is not supported (only 'text')", 400,
-                          "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("top_logprobs: requires logprobs=true", 400, "top_logprobs")
     if req.top_logprobs is not None and req.top_logprobs < 0:
@@ -71,11 +87,12 @@ class ChatHandler:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
 
-    def prompt_ids(self, req, messages: list[dict]) -> list[int]:
+    def prompt_ids(self, req, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
         try:
             ids = chat_prompt_token_ids(
-                self.ctx.tokenizer, messages, req.chat_template, req.add_generation_prompt is not False,
-                bool(req.continue_final_message), req.chat_template_kwargs)
+                self.ctx.tokenizer, messages, req.chat_template or self.ctx.chat_template,
+                req.add_generation_prompt is not False, bool(req.continue_final_message), req.chat_template_kwargs,
+                tools=tools)
         except ValueError as exc:
             raise OpenAIError(f"messages: {exc}", 400, "messages") from None
         return ids
@@ -87,14 +104,16 @@ class ChatHandler:
         check_chat_unsupported(req)
         check_n(ctx, 1 if req.n is None else req.n)
         messages = conversation(req.messages)
-        ids = truncate_prompt(self.prompt_ids(req, messages), req.truncate_prompt_tokens, ctx)
+        plan = plan_tools(req, ctx.tool_call_parser, ctx.enable_auto_tool_choice)
+        ids = truncate_prompt(self.prompt_ids(req, messages, plan.tools), req.truncate_prompt_tokens, ctx)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if requested is not None and requested < 0:
             raise OpenAIError(f"{field} must be at least 0, got {requested}", 400, field)
         max_tokens = check_length(ctx, len(ids), requested, "messages", field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(ctx, req, max_tokens, logprobs, req.prompt_logprobs)
+        params = sampling_params(ctx, req, max_tokens, logprobs, req.prompt_logprobs, plan.constraint,
+                                 False if plan.parser is not None and plan.parser.needs_special_tokens else None)
         check_rate_limit(ctx, raw_request, len(ids) + params.n * max_tokens)
         await check_queue(ctx)
         base_id = req.request_id or random_id("chatcmpl")
@@ -103,7 +122,7 @@ class ChatHandler:
         echo = ""
         if req.echo and messages and messages[-1]["role"] == "assistant":
             echo = messages[-1]["content"]
-        renderer = _ChatRenderer(ctx, req, base_id, ids, echo)
+        renderer = _ChatRenderer(ctx, req, base_id, ids, echo, plan)
         if req.stream:
             return GroupStreamingResponse(renderer.stream(group), group)
         return await renderer.full(group)
@@ -111,8 +130,9 @@ class ChatHandler:
 
 class _ChatRenderer:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, response_id: str, prompt_ids: list[int],
-                 echo: str):
+                 echo: str, plan: Optional[ToolPlan] = None):
         self.ctx, self.req, self.id = ctx, req, response_id
+        self.plan = plan or ToolPlan()
         self.prompt_ids = prompt_ids
         self.prompt_tokens = len(prompt_ids)
         self.echo = echo
@@ -163,19 +183,33 @@ class _ChatRenderer:
                     finish[c.index] = (c.finish_reason, c.stop_reason)
         if group.disconnected:
             return Response(status_code=499)
-        choices = [
-            ChatChoice(index=j, message=ChatResponseMessage(content="".join(texts[j])),
-                       logprobs=self._logprobs(tokens[j], lps[j]),
-                       token_ids=tokens[j] if self.req.return_token_ids else None,
-                       finish_reason=finish.get(j, (None, None))[0], stop_reason=finish.get(j, (None, None))[1])
-            for j in range(self.n)
-        ]
+        choices = []
+        for j in range(self.n):
+            reason, stop_reason = finish.get(j, (None, None))
+            message = ChatResponseMessage(content="".join(texts[j]))
+            if self.plan.parser is not None:
+                content, calls = self.plan.parser.extract("".join(texts[j][1:]))
+                if calls:
+                    calls = calls if self.plan.parallel else calls[:1]
+                    message = ChatResponseMessage(
+                        content=(self.echo + (content or "")) or None,
+                        tool_calls=[ToolCall(id=tool_call_id(), function=FunctionCall(name=name, arguments=args))
+                                    for name, args in calls])
+                    reason = self._finish_reason(reason, True)
+            choices.append(ChatChoice(index=j, message=message, logprobs=self._logprobs(tokens[j], lps[j]),
+                                      token_ids=tokens[j] if self.req.return_token_ids else None,
+                                      finish_reason=reason, stop_reason=stop_reason))
         resp = ChatCompletionResponse(id=self.id, model=self.ctx.model_name, choices=choices,
                                       usage=self._usage(sum(len(t) for t in tokens.values())),
                                       prompt_logprobs=(prompt_logprobs_json(prompt_lps)
                                                        if self.req.prompt_logprobs is not None else None),
                                       prompt_token_ids=self.prompt_ids if self.req.return_token_ids else None)
         return Response(resp.model_dump_json(), media_type="application/json")
+
+    def _finish_reason(self, reason: Optional[str], called: bool) -> Optional[str]:
+        """OpenAI's rule: "tool_calls" when "auto" or "required" ended with calls, "stop" for a
+        named function."""
+        return "tool_calls" if called and reason == "stop" and not self.plan.named else reason
 
     def _chunk(self, choice: ChatStreamChoice, usage: Optional[UsageInfo] = None, **first) -> str:
         return sse(ChatCompletionChunk(id=self.id, model=self.ctx.model_name, choices=[choice], usage=usage, **first))
@@ -197,16 +231,26 @@ class _ChatRenderer:
                 for j in range(self.n):
                     yield self._chunk(ChatStreamChoice(index=j, delta=DeltaMessage(content=self.echo)), usage)
             want_prompt_lps = self.req.prompt_logprobs is not None
+            streamers = ({j: ToolCallStreamer(self.plan.parser) for j in range(self.n)}
+                         if self.plan.parser is not None else None)
             async for _, out in group.outputs():
                 choices = []
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     lp = self._logprobs(c.token_ids, c.logprobs) if c.token_ids else None
-                    if c.text or lp is not None or c.finish_reason is not None or (
+                    text, calls, reason = c.text, None, c.finish_reason
+                    if streamers is not None:
+                        streamer = streamers[c.index]
+                        text, entries = streamer.feed(c.text, final=c.finish_reason is not None)
+                        if not self.plan.parallel:
+                            entries = [e for e in entries if e["index"] == 0]
+                        calls = [DeltaToolCall(**e) for e in entries] or None
+                        reason = self._finish_reason(reason, streamer.called)
+                    if text or calls or lp is not None or reason is not None or (
                             c.token_ids and self.req.return_token_ids):
                         choices.append(ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=c.text if c.text else None), logprobs=lp,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                            index=c.index, delta=DeltaMessage(content=text if text else None, tool_calls=calls),
+                            logprobs=lp, finish_reason=reason, stop_reason=c.stop_reason,
                             token_ids=list(c.token_ids) if self.req.return_token_ids else None))
                 usage = self._usage(completion_tokens) if running else None
                 for choice in choices:
