@@ -36,8 +36,58 @@ SCHEMAS = [
                                                                               "maximum": 10}},
      "required": ["kind", "radius"], "additionalProperties": False},
 ]
+SCHEMAS += [
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 20},
+                                      "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+                                      "rating": {"type": "number", "minimum": 0, "maximum": 5}},
+     "required": ["title", "year"], "additionalProperties": False},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+        "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"}},
+        "required": ["id", "email"], "additionalProperties": False},
+        "active": {"type": "boolean"}}, "required": ["user", "active"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "object", "properties": {"sku": {"type": "string", "maxLength": 6},
+                                                                 "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+                                "required": ["sku", "qty"], "additionalProperties": False},
+     "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"status": {"enum": ["ok", "error", 404, None]}}, "required": ["status"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"matrix": {"type": "array", "minItems": 2, "maxItems": 2, "items": {
+        "type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+     "required": ["matrix"], "additionalProperties": False},
+    {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99},
+                                                          {"type": "string", "maxLength": 5}]}},
+     "required": ["value"], "additionalProperties": False},
+    {"type": "object", "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90},
+                                      "lon": {"type": "number", "minimum": -180, "maximum": 180}},
+     "required": ["lat", "lon"], "additionalProperties": False},
+    {"$defs": {"node": {"type": "object", "properties": {"label": {"type": "string", "maxLength": 6},
+                                                         "weight": {"type": "integer", "minimum": 0, "maximum": 9}},
+                        "required": ["label", "weight"], "additionalProperties": False}},
+     "type": "object", "properties": {"nodes": {"type": "array", "items": {"$ref": "#/$defs/node"}, "minItems": 1,
+                                                "maxItems": 3}},
+     "required": ["nodes"], "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                      "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+     "required": ["answer", "confidence"], "additionalProperties": False},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}},
+     "required": ["code"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 10},
+                                      "nickname": {"type": ["string", "null"], "maxLength": 10}},
+     "required": ["name", "nickname"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 3, "maxItems": 3},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 50}}, "required": ["c"],
+        "additionalProperties": False}}, "required": ["b"], "additionalProperties": False}},
+     "required": ["a"], "additionalProperties": False},
+    {"type": "object", "properties": {"date": {"type": "string", "format": "date"},
+                                      "count": {"type": "integer", "minimum": 0, "maximum": 1000}},
+     "required": ["date", "count"], "additionalProperties": False},
+]
 PROMPTS = ["Give me JSON about a person:", "A city as JSON:", "Some small numbers:", "Tags:",
-           "A line from one point to another:", "A shape:"]
+           "A line from one point to another:", "A shape:", "A movie:", "An account:", "An order:", "A status:",
+           "A 2x2 matrix:", "A value:", "A place on Earth:", "A small graph:", "Is water wet?", "A product code:",
+           "A name and nickname:", "Three flags:", "Deeply nested:", "A day and a count:"]
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +102,12 @@ def test_json_schemas_validate(llm, temperature):
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=160,
                              structured_outputs=S(json=schema, disable_any_whitespace=True))
               for i, schema in enumerate(SCHEMAS)]
+    assert len(SCHEMAS) == len(PROMPTS) == 20
+    checker = jsonschema.FormatChecker()
     for out, schema in zip(llm.generate(PROMPTS, params, use_tqdm=False), SCHEMAS):
         text = out.outputs[0].text
         assert out.outputs[0].finish_reason == "stop", text
-        jsonschema.validate(json.loads(text), schema)
+        jsonschema.validate(json.loads(text), schema, format_checker=checker)
 
 
 def test_json_object_regex_choice_grammar(llm):
