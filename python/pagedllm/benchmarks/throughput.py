@@ -36,6 +36,15 @@ before; "quantization" at the top names the mode). Several: "pagedllm" for none 
 peers ("ratio_pagedllm_int8_vs_hf", ...) and to pagedllm without quantization
 ("ratio_pagedllm_int8_vs_pagedllm").
 
+Structured outputs: --structured-outputs takes none and/or json; json puts every pagedllm request
+under BENCH_SCHEMA (an array of at least 1000 small objects, so no output can end before
+--output-len; xgrammar, disable_any_whitespace). Several modes: "pagedllm" for none,
+"pagedllm_json" for json, and "ratio_pagedllm_json_vs_pagedllm" (issue 24's goal: >= 0.9 at 64
+requests). Every pagedllm entry reports its engine steps' wall time ("step_ms_median",
+"steps") and a json entry the host time of the grammar per step ("grammar_ms_per_step": filling
+and applying the token bitmask, advancing the matchers) and the schema's compile time
+("grammar_compile_ms", uncached).
+
 llama.cpp: --llama-cpp runs llama-cpp-python in the Python named by --llama-cpp-python (or
 $PAGEDLLM_LLAMA_CPP_PYTHON; its own venv: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
 llama-cpp-python) on the GGUF file behind --model (the bundled file by default; an HF folder has
@@ -73,12 +82,44 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return rng.integers(100, vocab - 100, size=(n, length)).tolist()
 
 
+#: --structured-outputs json: every request's output is an array of at least 1000 of these objects,
+#: so the grammar never lets an output end before --output-len
+BENCH_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                                     "name": {"type": "string", "maxLength": 12},
+                                     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+    "required": ["id", "name", "tags"], "additionalProperties": False}}
+
+
+class _Timer:
+    """Wraps obj.name (an instance attribute shadowing the method) to add each call's seconds to
+    `times`; undo() restores the method."""
+
+    def __init__(self, obj, name: str, times: list):
+        self.obj, self.name = obj, name
+        method = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return method(*a, **kw)
+            finally:
+                times.append(time.perf_counter() - t)
+
+        setattr(obj, name, timed)
+
+    def undo(self) -> None:
+        delattr(self.obj, self.name)
+
+
 class PagedllmRunner:
     """pagedllm's LLM, constructed (and warmed by one token) once; run(i) times one generate of
     round i's prompts."""
 
-    def __init__(self, args, prompts: list[list[list[int]]], quantization: Optional[str] = None):
+    def __init__(self, args, prompts: list[list[list[int]]], quantization: Optional[str] = None,
+                 structured: Optional[str] = None):
         from pagedllm import LLM, SamplingParams
+        from pagedllm.sampling_params import StructuredOutputsParams
 
         t0 = time.perf_counter()
         self.llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
@@ -91,15 +132,38 @@ class PagedllmRunner:
         self.startup = {"quantization": quantization, "startup_construct_s": construct,
                         "startup_to_first_token_s": first_token,
                         "process_start_to_first_token_s": t0 - PROCESS_START + first_token}
-        self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+        so = None
+        if structured == "json":
+            so = StructuredOutputsParams(json=BENCH_SCHEMA, disable_any_whitespace=True)
+            manager = self.llm.llm_engine.output_processor.structured_output_manager()
+            t = time.perf_counter()
+            manager.compile(so)  # uncached: the first request of this schema
+            self.startup.update(structured_outputs="json", grammar_compile_ms=(time.perf_counter() - t) * 1e3)
+        self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True,
+                                     structured_outputs=so)
         self.prompts = [[{"prompt_token_ids": p} for p in round_prompts] for round_prompts in prompts]
 
     def run(self, i: int) -> dict:
-        t1 = time.perf_counter()
-        outs = self.llm.generate(self.prompts[i], self.params, use_tqdm=False)
-        seconds = time.perf_counter() - t1
+        engine = self.llm.llm_engine
+        steps: list = []
+        grammar: list = []
+        timers = [_Timer(engine, "step", steps)]
+        if self.params.structured_outputs is not None:
+            timers += [_Timer(engine.sampler, "_apply_grammar", grammar),
+                       _Timer(engine.sampler, "append_output_tokens", grammar)]
+        try:
+            t1 = time.perf_counter()
+            outs = self.llm.generate(self.prompts[i], self.params, use_tqdm=False)
+            seconds = time.perf_counter() - t1
+        finally:
+            for timer in timers:
+                timer.undo()
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"output_tokens": n_out, "seconds": seconds}
+        out = {"output_tokens": n_out, "seconds": seconds, "steps": len(steps),
+               "step_ms_median": statistics.median(steps) * 1e3 if steps else None}
+        if self.params.structured_outputs is not None:
+            out["grammar_ms_per_step"] = sum(grammar) * 1e3 / max(1, len(steps))
+        return out
 
     def close(self) -> dict:
         """num_preemptions: the engine's count over every round (and the warm-up)."""
@@ -407,6 +471,10 @@ def run_rounds(runners: dict, rounds: int, pause_s: float, warmup: int = 0) -> t
         n = counted[0]["output_tokens"]
         out[name] = {"output_tokens": n, "seconds": seconds, "output_tok_s": statistics.median(tok_s),
                      "rounds_output_tok_s": tok_s, "warmup_output_tok_s": [r["output_tok_s"] for r in rs[:warmup]]}
+        for key in ("steps", "step_ms_median", "grammar_ms_per_step"):  # a runner's own figures, median of rounds
+            values = [r[key] for r in counted if r.get(key) is not None]
+            if values:
+                out[name][key] = statistics.median(values)
     return out, errors
 
 
@@ -433,10 +501,12 @@ def git_modified(root: Path) -> list:
 QUANTIZATION_MODES = ["none", "int8", "int4", "gguf"]
 
 
-def pagedllm_key(mode: Optional[str], modes: list) -> str:
-    """The result entry of pagedllm in quantization `mode`: "pagedllm" when it is the only mode or
-    none, else "pagedllm_<mode>"."""
-    return "pagedllm" if len(modes) == 1 or mode is None else f"pagedllm_{mode}"
+def pagedllm_key(mode: Optional[str], modes: list, structured: Optional[str] = None, so_modes: tuple = (None,)) -> str:
+    """The result entry of pagedllm in quantization `mode` (and structured-outputs mode): "pagedllm"
+    when it is the only mode or none, else "pagedllm_<mode>" (then "_json" with --structured-outputs
+    none json)."""
+    key = "pagedllm" if len(modes) == 1 or mode is None else f"pagedllm_{mode}"
+    return key + (f"_{structured}" if structured is not None and len(so_modes) > 1 else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -467,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pagedllm's weight quantization, one or several modes, each its own engine in the same "
                         "run: none (default), int8 (online W8A8), int4 (online weight-only, group 128), gguf (the "
                         "GGUF file's own quantized weights); docs/quantization.md")
+    p.add_argument("--structured-outputs", nargs="+", default=["none"], choices=["none", "json"], metavar="MODE",
+                   help="pagedllm's requests unconstrained (none, default) and/or each under a JSON schema (json), "
+                        "each its own engine in the same run; docs/structured_output.md")
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face transformers")
     p.add_argument("--skip-pagedllm", action="store_true", help="do not run pagedllm")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_VLLM_PYTHON"),
@@ -492,6 +565,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.warmup_rounds < 0:
         parser.error(f"--warmup-rounds must be >= 0, got {args.warmup_rounds}")
     modes = [None if m == "none" else m for m in dict.fromkeys(args.quantization)]  # order kept, once each
+    so_modes = tuple(None if m == "none" else m for m in dict.fromkeys(args.structured_outputs))
+    variants = [(m, so) for m in modes for so in so_modes]
     import torch
 
     torch.set_num_threads(args.threads)
@@ -527,13 +602,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     runners: dict = {}
     errors: dict = {}
     if not args.skip_pagedllm:
-        for mode in modes:
+        for mode, so in variants:
+            key = pagedllm_key(mode, modes, so, so_modes)
             try:
-                runners[pagedllm_key(mode, modes)] = PagedllmRunner(args, prompts, mode)
+                runners[key] = PagedllmRunner(args, prompts, mode, so)
             except (ValueError, RuntimeError, OSError) as e:
-                if len(modes) == 1:
+                if len(variants) == 1:
                     raise
-                errors[pagedllm_key(mode, modes)] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                errors[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     if not args.skip_hf:
         runners["hf_transformers"] = HfRunner(args, prompts, folder)
     if args.vllm_python:
@@ -574,7 +650,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result.update(errors)
     result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
 
-    ours = [pagedllm_key(m, modes) for m in modes]
+    ours = [pagedllm_key(m, modes, so, so_modes) for m, so in variants]
     peers = [("hf_transformers", "hf"), ("vllm_cpu", "vllm_cpu"), ("llama_cpp", "llama_cpp")]
     peers += [(k, k) for k in ours if k == "pagedllm" and len(ours) > 1]  # quantized vs not
     for mine in ours:

@@ -336,6 +336,10 @@ class LLMEngine:
             # head) gets the ids without logits; the check costs host time, so only there
             greedy = (self.executor.argmax_applies(len(sched.sample_seq_ids))
                       and self.sampler.argmax_suffices(sched.sample_seq_ids))
+            if not greedy and self._pending is None and self.device.type == "cuda":
+                # structured outputs: the token bitmask is filled on other cores while this thread
+                # launches the forward pass (on a CPU those cores run the forward pass itself)
+                self.sampler.start_grammar(sched.sample_seq_ids)
             run = self.executor.execute_model(sched, greedy_vocab=self.sampler.vocab_size if greedy else 0)
             # the previous step's output processing, while the GPU runs this step's forward pass
             stops += self._flush_pending()

@@ -19,6 +19,7 @@ Usage by the engine loop (see pagedllm.sample.__init__ for the whole contract)::
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -153,6 +154,10 @@ class Sampler:
         self.has_grammar = grow(g("has_grammar"), np.bool_, False)
         extend = capacity - old
         self._matchers: list = (g("_matchers") or []) + [None] * extend  # xgrammar GrammarMatcher
+        self._bitmask = g("_bitmask")  # structured outputs: int32 [rows, ceil(V / 32)], reused each step
+        self._batch_matcher = g("_batch_matcher")
+        self._fill_pool = g("_fill_pool")  # start_grammar's thread
+        self._pending_fill = g("_pending_fill")  # ((rows, row indices, slots), Future) of start_grammar
         self._generators: list[Optional[torch.Generator]] = (g("_generators") or []) + [None] * extend
         self._seeds: list[Optional[int]] = (g("_seeds") or []) + [None] * extend
         self._stop_ids: list[list[int]] = (g("_stop_ids") or []) + [[] for _ in range(extend)]
@@ -222,6 +227,8 @@ class Sampler:
         slot = self._free.pop()
         try:
             self._fill_slot(slot, params, prompt_token_ids, index, eos_token_ids)
+            if matcher is not None and matcher.is_terminated():
+                matcher = None  # a finished grammar constrains nothing more
             self.has_grammar[slot] = matcher is not None
             self._matchers[slot] = matcher
         except BaseException:
@@ -309,13 +316,16 @@ class Sampler:
         if gram.any():
             for slot, tok in zip(slots[gram].tolist(), token_ids[known][gram].tolist()):
                 matcher = self._matchers[slot]
-                if not matcher.is_terminated() and not matcher.accept_token(int(tok)):
+                if not matcher.accept_token(int(tok)):
                     # only when another mask left no token the grammar allows (e.g. min_tokens
                     # masking the EOS that the grammar needs): that sequence goes on unconstrained,
                     # its neighbours are not failed
                     logger.error("structured output: the grammar refused token %d; the sequence is no longer "
                                  "constrained", int(tok))
                     self.has_grammar[slot] = False
+                    self._matchers[slot] = None
+                elif matcher.is_terminated():  # it took its stop token (EOS with ignore_eos, min_tokens)
+                    self.has_grammar[slot] = False  # the grammar is complete; what follows is free
                     self._matchers[slot] = None
 
     # ------------------------------------------------------------------ sampling
@@ -423,17 +433,69 @@ class Sampler:
             logits = ops.apply_top_k_top_p(logits, k, p)
         return logits, greedy_sampled, greedy_rows, raw_logprobs
 
-    def _apply_grammar(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray) -> None:
-        """-inf for every token the row's GrammarMatcher does not allow next (xgrammar's token
-        bitmask, one bit per token); a terminated matcher allows only its stop tokens."""
+    def start_grammar(self, seq_ids) -> None:
+        """Begin filling the token bitmask of the next call's constrained rows (``__call__`` with
+        these seq_ids) on a thread, so that it overlaps the step's forward pass; the engine calls
+        it before launching the model, once the matchers have every earlier token. Without a call,
+        or when the next call's rows differ, the bitmask is filled in the call."""
+        self._pending_fill = None
+        if not self.has_grammar.any():
+            return
+        slots = self._slots_for(seq_ids)
+        rows = np.nonzero(self.has_grammar[slots])[0]
+        if rows.size == 0:
+            return
+        n_rows = len(slots)
+        bitmask = self._grammar_bitmask(n_rows)
+        matchers = [self._matchers[s] for s in slots[rows].tolist()]
+        if self._fill_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
+        future = self._fill_pool.submit(self._batch_matcher.batch_fill_next_token_bitmask, matchers, bitmask,
+                                        indices=rows.tolist())
+        self._pending_fill = ((n_rows, rows.tobytes(), slots[rows].tobytes()), future)
+
+    def _grammar_bitmask(self, n_rows: int) -> torch.Tensor:
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for i, slot in enumerate(slots.tolist()):
-            self._matchers[slot].fill_next_token_bitmask(bitmask, i)
-        sub = logits[torch.from_numpy(rows).to(logits.device)]
-        xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=self.vocab_size)
-        logits[torch.from_numpy(rows).to(logits.device)] = sub
+        if self._bitmask is None or self._bitmask.shape[0] < n_rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(n_rows, 64), self.vocab_size)
+        if self._batch_matcher is None:
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, os.cpu_count() or 1)))
+        return self._bitmask[:n_rows]
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray) -> None:
+        """-inf for every token the row's GrammarMatcher does not allow next (xgrammar's token
+        bitmask, one bit per token, filled by several threads; a matcher that took its stop token
+        has left the sampler: append_output_tokens). On a GPU this runs while the step's forward pass does (nothing before it
+        in the step waits for the device). CPU: the bits unpacked by numpy and one masked_fill
+        (a fifth of xgrammar's CPU kernel's time at 64 x 49152)."""
+        import xgrammar as xgr
+
+        n_rows = logits.shape[0]
+        pending, self._pending_fill = self._pending_fill, None
+        row_list = rows.tolist()
+        if pending is not None and pending[0] == (n_rows, rows.tobytes(), slots.tobytes()):
+            pending[1].result()  # start_grammar filled these rows during the forward pass
+            bitmask = self._bitmask[:n_rows]
+        else:
+            if pending is not None:
+                pending[1].result()  # not these rows: let it finish before the bitmask is refilled
+            bitmask = self._grammar_bitmask(n_rows)
+            self._batch_matcher.batch_fill_next_token_bitmask([self._matchers[s] for s in slots.tolist()], bitmask,
+                                                              indices=row_list)
+        if logits.device.type == "cpu":
+            bits = np.unpackbits(bitmask.numpy()[rows].view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+            banned = torch.from_numpy(bits) == 0
+            if len(row_list) == n_rows:
+                logits[:, :self.vocab_size].masked_fill_(banned, float("-inf"))
+            else:
+                index = torch.from_numpy(rows)
+                logits[index] = logits[index].masked_fill_(banned, float("-inf"))
+            return
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=self.vocab_size, indices=row_list)
 
     @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, seq_ids) -> torch.Tensor:

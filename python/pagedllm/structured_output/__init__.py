@@ -21,7 +21,6 @@ import json
 import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
