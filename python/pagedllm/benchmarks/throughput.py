@@ -124,7 +124,7 @@ class PagedllmRunner:
         t0 = time.perf_counter()
         self.llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
                        max_model_len=args.max_model_len, seed=0, tensor_parallel_size=args.tensor_parallel_size,
-                       quantization=quantization)
+                       quantization=quantization, load_format=args.load_format)
         construct = time.perf_counter() - t0
         warm = [t + 1 for t in prompts[0][0][:16]]  # not a prefix of any prompt
         self.llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -540,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--structured-outputs", nargs="+", default=["none"], choices=["none", "json"], metavar="MODE",
                    help="pagedllm's requests unconstrained (none, default) and/or each under a JSON schema (json), "
                         "each its own engine in the same run; docs/structured_output.md")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="pagedllm's weights: the checkpoint's (auto) or random ones of its config (dummy: a folder "
+                        "with config.json and tokenizer files is enough; e.g. a large model's shape on a GPU)")
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face transformers")
     p.add_argument("--skip-pagedllm", action="store_true", help="do not run pagedllm")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_VLLM_PYTHON"),
