@@ -494,8 +494,13 @@ class Sampler:
                 index = torch.from_numpy(rows)
                 logits[index] = logits[index].masked_fill_(banned, float("-inf"))
             return
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=self.vocab_size, indices=row_list)
+        # pinned copies (the host allocator keeps them until the copy ran): a copy from pageable
+        # memory, or xgrammar building the indices from a list, would wait for the forward pass
+        device_mask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+        indices = None
+        if len(row_list) != n_rows:
+            indices = torch.from_numpy(rows.astype(np.int32)).pin_memory().to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=self.vocab_size, indices=indices)
 
     @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, seq_ids) -> torch.Tensor:
