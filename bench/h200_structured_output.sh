@@ -44,7 +44,7 @@ for k in ('pagedllm', 'pagedllm_json'):
 print('ratio', r.get('ratio_pagedllm_json_vs_pagedllm'))" "$OUT/$(date +%F)-$(hostname)-h200-structured-outputs-n$n.json" 2>&1 | tail -4
 done
 # the sampler alone: greedy vs json rows (the fill by thread count), on the GPU's logits
-PYTHONPATH=python timeout 120 python3 bench/sampler.py --rows 16 64 256 --mixes greedy temperature json --device cuda \
+PYTHONPATH=python:$PYTHONPATH timeout 120 python3 bench/sampler.py --rows 16 64 256 --mixes greedy temperature json --device cuda \
   --threads 8 --tokenizer .cache-pagedllm/test-tokenizers/smollm2-135m-instruct > "$OUT/sampler.log" 2>&1
 echo "sampler rc=$?"; cp bench/results/*-sampler.json "$OUT/" 2>/dev/null
 python3 -c "

@@ -601,7 +601,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
         "workload": {"model": args.model or "HuggingFaceTB/SmolLM2-135M-Instruct (bundled GGUF)",
                      "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                     "dtype": args.dtype, "temperature": args.temperature, "ignore_eos": True},
+                     "dtype": args.dtype, "temperature": args.temperature, "ignore_eos": True,
+                     **({"structured_outputs_schema": BENCH_SCHEMA} if "json" in args.structured_outputs else {})},
     }
     runners: dict = {}
     errors: dict = {}
