@@ -132,9 +132,10 @@ class OutputProcessor:
         return self._structured
 
     def shutdown(self) -> None:
-        """Stop the grammar compile threads (structured outputs)."""
+        """Stop the grammar threads (structured outputs: compiles, the sampler's bitmask fill)."""
         if self._structured is not None:
             self._structured.shutdown()
+        self.sampler.shutdown()
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests

@@ -78,7 +78,8 @@ class StructuredOutputsParams:
         "json_object-compact" with disable_any_whitespace)."""
         compact = "-compact" if self.disable_any_whitespace else ""
         if self.json is not None:
-            return "json" + compact, self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            # the schema's own key order: it is the order the properties are generated in
+            return "json" + compact, self.json if isinstance(self.json, str) else _json.dumps(self.json)
         if self.json_object:
             return "json_object" + compact, ""
         if self.regex is not None:

@@ -212,6 +212,10 @@ BAD = [
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 7}}}}}], "tool_choice": "required"},
      "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {  # resolves alone, not nested
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                     "b": {"$ref": "#/properties/a"}}}}}],
+        "tool_choice": "required"}, "tools"),
 ]
 
 

@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.output_processor import RequestSetupError
 from pagedllm.sampling_params import StructuredOutputsParams as S
 
 SCHEMAS = [
@@ -141,6 +142,15 @@ def test_unconstrained_requests_beside_constrained_ones_are_unchanged(llm):
                           SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=S(regex=r"\d{3}-\d{4}"))],
                          use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+
+
+def test_properties_come_in_the_schemas_order(llm):
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "alpha": {"type": "boolean"}, "mid": {"enum": ["x", "y"]}},
+              "required": ["zeta", "alpha", "mid"], "additionalProperties": False}
+    out = llm.generate(["Some JSON:"], SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=S(
+        json=schema, disable_any_whitespace=True)), use_tqdm=False)[0].outputs[0].text
+    assert list(json.loads(out)) == ["zeta", "alpha", "mid"], out
 
 
 def test_async_scheduling_gives_the_same_constrained_outputs(llm):
@@ -281,13 +291,19 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_alone(llm, gated):
     engine.add_request("json", "A person:", engine.tokenizer.encode("A person:"),
                        SamplingParams(max_tokens=20, structured_outputs=S(json=SCHEMAS[0])))
     gate.release()
-    done = {}
+    done, errors = {}, []
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        try:
+            outs = engine.step()
+        except RequestSetupError as exc:  # names the request; the engine goes on with the others
+            errors.append(exc)
+            continue
+        for out in outs:
             if out.finished:
                 done[out.request_id] = out
-    assert len(done["plain"].outputs[0].token_ids) == 5
-    assert done["json"].finished and done["json"].outputs == []
+    assert [list(e.failures) for e in errors] == [["json"]]
+    assert "failed to compile: compiler exploded" in str(errors[0])
+    assert set(done) == {"plain"} and len(done["plain"].outputs[0].token_ids) == 5
     assert not engine.has_request("json")
     # once known to fail, the same constraint is refused when added
     with pytest.raises(ValueError, match="failed to compile"):
@@ -326,3 +342,23 @@ def test_cuda_engine_sync_and_async_scheduling_follow_the_schemas():
             jsonschema.validate(json.loads(text), p.structured_outputs.json)
         results.append([o.outputs[0].token_ids for o in outs])
     assert results[0] == results[1]
+
+
+def test_preempted_sequences_keep_their_grammar(llm):
+    """A KV pool too small for the batch: sequences are preempted and recomputed mid-JSON; their
+    matchers keep their state, so the outputs equal those of a pool that fits everything."""
+    params = [SamplingParams(temperature=0.0, max_tokens=120,
+                             structured_outputs=S(json=s, disable_any_whitespace=True)) for s in SCHEMAS[:8]]
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:8], params, use_tqdm=False)]
+    # SmolLM2-135M in float32: 30 layers x 3 KV heads x 64 x 4 bytes x (K, V) = 46,080 bytes per
+    # token; 8 blocks of 16 tokens, where the 8 sequences (17-45 tokens each) need 16
+    small = LLM(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=8 * 16 * 46080, block_size=16)
+    try:
+        outs = small.generate(PROMPTS[:8], params, use_tqdm=False)
+        preemptions = small.llm_engine.core.stats().num_preemptions
+    finally:
+        small.shutdown()
+    assert preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for out, s in zip(outs, SCHEMAS[:8]):
+        jsonschema.validate(json.loads(out.outputs[0].text), s)

@@ -108,3 +108,17 @@ def test_partial_object_spans_only_grow():
             if m.start is not None:
                 part = text[:cut][m.start:m.end if m.end is not None else cut]
                 assert spans[m.key].startswith(part), (cut, m)
+
+
+def test_a_call_that_breaks_after_it_began_streaming_sends_nothing_more():
+    """Cut off by max_tokens: the stream has sent the call's start; it sends no raw text after it
+    (the finished response, which never streamed, returns the text as content)."""
+    s = ToolCallStreamer(HermesToolParser())
+    c1, e1 = s.feed('Hi <tool_call>\n{"name": "f", ')
+    c2, e2 = s.feed('"arguments": {"a": 1')
+    assert (c1, e1) == ("Hi ", [{"index": 0, "id": e1[0]["id"], "type": "function",
+                                 "function": {"name": "f", "arguments": ""}}])
+    assert (c2, e2) == (None, [{"index": 0, "function": {"arguments": '{"a": 1'}}])
+    assert s.feed("2", final=True) == (None, [])
+    assert HermesToolParser().extract('Hi <tool_call>\n{"name": "f", "arguments": {"a": 12') == (
+        'Hi <tool_call>\n{"name": "f", "arguments": {"a": 12', [])

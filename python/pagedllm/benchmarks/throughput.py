@@ -41,8 +41,9 @@ under BENCH_SCHEMA (an array of at least 1000 small objects, so no output can en
 --output-len; xgrammar, disable_any_whitespace). Several modes: "pagedllm" for none,
 "pagedllm_json" for json, and "ratio_pagedllm_json_vs_pagedllm" (issue 24's goal: >= 0.9 at 64
 requests). Every pagedllm entry reports its engine steps' wall time ("step_ms_median",
-"steps") and a json entry the host time of the grammar per step ("grammar_ms_per_step": filling
-and applying the token bitmask, advancing the matchers) and the schema's compile time
+"steps") and a json entry the grammar's time per step on the step's own thread
+("grammar_ms_per_step": filling (or, where start_grammar filled it on another thread during the
+forward pass, waiting for it) and applying the token bitmask, advancing the matchers) and the schema's compile time
 ("grammar_compile_ms", uncached).
 
 llama.cpp: --llama-cpp runs llama-cpp-python in the Python named by --llama-cpp-python (or

@@ -257,31 +257,32 @@ class LLMEngine:
 
     def _admit_compiled(self) -> None:
         """Hand the requests whose grammars finished compiling to the scheduler (structured
-        outputs compile off the step loop). One whose compile failed is finished with "abort"
-        and the error logged. With nothing else to run, waits briefly for the first compile."""
+        outputs compile off the step loop). Those whose compile failed (or that the scheduler
+        refused) are dropped and named by a RequestSetupError after the others are admitted (the
+        engine loop fails those requests alone). With nothing else to run, waits briefly for the
+        first compile."""
         if not self._compiling:
             return
         if not self.core.has_unfinished_requests() and self._inflight is None and self._pending is None:
             concurrent.futures.wait([f for f, _, _ in self._compiling.values()], timeout=0.01,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
+        failed: dict[str, BaseException] = {}
         for request_id, (grammar, token_ids, rp) in list(self._compiling.items()):
             if not grammar.done():
                 continue
             del self._compiling[request_id]
             if grammar.exception() is not None:  # the request alone fails; the engine goes on
-                logger.error("request %s: its structured output grammar failed to compile: %s", request_id,
-                             grammar.exception())
-                out = self.output_processor.abort_request(request_id)
-                if out is not None:
-                    self._ready.append(out)
+                failed[request_id] = ValueError(f"structured_outputs: the grammar failed to compile: "
+                                                f"{grammar.exception()}")
+                self.output_processor.abort_request(request_id)
                 continue
             try:
                 self.core.add_request(request_id, token_ids, rp)
             except Exception as exc:  # noqa: BLE001 - as above
-                logger.error("request %s: the scheduler refused it: %s", request_id, exc)
-                out = self.output_processor.abort_request(request_id)
-                if out is not None:
-                    self._ready.append(out)
+                failed[request_id] = exc
+                self.output_processor.abort_request(request_id)
+        if failed:
+            raise RequestSetupError(failed)
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """Abort a request (finish_reason "abort"); returns its final output, None if unknown.

@@ -456,6 +456,12 @@ class Sampler:
                                         indices=rows.tolist())
         self._pending_fill = ((n_rows, rows.tobytes(), slots[rows].tobytes()), future)
 
+    def shutdown(self) -> None:
+        """Stop start_grammar's thread."""
+        if self._fill_pool is not None:
+            self._fill_pool.shutdown(wait=True)
+            self._fill_pool = None
+
     def _grammar_bitmask(self, n_rows: int) -> torch.Tensor:
         import xgrammar as xgr
 

@@ -50,7 +50,8 @@ def from_value_error(exc: ValueError) -> OpenAIError:
     """A ValueError of SamplingParams / the engine (its message starts with the field name)."""
     message = str(exc)
     first = message.split(" ", 1)[0].rstrip(":,.")
-    param = first if first.isidentifier() and first.islower() else None
+    parts = first.split(".")  # a dotted field names its top-level request field (structured_outputs.regex)
+    param = parts[0] if all(p.isidentifier() and p.islower() for p in parts) else None
     return OpenAIError(message, 400, param)
 
 

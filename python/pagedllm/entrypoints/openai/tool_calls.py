@@ -99,6 +99,8 @@ def plan_tools(req, tool_parser: Optional[str], enable_auto_tool_choice: bool) -
             _check_schema(_params_schema(t.function), f"tools[{i}].function.parameters")
         plan.parser = RequiredToolParser()
         plan.constraint = {"json": required_schema(tools, parallel)}
+        _check_schema(plan.constraint["json"], "tools (the schema of tool_choice \"required\", which nests each "
+                                               "tool's parameters: a root-relative $ref no longer resolves)")
         return plan
     fn = choice.get("function") if isinstance(choice, dict) else None
     if choice.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

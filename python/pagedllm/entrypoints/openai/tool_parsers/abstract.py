@@ -7,7 +7,9 @@ turn into a tool call, such as a partial ``<tool_c``, is held back from content)
 same function serve a finished response (``final=True``) and a stream: ``ToolCallStreamer`` sends
 what is new since the previous parse as ``delta.content`` and ``delta.tool_calls`` entries (the
 first entry of a call carries its index, id, type and name; the next ones argument text), so the
-concatenated deltas equal the non-streamed message.
+concatenated deltas equal the non-streamed message. (Except for an output whose call breaks after
+it began to stream — cut off by max_tokens, or malformed: the stream has sent the call's start
+and sends nothing more of it, while the finished response returns the text as content.)
 """
 
 from __future__ import annotations
@@ -101,8 +103,10 @@ class ToolCallStreamer:
         self.text += delta_text
         try:
             parsed = self.parser.parse(self.text, final)
-        except ValueError:  # not a tool call after all: hold nothing back
-            parsed = Parsed(self.text)
+        except ValueError:
+            if self.sent:  # a call already went out and then broke (cut off, malformed): nothing more
+                return None, []
+            parsed = Parsed(self.text)  # not a tool call after all: hold nothing back
         content = None
         if len(parsed.content) > self.sent_content and parsed.content.startswith(self.text[:self.sent_content]):
             content = parsed.content[self.sent_content:]
