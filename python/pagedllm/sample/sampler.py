@@ -468,13 +468,14 @@ class Sampler:
         if self._bitmask is None or self._bitmask.shape[0] < n_rows:
             self._bitmask = xgr.allocate_token_bitmask(max(n_rows, 64), self.vocab_size)
         if self._batch_matcher is None:
-            # half the cores (a 2-core machine fills fastest on one thread: bench/sampler.py --mixes json)
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+            # bench/sampler.py --mixes json: 2 cores fill fastest on 1 thread (2: 4x slower at 64 rows);
+            # the H200's 16-core host on 4 (2x one thread's speed at 256 rows, 8 threads slower again)
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, min(4, (os.cpu_count() or 2) // 4)))
         return self._bitmask[:n_rows]
 
     def _apply_grammar(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray) -> None:
         """-inf for every token the row's GrammarMatcher does not allow next (xgrammar's token
-        bitmask, one bit per token, filled by several threads on a larger machine; a matcher that took its stop token
+        bitmask, one bit per token, filled by up to 4 threads on a larger machine; a matcher that took its stop token
         has left the sampler: append_output_tokens). On a GPU this runs while the step's forward pass does (nothing before it
         in the step waits for the device). CPU: the bits unpacked by numpy and one masked_fill
         (a fifth of xgrammar's CPU kernel's time at 64 x 49152)."""
