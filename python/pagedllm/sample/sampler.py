@@ -475,10 +475,11 @@ class Sampler:
 
     def _apply_grammar(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray) -> None:
         """-inf for every token the row's GrammarMatcher does not allow next (xgrammar's token
-        bitmask, one bit per token, filled by up to 4 threads on a larger machine; a matcher that took its stop token
-        has left the sampler: append_output_tokens). On a GPU this runs while the step's forward pass does (nothing before it
-        in the step waits for the device). CPU: the bits unpacked by numpy and one masked_fill
-        (a fifth of xgrammar's CPU kernel's time at 64 x 49152)."""
+        bitmask, one bit per token, filled by up to 4 threads on a larger machine; a matcher that
+        took its stop token has left the sampler: append_output_tokens). On a GPU this runs while
+        the step's forward pass does (nothing before it in the step waits for the device); the
+        bitmask and row indices reach the device from pinned memory. CPU: the bits unpacked by
+        numpy and one masked_fill (a fifth of xgrammar's CPU kernel's time at 64 x 49152)."""
         import xgrammar as xgr
 
         n_rows = logits.shape[0]
