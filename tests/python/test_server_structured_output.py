@@ -66,7 +66,8 @@ def chat(client, **kw):
 def streamed(client, **kw):
     """(content, {index: [id, name, arguments]}, finish_reason) joined from a stream."""
     content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(model=MODEL, temperature=0.0, max_tokens=120, stream=True, **kw):
+    for chunk in client.chat.completions.create(**{"model": MODEL, "temperature": 0.0, "max_tokens": 120,
+                                                   "stream": True, **kw}):
         for choice in chunk.choices:
             d = choice.delta
             content += d.content or ""
@@ -164,6 +165,16 @@ def test_tool_choice_auto_reads_the_models_hermes_calls(client):
     content, calls, finish = streamed(client, messages=ASK, tools=TOOLS, extra_body=forced)
     assert (content, finish) == ("", "tool_calls")
     assert [(n, a) for _, n, a in calls.values()] == [("get_weather", msg.tool_calls[0].function.arguments)]
+    # a stop string on the closing tag: the unclosed last block still counts, streamed or not
+    stopped = {"structured_outputs": {"regex": HERMES_CALL}, "stop": ["</tool_call>"]}
+    r = chat(client, messages=ASK, tools=TOOLS, extra_body=stopped)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    assert streamed(client, messages=ASK, tools=TOOLS, extra_body=stopped)[2] == "tool_calls"
+    # a call cut off by max_tokens: text, finish_reason "length", streamed or not
+    r = chat(client, messages=ASK, tools=TOOLS, extra_body=forced, max_tokens=12)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls == []
+    assert r.choices[0].message.content.startswith("<tool_call>")
+    assert streamed(client, messages=ASK, tools=TOOLS, extra_body=forced, max_tokens=12)[2] == "length"
     # without a call in the output, "auto" answers in text
     r = chat(client, messages=ASK, tools=TOOLS, max_tokens=12)
     assert r.choices[0].message.tool_calls == [] and r.choices[0].message.content
@@ -199,7 +210,7 @@ BAD = [
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, "structured_outputs"),
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, "response_format"),
     ("/v1/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ("/v1/completions", {"structured_outputs": {"jsonn": {}}}, "structured_outputs"),
@@ -207,6 +218,7 @@ BAD = [
      "tool_choice"),
     ("/v1/chat/completions", {"tools": [], "tool_choice": "none"}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": ASK + [{"role": "tool", "content": "21"}]}, "tool_call_id"),
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
@@ -227,6 +239,7 @@ def test_bad_constraints_are_400s_naming_the_field(server):
         assert resp.status_code == 400, (extra, resp.text)
         err = resp.json()["error"]
         assert err["code"] == 400 and (err["param"] == param or param in err["message"]), (extra, err)
+        assert "/project/" not in err["message"] and not err["message"].endswith("\n"), err  # no xgrammar log noise
     r = httpx.post(server.url + "/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}).json()
     assert r["usage"]["completion_tokens"] == 3

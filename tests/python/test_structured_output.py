@@ -362,3 +362,25 @@ def test_preempted_sequences_keep_their_grammar(llm):
     assert [o.outputs[0].token_ids for o in outs] == want
     for out, s in zip(outs, SCHEMAS[:8]):
         jsonschema.validate(json.loads(out.outputs[0].text), s)
+
+
+def test_chat_hands_tool_call_arguments_to_the_template_as_objects(llm):
+    """LLM.chat as the server: an assistant message's tool_calls arguments (JSON text, as OpenAI's
+    messages carry them) reach the template as an object."""
+    from pagedllm.entrypoints.chat_templates import load_chat_template
+    from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "21"}]
+    tok = llm.llm_engine.tokenizer
+    ids = chat_prompt_token_ids(tok, history, load_chat_template("hermes_tools"), tools=tools)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in tok.decode(ids)
+    out = llm.chat(history, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False, chat_template="hermes_tools",
+                   tools=tools)[0]
+    assert out.prompt_token_ids == ids
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not JSON"):
+        bad = [history[0], {**history[1], "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
+        llm.chat(bad, use_tqdm=False)

@@ -122,3 +122,15 @@ def test_a_call_that_breaks_after_it_began_streaming_sends_nothing_more():
     assert s.feed("2", final=True) == (None, [])
     assert HermesToolParser().extract('Hi <tool_call>\n{"name": "f", "arguments": {"a": 12') == (
         'Hi <tool_call>\n{"name": "f", "arguments": {"a": 12', [])
+
+
+def test_an_unclosed_last_block_counts_once_the_output_is_finished():
+    """stop=["</tool_call>"] or EOS right after the object: vLLM's hermes parser reads the call."""
+    text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
+    assert HermesToolParser().extract(text) == ("Sure. ", [("f", '{"a": 1}')])
+    s = ToolCallStreamer(HermesToolParser())
+    s.feed(text)
+    assert s.feed("", final=True) == (None, []) and s.called
+    broken = ToolCallStreamer(HermesToolParser())
+    broken.feed('<tool_call>\n{"name": "f", "arguments": {"a": ')
+    assert broken.feed("", final=True) == (None, []) and not broken.called  # finish_reason stays the engine's

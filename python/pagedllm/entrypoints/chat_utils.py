@@ -9,6 +9,7 @@ gets it added once when the template did not write it.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 
@@ -25,6 +26,7 @@ def chat_prompt_token_ids(
     chat template (or `chat_template`, a Jinja string), with `tools` (OpenAI's tool objects) for
     templates that describe them. Errors: ValueError when the tokenizer has no chat template or the
     template rejects the conversation."""
+    conversation = _arguments_as_objects(conversation)
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=chat_template, tools=tools, tokenize=False,
@@ -46,6 +48,29 @@ def chat_prompt_token_ids(
         while len(ids) > 1 and ids[0] == bos and ids[1] == bos:
             ids.pop(0)
     return ids
+
+
+def _arguments_as_objects(conversation: list[dict]) -> list[dict]:
+    """Assistant messages' tool_calls with their function arguments as objects: OpenAI's messages
+    carry them as JSON text, chat templates (Hermes, Qwen, Llama 3.1) expect objects, as vLLM
+    hands them over. ValueError naming the message when the text is not JSON."""
+    out = []
+    for i, m in enumerate(conversation):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            fixed = []
+            for k, call in enumerate(calls):
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        raise ValueError(f"messages[{i}].tool_calls[{k}].function.arguments is not JSON: "
+                                         f"{fn['arguments'][:80]!r}") from None
+                fixed.append({**call, "function": fn})
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
 
 
 __all__ = ["chat_prompt_token_ids"]

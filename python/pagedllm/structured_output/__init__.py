@@ -19,15 +19,44 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
-__all__ = ["StructuredOutputManager", "StructuredOutputsParams"]
+__all__ = ["StructuredOutputManager", "StructuredOutputsParams", "grammar_of"]
 
 #: compiled grammars kept per tokenizer (the least recently used go first)
 CACHE_SIZE = 256
+
+
+def clean_error(exc: BaseException) -> str:
+    """xgrammar's message without its log prefix ("[10:40:14] /project/cpp/x.cc:4944: ")."""
+    return re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", str(exc)).strip()
+
+
+def grammar_of(params: StructuredOutputsParams):
+    """xgrammar's Grammar of a constraint: parsing only, no tokenizer (well under a millisecond).
+    ValueError naming the field when it does not parse."""
+    import xgrammar as xgr
+
+    kind, text = params.key()
+    G = xgr.Grammar
+    kind, compact = kind.removesuffix("-compact"), kind.endswith("-compact")
+    try:
+        if kind == "json":
+            return G.from_json_schema(text, any_whitespace=not compact)
+        if kind == "json_object":  # an object (OpenAI's JSON mode), not any JSON value
+            return G.from_json_schema('{"type": "object"}', any_whitespace=not compact)
+        if kind == "regex":
+            return G.from_regex(text)
+        if kind == "choice":
+            choices = json.loads(text)
+            return G.from_ebnf("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices))
+        return G.from_ebnf(text)
+    except Exception as exc:  # xgrammar's parse errors
+        raise ValueError(f"structured_outputs.{kind}: cannot compile it: {clean_error(exc)}") from None
 
 
 class StructuredOutputManager:
@@ -55,7 +84,7 @@ class StructuredOutputManager:
         if future is not None:
             self._compiled.move_to_end(key)
             return future
-        grammar = self._grammar(*key)
+        grammar = grammar_of(params)
         future = self._pool.submit(self._compiler.compile_grammar, grammar)
         self._compiled[key] = future
         while len(self._compiled) > CACHE_SIZE:
@@ -70,24 +99,6 @@ class StructuredOutputManager:
         """A fresh GrammarMatcher for one sequence constrained by params (of `compiled`, its
         compiled grammar, when the caller holds it)."""
         return self._xgr.GrammarMatcher(compiled if compiled is not None else self.compile(params))
-
-    def _grammar(self, kind: str, text: str):
-        """xgrammar's Grammar of a constraint (parsing only, no tokenizer work)."""
-        G = self._xgr.Grammar
-        kind, compact = kind.removesuffix("-compact"), kind.endswith("-compact")
-        try:
-            if kind == "json":
-                return G.from_json_schema(text, any_whitespace=not compact)
-            if kind == "json_object":  # an object (OpenAI's JSON mode), not any JSON value
-                return G.from_json_schema('{"type": "object"}', any_whitespace=not compact)
-            if kind == "regex":
-                return G.from_regex(text)
-            if kind == "choice":
-                choices = json.loads(text)
-                return G.from_ebnf("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices))
-            return G.from_ebnf(text)
-        except Exception as exc:  # xgrammar's parse errors
-            raise ValueError(f"structured_outputs.{kind}: cannot compile it: {exc}") from None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -72,6 +72,9 @@ def conversation(req_messages) -> list[dict]:
             msg["tool_calls"] = calls
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        elif m.role == "tool":
+            raise OpenAIError(f"messages[{i}].tool_call_id: required for role 'tool' (the id of the call it answers)",
+                              400, "messages")
         out.append(msg)
     return out
 

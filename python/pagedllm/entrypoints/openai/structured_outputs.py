@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output import grammar_of
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 _KEYS = _CONSTRAINTS + ("disable_any_whitespace",)
@@ -49,8 +50,13 @@ def structured_outputs_params(fields: Optional[dict[str, Any]], response_format=
         merged.update(extra)
     if not any(k in merged for k in _CONSTRAINTS):  # disable_any_whitespace alone constrains nothing
         return None
+    from_rf = rf is not None and rf.type != "text" and not extra
     try:
-        return StructuredOutputsParams(**merged)
+        params = StructuredOutputsParams(**merged)
+        grammar_of(params)  # parsing only (well under a millisecond): a bad one is a 400 here, named
     except ValueError as exc:
-        raise OpenAIError(str(exc), 400, "structured_outputs" if rf is None or rf.type == "text"
-                          else "response_format") from None
+        if not from_rf:
+            raise OpenAIError(str(exc), 400, "structured_outputs") from None
+        why = str(exc).split(": ", 1)[-1]
+        raise OpenAIError(f"response_format.json_schema.schema: {why}", 400, "response_format") from None
+    return params

@@ -21,6 +21,7 @@ import json
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.structured_output import clean_error
 from pagedllm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolParser,
 )
@@ -67,7 +68,7 @@ def _check_schema(schema: dict, where: str) -> None:
 
         xgr.Grammar.from_json_schema(json.dumps(schema))
     except Exception as exc:  # xgrammar's parse errors
-        raise OpenAIError(f"{where}: not a usable JSON schema: {exc}", 400, "tools") from None
+        raise OpenAIError(f"{where}: not a usable JSON schema: {clean_error(exc)}", 400, "tools") from None
 
 
 def plan_tools(req, tool_parser: Optional[str], enable_auto_tool_choice: bool) -> ToolPlan:

@@ -93,10 +93,12 @@ class ToolCallStreamer:
         self.text = ""
         self.sent_content = 0
         self.sent: list[tuple[str, int]] = []  # per call started: (id, argument characters sent)
+        self.broken = False  # a call went out and the finished output did not parse
 
     @property
     def called(self) -> bool:
-        return bool(self.sent)
+        """Whether the output is tool calls (finish_reason "tool_calls"): calls went out and none broke."""
+        return bool(self.sent) and not self.broken
 
     def feed(self, delta_text: str, final: bool = False) -> tuple[Optional[str], list[dict]]:
         """(content delta or None, delta.tool_calls entries) for new output text."""
@@ -105,6 +107,7 @@ class ToolCallStreamer:
             parsed = self.parser.parse(self.text, final)
         except ValueError:
             if self.sent:  # a call already went out and then broke (cut off, malformed): nothing more
+                self.broken = self.broken or final
                 return None, []
             parsed = Parsed(self.text)  # not a tool call after all: hold nothing back
         content = None

@@ -31,7 +31,9 @@ class HermesToolParser(ToolParser):
             call, end = parse_call_object(body, j, ("arguments", "parameters"))
             if close >= 0 and (end is None or body[end:].strip()):
                 raise ValueError("a <tool_call> block that is not one JSON object")
-            call.complete = call.complete and close >= 0
+            # an unclosed last block counts once the output is finished (a stop string on
+            # </tool_call>, EOS), as vLLM's hermes parser reads it
+            call.complete = call.complete and (close >= 0 or (final and not body[end:].strip()))
             out.calls.append(call)
             if close < 0:
                 break
