@@ -49,8 +49,10 @@ def reference_mask(matcher) -> np.ndarray:
 def advance(matcher, rng: random.Random, steps: int) -> None:
     """Move the matcher to a random state by accepting random allowed tokens."""
     for _ in range(steps):
+        if matcher.is_terminated():  # took its stop token: nothing more to fill
+            return
         allowed = np.nonzero(reference_mask(matcher))[0]
-        if matcher.is_terminated() or allowed.size == 0:
+        if allowed.size == 0:
             return
         assert matcher.accept_token(int(rng.choice(allowed.tolist())))
 

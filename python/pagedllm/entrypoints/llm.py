@@ -36,7 +36,7 @@ _NO_EFFECT_ARGS = {
 _UNIMPLEMENTED_ARGS = {
     "pipeline_parallel_size": 1, "enable_lora": False, "kv_cache_dtype": "auto",
     "cpu_offload_gb": 0, "max_logprobs": 20, "hf_overrides": None, "tokenizer_mode": "auto",
-    "skip_tokenizer_init": False,
+    "skip_tokenizer_init": False, "speculative_config": None,
 }
 
 
