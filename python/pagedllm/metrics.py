@@ -77,12 +77,15 @@ _COUNTERS = {  # metric name -> EngineStats field
 }
 
 
-def metrics_from_stats(stats, model_name: str = "", histograms: dict[str, HistogramData] | None = None) -> list[Metric]:
-    """The metric list for an EngineStats (pagedllm._C) plus optional Python-side histograms."""
+def metrics_from_stats(stats, model_name: str = "", histograms: dict[str, HistogramData] | None = None,
+                       extra_waiting: int = 0) -> list[Metric]:
+    """The metric list for an EngineStats (pagedllm._C) plus optional Python-side histograms.
+    extra_waiting: requests the engine holds before the scheduler (structured outputs whose grammar
+    compiles), counted as waiting."""
     labels = {"model_name": model_name} if model_name else {}
     out: list[Metric] = [
         Gauge(PREFIX + "num_requests_running", dict(labels), float(stats.num_running)),
-        Gauge(PREFIX + "num_requests_waiting", dict(labels), float(stats.num_waiting)),
+        Gauge(PREFIX + "num_requests_waiting", dict(labels), float(stats.num_waiting + extra_waiting)),
         Gauge(PREFIX + "kv_cache_usage_perc", dict(labels), float(stats.kv_usage)),
     ]
     for name, field in _COUNTERS.items():

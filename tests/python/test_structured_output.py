@@ -264,6 +264,8 @@ def test_grammars_compile_off_the_step_loop(llm, gated):
                                       structured_outputs=S(json=SCHEMAS[0], disable_any_whitespace=True)))
     engine.add_request("dropped", "A city:", engine.tokenizer.encode("A city:"),
                        SamplingParams(max_tokens=8, structured_outputs=S(json=SCHEMAS[1])))
+    waiting = {m.name: m.value for m in engine.get_metrics() if hasattr(m, "value")}["pagedllm:num_requests_waiting"]
+    assert waiting == 3  # the two compiling requests count as waiting (--max-queued-requests sees them)
     done = {}
     for _ in range(6):  # the plain request runs to its end while both grammars wait
         for out in engine.step():

@@ -485,7 +485,8 @@ class LLMEngine:
 
     # ---- observability / lifecycle --------------------------------------------------------
     def get_metrics(self) -> list[Metric]:
-        metrics = metrics_from_stats(self.core.stats(), self.model_name, self.histograms)
+        metrics = metrics_from_stats(self.core.stats(), self.model_name, self.histograms,
+                                     extra_waiting=len(self._compiling))
         replays = self.executor.num_graph_replays if self.executor is not None else 0
         labels = {"model_name": self.model_name} if self.model_name else {}
         metrics.append(Counter("pagedllm:cuda_graph_replays", labels, int(replays)))
