@@ -105,12 +105,18 @@ def test_a_grammar_that_took_its_stop_token_leaves_the_row_free(manager):
     assert torch.equal(sampler.processed_logits(logits, [7]), logits)
 
 
-def test_start_grammar_changes_nothing(manager):
+def twins(manager, rows: int, constrained: list[int]):
+    """Two samplers in the same random state, their seq ids and random logits (fresh seed, printed)."""
     seed = random.SystemRandom().randrange(2**31)
     print(f"seed={seed}")
-    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(seed))
-    a, seq_ids, _ = build(manager, 6, [0, 2, 3, 5], seed)
-    b, _, _ = build(manager, 6, [0, 2, 3, 5], seed)
+    logits = torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
+    a, seq_ids, _ = build(manager, rows, constrained, seed)
+    b, _, _ = build(manager, rows, constrained, seed)
+    return a, b, seq_ids, logits
+
+
+def test_start_grammar_changes_nothing(manager):
+    a, b, seq_ids, logits = twins(manager, 6, [0, 2, 3, 5])
     a.start_grammar(seq_ids)
     assert np.array_equal(a(logits, seq_ids).sampled_token_ids, b(logits, seq_ids).sampled_token_ids)
     a.start_grammar(seq_ids[:3])  # the call then asks for other rows: filled there instead
@@ -120,11 +126,7 @@ def test_start_grammar_changes_nothing(manager):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_mask_equals_the_cpu_mask(manager):
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"seed={seed}")
-    logits = torch.randn(9, V, generator=torch.Generator().manual_seed(seed))
-    cpu, seq_ids, _ = build(manager, 9, [0, 1, 4, 8], seed)
-    gpu, _, _ = build(manager, 9, [0, 1, 4, 8], seed)
+    cpu, gpu, seq_ids, logits = twins(manager, 9, [0, 1, 4, 8])
     ref = cpu.processed_logits(logits, seq_ids)
     gpu.start_grammar(seq_ids)
     got = gpu.processed_logits(logits.cuda(), seq_ids).cpu()

@@ -219,6 +219,9 @@ BAD = [
     ("/v1/chat/completions", {"tools": [], "tool_choice": "none"}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": ASK + [{"role": "tool", "content": "21"}]}, "tool_call_id"),
+    ("/v1/chat/completions", {"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{oops"}}]}]},
+     "arguments is not JSON"),
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {

@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
-__all__ = ["StructuredOutputManager", "StructuredOutputsParams", "grammar_of"]
+__all__ = ["GrammarError", "StructuredOutputManager", "StructuredOutputsParams", "grammar_of"]
 
 #: compiled grammars kept per tokenizer (the least recently used go first)
 CACHE_SIZE = 256
@@ -36,9 +36,18 @@ def clean_error(exc: BaseException) -> str:
     return re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", str(exc)).strip()
 
 
+class GrammarError(ValueError):
+    """A constraint xgrammar cannot parse; the message names the field, ``reason`` is xgrammar's
+    own (without its log prefix)."""
+
+    def __init__(self, kind: str, reason: str):
+        self.reason = reason
+        super().__init__(f"structured_outputs.{kind}: cannot compile it: {reason}")
+
+
 def grammar_of(params: StructuredOutputsParams):
     """xgrammar's Grammar of a constraint: parsing only, no tokenizer (well under a millisecond).
-    ValueError naming the field when it does not parse."""
+    GrammarError (a ValueError naming the field) when it does not parse."""
     import xgrammar as xgr
 
     kind, text = params.key()
@@ -56,7 +65,7 @@ def grammar_of(params: StructuredOutputsParams):
             return G.from_ebnf("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices))
         return G.from_ebnf(text)
     except Exception as exc:  # xgrammar's parse errors
-        raise ValueError(f"structured_outputs.{kind}: cannot compile it: {clean_error(exc)}") from None
+        raise GrammarError(kind, clean_error(exc)) from None
 
 
 class StructuredOutputManager:

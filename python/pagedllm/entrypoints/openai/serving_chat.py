@@ -17,7 +17,6 @@ Not implemented, answered with a 400 naming the field: non-text content parts.
 
 from __future__ import annotations
 
-import json
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
@@ -59,17 +58,8 @@ def conversation(req_messages) -> list[dict]:
         msg: dict = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             msg["name"] = m.name
-        if m.tool_calls:
-            calls = []
-            for k, tc in enumerate(m.tool_calls):
-                try:  # templates expect the arguments as an object (as vLLM hands them over)
-                    arguments = json.loads(tc.function.arguments)
-                except ValueError:
-                    raise OpenAIError(f"messages[{i}].tool_calls[{k}].function.arguments: not JSON: "
-                                      f"{tc.function.arguments[:80]!r}", 400, "messages") from None
-                calls.append({"id": tc.id, "type": "function",
-                              "function": {"name": tc.function.name, "arguments": arguments}})
-            msg["tool_calls"] = calls
+        if m.tool_calls:  # their JSON arguments become objects in chat_prompt_token_ids (chat_utils)
+            msg["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         elif m.role == "tool":

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output import grammar_of
+from pagedllm.structured_output import GrammarError, grammar_of
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 _KEYS = _CONSTRAINTS + ("disable_any_whitespace",)
@@ -57,6 +57,6 @@ def structured_outputs_params(fields: Optional[dict[str, Any]], response_format=
     except ValueError as exc:
         if not from_rf:
             raise OpenAIError(str(exc), 400, "structured_outputs") from None
-        why = str(exc).split(": ", 1)[-1]
+        why = f"cannot compile it: {exc.reason}" if isinstance(exc, GrammarError) else str(exc).split(": ", 1)[-1]
         raise OpenAIError(f"response_format.json_schema.schema: {why}", 400, "response_format") from None
     return params

@@ -21,7 +21,8 @@ import json
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.structured_output import clean_error
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output import GrammarError, grammar_of
 from pagedllm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolParser,
 )
@@ -64,11 +65,9 @@ def required_schema(tools, parallel: bool) -> dict:
 def _check_schema(schema: dict, where: str) -> None:
     """A tool's parameters must be a JSON schema xgrammar can read (400 naming the tool)."""
     try:
-        import xgrammar as xgr
-
-        xgr.Grammar.from_json_schema(json.dumps(schema))
-    except Exception as exc:  # xgrammar's parse errors
-        raise OpenAIError(f"{where}: not a usable JSON schema: {clean_error(exc)}", 400, "tools") from None
+        grammar_of(StructuredOutputsParams(json=schema))
+    except GrammarError as exc:
+        raise OpenAIError(f"{where}: not a usable JSON schema: {exc.reason}", 400, "tools") from None
 
 
 def plan_tools(req, tool_parser: Optional[str], enable_auto_tool_choice: bool) -> ToolPlan:
