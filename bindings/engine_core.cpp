@@ -61,7 +61,27 @@ PAGEDLLM_BINDING(engine_core, m) {
       .def_readwrite("scheduling_policy", &EngineConfig::scheduling_policy)
       .def_readwrite("num_buffer_sets", &EngineConfig::num_buffer_sets)
       .def_readwrite("async_scheduling", &EngineConfig::async_scheduling,
-                     "schedule placeholder decodes of in-flight sequences (pagedllm/scheduler.h)");
+                     "schedule placeholder decodes of in-flight sequences (pagedllm/scheduler.h)")
+      .def_readwrite("speculative", &EngineConfig::speculative,
+                     "n-gram speculative decoding (pagedllm/spec_decode.h); assign a SpeculativeConfig");
+
+  py::class_<SpeculativeConfig>(m, "SpeculativeConfig", "n-gram speculative decoding (pagedllm/spec_decode.h).")
+      .def(py::init([](py::kwargs kw) { return from_kwargs<SpeculativeConfig>(kw, "SpeculativeConfig"); }))
+      .def_readwrite("num_speculative_tokens", &SpeculativeConfig::num_speculative_tokens, "k; 0 = off")
+      .def_readwrite("prompt_lookup_min", &SpeculativeConfig::prompt_lookup_min)
+      .def_readwrite("prompt_lookup_max", &SpeculativeConfig::prompt_lookup_max)
+      .def_readwrite("disable_by_batch_size", &SpeculativeConfig::disable_by_batch_size,
+                     "no drafts in a step with at least this many running sequences (0: no limit)")
+      .def_readwrite("accept_all", &SpeculativeConfig::accept_all, "debug: accept every draft");
+  m.def("propose_ngram",
+        [](py::handle tokens, int32_t min_n, int32_t max_n, int32_t k) {
+          std::vector<int32_t> ids = token_ids(tokens, "token_ids"), out;
+          pagedllm::propose_ngram(ids, min_n, max_n, k, &out);
+          return out;
+        },
+        py::arg("token_ids"), py::arg("prompt_lookup_min"), py::arg("prompt_lookup_max"), py::arg("k"),
+        "n-gram proposal (pagedllm/spec_decode.h): up to k tokens after the earliest earlier "
+        "occurrence of the longest suffix of length in [min, max]; [] when none matches.");
 
   auto stats = py::class_<EngineStats>(m, "EngineStats", "Engine metrics (pagedllm/engine_core.h).");
 #define PAGEDLLM_STAT(name) stats.def_readonly(#name, &EngineStats::name)
@@ -73,6 +93,8 @@ PAGEDLLM_BINDING(engine_core, m) {
   PAGEDLLM_STAT(num_scheduled_tokens); PAGEDLLM_STAT(num_recomputed_tokens);
   PAGEDLLM_STAT(num_chunked_prefills); PAGEDLLM_STAT(num_forks); PAGEDLLM_STAT(num_copy_orders);
   PAGEDLLM_STAT(num_finished_requests); PAGEDLLM_STAT(num_aborted_requests);
+  PAGEDLLM_STAT(spec_decode_num_drafts); PAGEDLLM_STAT(spec_decode_num_draft_tokens);
+  PAGEDLLM_STAT(spec_decode_num_accepted_tokens); PAGEDLLM_STAT(spec_decode_num_accepted_tokens_per_pos);
 #undef PAGEDLLM_STAT
   stats.def("as_dict", [](py::object self) {
     py::dict d;

@@ -32,6 +32,8 @@ PAGEDLLM_BINDING(request, m) {
       .def_readwrite("arrival_time", &RequestParams::arrival_time, "Seconds.")
       .def_readwrite("cache_salt", &RequestParams::cache_salt)
       .def_readwrite("prompt_logprobs", &RequestParams::prompt_logprobs)
+      .def_readwrite("allow_speculation", &RequestParams::allow_speculation,
+                     "speculative decoding may propose drafts for this request")
       .def("__repr__", [](const RequestParams& p) {
         return "RequestParams(max_tokens=" + std::to_string(p.max_tokens) +
                ", min_tokens=" + std::to_string(p.min_tokens) + ", n=" + std::to_string(p.n) +

@@ -36,6 +36,7 @@ PAGEDLLM_BINDING(scheduler_output, m) {
       .def_readonly("max_blocks_per_seq", &SchedulerOutput::max_blocks_per_seq)
       .def_readonly("step_id", &SchedulerOutput::step_id)
       .def_readonly("num_placeholders", &SchedulerOutput::num_placeholders)
+      .def_readonly("num_draft_tokens", &SchedulerOutput::num_draft_tokens)
       .def_readonly("max_row_blocks", &SchedulerOutput::max_row_blocks,
                     "the most blocks a row of block_tables holds: columns from it on are 0")
       .def_property_readonly("num_copies", &SchedulerOutput::num_copies)
@@ -58,6 +59,9 @@ PAGEDLLM_BINDING(scheduler_output, m) {
         auto& o = so(self); return view1d(o.logits_indices, o.num_sampled, self); }, "int64 [R]")
       .def_property_readonly("sample_seq_ids", [](py::object self) {
         auto& o = so(self); return view1d(o.sample_seq_ids, o.num_sampled, self); }, "int64 [R]")
+      .def_property_readonly("draft_token_ids", [](py::object self) {
+        auto& o = so(self); return view1d(o.draft_token_ids, o.num_sampled, self); },
+        "int32 [R]: the draft token row r's sample is checked against, or -1 (speculative decoding)")
       .def_property_readonly("block_tables", [](py::object self) {
         auto& o = so(self);
         const int64_t w = o.max_blocks_per_seq;

@@ -97,6 +97,17 @@ void BlockTable::fork_into(BlockPool& pool, BlockTable* child) const {
   child->num_tokens_ = num_tokens_;
 }
 
+void BlockTable::truncate(BlockPool& pool, int32_t num_tokens) {
+  PAGEDLLM_CHECK(num_tokens >= 0 && num_tokens <= num_tokens_, "truncate: num_tokens must be in [0, ",
+                 num_tokens_, "], got ", num_tokens);
+  const size_t keep = static_cast<size_t>((num_tokens + block_size_ - 1) >> block_shift_);
+  while (blocks_.size() > keep) {
+    pool.release(blocks_.back());
+    blocks_.pop_back();
+  }
+  num_tokens_ = num_tokens;
+}
+
 void BlockTable::free(BlockPool& pool) {
   for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) pool.release(*it);
   blocks_.clear();

@@ -17,6 +17,7 @@ SchedulerConfig scheduler_config(const EngineConfig& c) {
   s.enable_chunked_prefill = c.enable_chunked_prefill;
   s.policy = parse_scheduling_policy(c.scheduling_policy);
   s.async_scheduling = c.async_scheduling;
+  s.speculative = c.speculative;
   return s;
 }
 
@@ -34,7 +35,11 @@ EngineCore::EngineCore(const EngineConfig& config) : config_(config) {
   max_blocks_per_seq_ = (config.max_model_len + config.block_size - 1) / config.block_size;
   for (int32_t i = 0; i < config.num_buffer_sets; ++i)
     buffers_.push_back(std::make_unique<SchedulerOutput>(
-        config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq_));
+        config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq_, max_sampled()));
+}
+
+int32_t EngineCore::max_sampled() const {
+  return config_.max_num_seqs * (1 + config_.speculative.num_speculative_tokens);
 }
 
 EngineCore::~EngineCore() = default;
@@ -95,7 +100,7 @@ SchedulerOutput& EngineCore::schedule() {
       throw std::runtime_error("EngineCore::schedule: all " + std::to_string(buffers_.size()) +
                                " buffer sets are held; release() the SchedulerOutputs you are done with");
     buffers_.push_back(std::make_unique<SchedulerOutput>(
-        config_.max_num_batched_tokens, config_.max_num_seqs, max_blocks_per_seq_));
+        config_.max_num_batched_tokens, config_.max_num_seqs, max_blocks_per_seq_, max_sampled()));
     out = buffers_.back().get();
   }
   scheduler_->schedule(*out);  // sets out->step_id
@@ -157,6 +162,11 @@ EngineStats EngineCore::stats() const {
   s.num_copy_orders = c.num_copy_orders;
   s.num_finished_requests = c.num_finished_requests;
   s.num_aborted_requests = c.num_aborted_requests;
+  const SpecDecodeCounters& spec = scheduler_->spec_counters();
+  s.spec_decode_num_drafts = spec.num_drafts;
+  s.spec_decode_num_draft_tokens = spec.num_draft_tokens;
+  s.spec_decode_num_accepted_tokens = spec.num_accepted_tokens;
+  s.spec_decode_num_accepted_tokens_per_pos = spec.accepted_per_pos;
   return s;
 }
 

@@ -279,6 +279,14 @@ void KVCacheManager::fork(SeqId parent, SeqId child) {
   c.chain = p.chain;
 }
 
+void KVCacheManager::truncate(SeqId seq, int32_t num_tokens) {
+  Sequence& s = get(seq);
+  PAGEDLLM_CHECK(num_tokens >= static_cast<int64_t>(s.num_hashed_blocks) * block_size_,
+                 "truncate: sequence ", seq, " has ", s.num_hashed_blocks,
+                 " blocks in the prefix cache; cannot keep only ", num_tokens, " tokens");
+  s.table.truncate(pool_, num_tokens);
+}
+
 void KVCacheManager::free(SeqId seq) {
   const int32_t slot = index_.find(seq);
   PAGEDLLM_CHECK(slot >= 0, "free: unknown sequence id ", seq,

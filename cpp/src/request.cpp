@@ -23,6 +23,7 @@ void Sequence::bind(Request* req) {
   ignore_eos = p.ignore_eos;
   prompt_done = req->forked;
   wants_prompt_logprobs = p.prompt_logprobs;
+  allow_speculation = p.allow_speculation;
   const size_t total = p.eos_token_ids.size() + p.stop_token_ids.size();
   stop_ids_spill = total > static_cast<size_t>(kInlineStopIds);
   num_eos = num_stop = 0;

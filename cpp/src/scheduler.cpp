@@ -17,6 +17,10 @@ Scheduler::Scheduler(const SchedulerConfig& config, KVCacheManager& kv)
                  "with chunked prefill disabled, max_num_batched_tokens (",
                  config.max_num_batched_tokens, ") must be >= max_model_len (", config.max_model_len,
                  ") so that every sequence fits in one step");
+  config.speculative.validate();
+  PAGEDLLM_CHECK(!(config.speculative.enabled() && config.async_scheduling),
+                 "speculative decoding does not work with async scheduling: turn one off");
+  spec_counters_.accepted_per_pos.assign(static_cast<size_t>(config.speculative.num_speculative_tokens), 0);
   running_.reserve(static_cast<size_t>(config.max_num_seqs));
   running_snapshot_.reserve(static_cast<size_t>(config.max_num_seqs));
   candidates_.reserve(static_cast<size_t>(config.max_num_seqs));
@@ -177,7 +181,8 @@ void Scheduler::append_copies(SchedulerOutput& out) {
   counters_.num_copy_orders += static_cast<int64_t>(copies_.size());
 }
 
-void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int32_t prev_row) {
+void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int32_t prev_row,
+                       int32_t num_draft) {
   Request* req = seq->request;
   const int32_t start = seq->num_computed_tokens;
   const int32_t end = start + num_new;
@@ -187,7 +192,7 @@ void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int
   counters_.num_recomputed_tokens += std::max(0, std::min(end, seq->max_computed_tokens) - start);
   if (end < seq->num_tokens()) ++counters_.num_chunked_prefills;
   seq->num_computed_tokens = end;
-  seq->max_computed_tokens = std::max(seq->max_computed_tokens, end);
+  seq->max_computed_tokens = std::max(seq->max_computed_tokens, end - num_draft);
   ++seq->in_flight;
   if (completes_prompt) {
     // The n - 1 children take n - 1 of the n slots the parent held: num_running_slots_ is unchanged.
@@ -210,7 +215,27 @@ void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int
     }
   }
   out.scheduled.push_back({{seq, seq->generation}, start, num_new, completes_prompt, fork_begin,
-                           static_cast<int32_t>(out.forks.size()), prev_row});
+                           static_cast<int32_t>(out.forks.size()), prev_row, num_draft});
+}
+
+bool Scheduler::schedule_speculative(Sequence* seq, int32_t budget, SchedulerOutput& out) {
+  const SpeculativeConfig& spec = config_.speculative;
+  // every emitted token (drafts accepted + 1) must fit max_tokens / max_model_len
+  const int32_t room = max_seq_tokens(*seq->request) - seq->num_tokens() - 1;
+  const int32_t max_k = std::min({spec.num_speculative_tokens, room, budget - 1});
+  if (max_k <= 0) return false;
+  std::vector<int32_t>& drafts = seq->draft_token_ids;
+  propose_ngram(seq->token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, max_k, &drafts);
+  const int32_t num_draft = static_cast<int32_t>(drafts.size());
+  if (num_draft == 0) return false;
+  copies_.clear();
+  if (!kv_.allocate_slots(seq->seq_id, 1 + num_draft, nullptr, &copies_)) {
+    drafts.clear();
+    return false;
+  }
+  append_copies(out);
+  record(seq, 1 + num_draft, out, -1, num_draft);
+  return true;
 }
 
 bool Scheduler::placeholder_allowed(const Sequence* seq, int64_t step_id) const {
@@ -229,6 +254,9 @@ void Scheduler::schedule(SchedulerOutput& out) {
   const bool chunked = config_.enable_chunked_prefill;
   int32_t budget = config_.max_num_batched_tokens;
   bool preempted = false;
+  const SpeculativeConfig& spec = config_.speculative;
+  const bool speculate = spec.enabled() && (spec.disable_by_batch_size == 0 ||
+                                            num_running() < spec.disable_by_batch_size);
 
   // 1. Running sequences: decodes first, then unfinished prompt chunks (and replays), each pass
   //    in running order. A snapshot is walked because preemption removes from running_.
@@ -262,6 +290,10 @@ void Scheduler::schedule(SchedulerOutput& out) {
       }
       int32_t num_new = seq->num_tokens() - seq->num_computed_tokens;
       if (num_new <= 0 || (num_new == 1) != decode_pass || (!chunked && num_new > budget)) continue;
+      if (speculate && num_new == 1 && seq->allow_speculation && schedule_speculative(seq, budget, out)) {
+        budget -= 1 + static_cast<int32_t>(seq->draft_token_ids.size());
+        continue;
+      }
       num_new = std::min(num_new, budget);
       bool allocated = false;
       for (;;) {
@@ -359,7 +391,8 @@ void Scheduler::fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& o
   int64_t* slots = out.slot_mapping.data() + t0;
   int32_t* prev = out.prev_sample_rows.data() + t0;
   const bool placeholder = s.prev_row >= 0;
-  for (int32_t p = start; p < end; ++p) {
+  const int32_t known_end = end - s.num_draft;  // drafts are not in token_ids
+  for (int32_t p = start; p < known_end; ++p) {
     const int32_t k = p - start;
     ids[k] = placeholder ? 0 : tokens[p];
     prev[k] = placeholder ? s.prev_row : -1;
@@ -369,6 +402,27 @@ void Scheduler::fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& o
   out.num_tokens = t0 + s.num_new;
   if (placeholder) ++out.num_placeholders;
 
+  if (s.num_draft > 0) {  // speculative: the drafts' token rows, then k + 1 sampled rows
+    const int32_t* drafts = seq->draft_token_ids.data();
+    for (int32_t p = known_end; p < end; ++p) {
+      const int32_t k = p - start;
+      ids[k] = drafts[p - known_end];
+      prev[k] = -1;
+      pos[k] = p;
+      slots[k] = static_cast<int64_t>(blocks[p / bs]) * bs + (p % bs);
+    }
+    seq->pending_row = -1;
+    seq->pending_step = out.step_id;
+    for (int32_t j = 0; j <= s.num_draft; ++j) {
+      out.logits_indices[out.num_sampled] = t0 + s.num_new - 1 - s.num_draft + j;
+      out.draft_token_ids[out.num_sampled] = j < s.num_draft ? drafts[j] : -1;
+      out.sample_seq_ids[out.num_sampled++] = seq->seq_id;
+      out.samples.push_back(s.ref);
+    }
+    out.num_draft_tokens += s.num_draft;
+    return;  // a decoding sequence: no fork, no prompt logprobs
+  }
+
   if (end == seq->num_tokens() + (placeholder ? 1 : 0) && seq->max_tokens != 0) {
     const int64_t logits_row = t0 + s.num_new - 1;
     // Where the next step finds this row's token before the host does (no fork: a child's KV
@@ -376,11 +430,13 @@ void Scheduler::fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& o
     seq->pending_row = s.fork_begin == s.fork_end ? out.num_sampled : -1;
     seq->pending_step = out.step_id;
     out.logits_indices[out.num_sampled] = logits_row;
+    out.draft_token_ids[out.num_sampled] = -1;
     out.sample_seq_ids[out.num_sampled++] = seq->seq_id;
     out.samples.push_back(s.ref);
     for (int32_t f = s.fork_begin; f < s.fork_end; ++f) {
       const auto& child = out.forks[f].second;
       out.logits_indices[out.num_sampled] = logits_row;
+      out.draft_token_ids[out.num_sampled] = -1;
       out.sample_seq_ids[out.num_sampled++] = child.seq->seq_id;
       out.samples.push_back(child);
     }
@@ -409,8 +465,9 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
                  "sampled_token_ids has ", sampled.size(), " entries but step ", out.step_id,
                  " sampled ", out.num_sampled, " rows (num_sampled)");
   for (size_t r = 0; r < sampled.size(); ++r)
-    PAGEDLLM_CHECK(sampled[r] >= 0, "sampled_token_ids[", r, "] = ", sampled[r],
-                   " is not a token id (must be >= 0)");
+    PAGEDLLM_CHECK(sampled[r] >= 0 || (sampled[r] == -1 && r > 0 && out.draft_token_ids[r - 1] >= 0),
+                   "sampled_token_ids[", r, "] = ", sampled[r],
+                   " is not a token id (must be >= 0; -1 only past a rejection in a speculative run)");
   for (const auto& s : out.scheduled)  // a placeholder's token comes from the previous step
     PAGEDLLM_CHECK(s.prev_row < 0 || !s.ref.valid() || s.ref.seq->num_tokens() > s.start,
                    "update_from_output: step ", out.step_id, " computed a placeholder token of seq_id ",
@@ -427,7 +484,8 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     Sequence* seq = s.ref.seq;
     Request* req = seq->request;
     --seq->in_flight;
-    const int32_t end = s.start + s.num_new;
+    // speculative: only the step's first token is known to be right before the run is applied
+    const int32_t end = s.num_draft > 0 ? s.start + 1 : s.start + s.num_new;
     if (caching && end / bs > s.start / bs)
       kv_.cache_full_blocks(seq->seq_id, seq->token_ids, end, req->extra_key);
     if (s.completes_prompt && seq->max_tokens == 0) {
@@ -454,6 +512,13 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
   }
   // 3. Sampled tokens and the stop rules.
   for (int32_t r = 0; r < out.num_sampled; ++r) {
+    if (out.draft_token_ids[r] >= 0) {  // the first of a speculative run's k + 1 rows
+      int32_t num_draft = 1;
+      while (out.draft_token_ids[r + num_draft] >= 0) ++num_draft;
+      apply_speculative_run(out, r, num_draft, sampled, result);
+      r += num_draft;  // and ++r skips the run's last row
+      continue;
+    }
     const auto& ref = out.samples[r];
     if (!ref.valid() || ref.seq->status == SequenceStatus::kFinished) continue;
     Sequence* seq = ref.seq;
@@ -495,6 +560,46 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     ++counters_.num_finished_requests;
     requests_.erase(requests_.find(req->request_id));
   }
+}
+
+void Scheduler::apply_speculative_run(const SchedulerOutput& out, int32_t r, int32_t num_draft,
+                                      std::span<const int32_t> sampled, UpdateResult& result) {
+  const auto& ref = out.samples[r];
+  if (!ref.valid() || ref.seq->status == SequenceStatus::kFinished) return;
+  Sequence* seq = ref.seq;
+  if (seq->pending_step == out.step_id) seq->pending_row = -1;
+  const bool accept_all = config_.speculative.accept_all;
+  const int32_t* x = out.draft_token_ids.data() + r;
+  const int32_t* y = sampled.data() + r;
+  int32_t accepted = 0;  // drafts that match what the target sampled at their position
+  while (accepted < num_draft && y[accepted] >= 0 && (accept_all || y[accepted] == x[accepted])) ++accepted;
+  const int32_t emit = accepted + (y[accepted] >= 0 ? 1 : 0);
+  ++spec_counters_.num_drafts;
+  spec_counters_.num_draft_tokens += num_draft;
+  spec_counters_.num_accepted_tokens += accepted;
+  for (int32_t j = 0; j < accepted && j < static_cast<int32_t>(spec_counters_.accepted_per_pos.size()); ++j)
+    ++spec_counters_.accepted_per_pos[j];
+  for (int32_t j = 0; j < emit; ++j) {
+    const int32_t token = (accept_all && j < num_draft) ? x[j] : y[j];
+    seq->token_ids.push_back(token);
+    result.seq_ids.push_back(seq->seq_id);
+    result.token_ids.push_back(token);
+    ++counters_.num_generation_tokens;
+    StopReason stop_reason;
+    const FinishReason reason = check_stop(*seq, config_.max_model_len, &stop_reason);
+    if (reason != FinishReason::kNone) {  // inside the run: the rest is dropped, as without drafts
+      finish(seq, reason, std::move(stop_reason));
+      finished_scratch_.push_back(seq);
+      return;
+    }
+  }
+  // KV is right for every token but the last emitted (its KV is computed by the next step); the
+  // slots past it (rejected drafts) go back to the pool.
+  seq->num_computed_tokens = seq->num_tokens() - 1;
+  seq->max_computed_tokens = std::max(seq->max_computed_tokens, seq->num_computed_tokens);
+  kv_.truncate(seq->seq_id, seq->num_computed_tokens);
+  if (kv_.prefix_caching_enabled())
+    kv_.cache_full_blocks(seq->seq_id, seq->token_ids, seq->num_computed_tokens, seq->request->extra_key);
 }
 
 void Scheduler::cancel(SchedulerOutput& out) {

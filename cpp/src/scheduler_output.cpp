@@ -7,7 +7,8 @@
 
 namespace pagedllm {
 
-SchedulerOutput::SchedulerOutput(int32_t max_tokens, int32_t max_seqs, int32_t max_blocks)
+SchedulerOutput::SchedulerOutput(int32_t max_tokens, int32_t max_seqs, int32_t max_blocks,
+                                 int32_t max_sampled)
     : max_blocks_per_seq(max_blocks),
       input_ids(max_tokens),
       positions(max_tokens),
@@ -16,8 +17,9 @@ SchedulerOutput::SchedulerOutput(int32_t max_tokens, int32_t max_seqs, int32_t m
       seq_lens(max_seqs),
       query_start_loc(static_cast<size_t>(max_seqs) + 1),
       seq_ids(max_seqs),
-      logits_indices(max_seqs),
-      sample_seq_ids(max_seqs),
+      logits_indices(max_sampled > 0 ? max_sampled : max_seqs),
+      sample_seq_ids(max_sampled > 0 ? max_sampled : max_seqs),
+      draft_token_ids(max_sampled > 0 ? max_sampled : max_seqs, -1),
       prev_sample_rows(max_tokens, -1),
       row_len_(max_seqs, 0) {
   PAGEDLLM_CHECK(max_tokens >= 1 && max_seqs >= 1 && max_blocks >= 1,
@@ -25,13 +27,13 @@ SchedulerOutput::SchedulerOutput(int32_t max_tokens, int32_t max_seqs, int32_t m
                  max_tokens, ", ", max_seqs, ", ", max_blocks);
   copy_orders.reserve(2 * static_cast<size_t>(max_seqs));
   scheduled.reserve(max_seqs);
-  samples.reserve(max_seqs);
+  samples.reserve(max_sampled > 0 ? max_sampled : max_seqs);
   query_start_loc[0] = 0;
 }
 
 void SchedulerOutput::reset() {
   num_tokens = num_seqs = num_sampled = 0;
-  num_decode_seqs = num_prefill_seqs = num_prefill_tokens = num_placeholders = 0;
+  num_decode_seqs = num_prefill_seqs = num_prefill_tokens = num_placeholders = num_draft_tokens = 0;
   max_query_len = max_seq_len = max_row_blocks = 0;
   query_start_loc[0] = 0;
   copy_orders.clear();

@@ -593,3 +593,26 @@ TEST(KVCacheManager, ManyLiveSequencesWithArbitraryIds) {
   EXPECT_EQ(kv.num_seqs(), 0);
   EXPECT_EQ(kv.num_free_blocks(), 4096);
 }
+
+TEST(KVCacheManager, TruncateReleasesTrailingBlocksButNeverCachedOnes) {
+  KVCacheManager kv(8, 16, true);
+  ASSERT_TRUE(kv.allocate_slots(1, 20));  // 2 blocks
+  kv.cache_full_blocks(1, iota_tokens(20), 20, 0);  // block 0 is in the prefix cache
+  ASSERT_TRUE(kv.allocate_slots(1, 30));  // 50 slots: 4 blocks
+  EXPECT_EQ(kv.num_free_blocks(), 4);
+  kv.truncate(1, 33);  // 3 blocks
+  EXPECT_EQ(kv.num_tokens(1), 33);
+  EXPECT_EQ(kv.block_ids(1).size(), 3u);
+  EXPECT_EQ(kv.num_free_blocks(), 5);
+  kv.truncate(1, 33);  // idempotent
+  EXPECT_EQ(kv.num_free_blocks(), 5);
+  EXPECT_NE(error_of([&] { kv.truncate(1, 34); }).find("[0, 33]"), std::string::npos);
+  EXPECT_NE(error_of([&] { kv.truncate(1, 15); }).find("prefix cache"), std::string::npos);
+  EXPECT_EQ(kv.num_tokens(1), 33);
+  kv.truncate(1, 16);
+  EXPECT_EQ(kv.num_free_blocks(), 7);
+  ASSERT_TRUE(kv.allocate_slots(1, 1));  // grows again from the truncated end
+  EXPECT_EQ(kv.slot(1, 16), static_cast<int64_t>(kv.block_ids(1)[1]) * 16);
+  kv.free(1);
+  EXPECT_EQ(kv.num_free_blocks(), 8);
+}

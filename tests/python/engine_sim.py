@@ -9,7 +9,11 @@ check), so runs with different pools, budgets and preemptions must produce ident
 
 The next token is a hash of the context's token ids and of the sequence's index within its
 request (the per-sequence sampler state a real engine keeps, learnt from out.new_seqs), taken
-modulo `vocab_size`.
+modulo `vocab_size`. With repeat_period P, three times in four (by the hash) it is instead the
+token P positions back, so that outputs repeat themselves and n-gram drafts are often accepted.
+
+Speculative decoding: a sampled row may end before its sequence's last token (the k + 1 rows of a
+verification read the context up to their own position, drafts included).
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ POS_BITS = 20  # KV store value = token_id << POS_BITS | position
 
 class SimModel:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, vocab_size: int, seed: int = 0,
-                 context: str = "full"):
+                 context: str = "full", repeat_period: int = 0):
         """context="full": each sampled row reads its whole context back (the tests);
         "last": only the row's last token (a lighter model for benchmarks)."""
         assert context in ("full", "last")
         self.context = context
+        self.repeat_period = repeat_period
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
@@ -56,7 +61,10 @@ class SimModel:
         qsl = out.query_start_loc
         row = np.searchsorted(qsl, li, side="right") - 1
         ctx_len = positions[li] + 1
-        assert np.array_equal(ctx_len, out.seq_lens[row]), "sampled row is not its sequence's last token"
+        if out.num_draft_tokens:  # verification rows end at their own position
+            assert (ctx_len <= out.seq_lens[row]).all(), "sampled row past its sequence's end"
+        else:
+            assert np.array_equal(ctx_len, out.seq_lens[row]), "sampled row is not its sequence's last token"
         if self.context == "last":
             p = ctx_len - 1
             v = self.kv[out.block_tables[row, p // bs].astype(np.int64) * bs + p % bs]
@@ -76,6 +84,10 @@ class SimModel:
         index = np.array([self.index_of[int(s)] for s in seq_ids.tolist()], dtype=np.int64)
         h = h ^ (h >> 17)
         nxt = (h + index * 1_000_003) % self.vocab_size
+        if self.repeat_period:
+            P = self.repeat_period
+            back = tokens[np.maximum(starts + ctx_len - P, starts)]
+            nxt = np.where((ctx_len >= P) & (h % 4 != 0), back, nxt)
         if check_context is not None:
             for k in range(r):
                 check_context(int(seq_ids[k]), tokens[starts[k]:starts[k] + ctx_len[k]])

@@ -58,13 +58,19 @@ def make_requests(seed: int, num_requests: int):
 
 
 def run_engine(reqs, *, seed, num_blocks, block_size, budget, max_num_seqs, chunked=True,
-               prefix_caching=True, policy="fcfs", abort_prob=0.0, cancel_prob=0.0, pipeline=False):
+               prefix_caching=True, policy="fcfs", abort_prob=0.0, cancel_prob=0.0, pipeline=False,
+               speculative=None, repeat_period=0):
+    """speculative: SpeculativeConfig fields (n-gram drafts) or None; repeat_period: SimModel's."""
     cfg = _C.EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
                           max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
                           enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching,
                           scheduling_policy=policy)
+    k = 0
+    if speculative:
+        cfg.speculative = _C.SpeculativeConfig(**speculative)
+        k = speculative["num_speculative_tokens"]
     core = _C.EngineCore(cfg)
-    model = SimModel(num_blocks, block_size, MAX_MODEL_LEN, VOCAB, seed=1234)
+    model = SimModel(num_blocks, block_size, MAX_MODEL_LEN, VOCAB, seed=1234, repeat_period=repeat_period)
     rng = np.random.default_rng(seed)
     by_id = {rid: (prompt, p, stop_str) for rid, prompt, p, stop_str in reqs}
     seq_info: dict[int, tuple[str, int]] = {}
@@ -76,13 +82,23 @@ def run_engine(reqs, *, seed, num_blocks, block_size, budget, max_num_seqs, chun
     next_req = 0
     steps = 0
 
+    drafts: dict[int, list[int]] = {}  # seq id -> this step's drafts
+
     def check_context(seq_id, ctx):
-        expected = tokens[seq_id]
+        # a verification row reads the committed tokens and the drafts before its position
+        expected = tokens[seq_id] + drafts.get(seq_id, [])[: max(0, len(ctx) - len(tokens[seq_id]))]
         assert len(ctx) == len(expected) and np.array_equal(ctx, expected), f"seq {seq_id}: wrong context"
 
     def check_step(out):
         assert 0 <= out.num_tokens <= budget
-        assert out.num_seqs <= max_num_seqs and out.num_sampled <= max_num_seqs
+        assert out.num_seqs <= max_num_seqs and out.num_sampled <= max_num_seqs * (1 + k)
+        for seq_id in out.seq_ids.tolist():  # a sequence is in one step at a time
+            drafts[seq_id] = []
+        for seq_id, d in zip(out.sample_seq_ids.tolist(), out.draft_token_ids.tolist()):
+            if d >= 0:
+                drafts[seq_id].append(d)
+        assert sum(len(drafts[s]) for s in out.seq_ids.tolist()) == out.num_draft_tokens
+        assert all(len(drafts[s]) <= k for s in out.seq_ids.tolist())
         qsl = out.query_start_loc
         assert qsl[0] == 0 and qsl[-1] == out.num_tokens and (np.diff(qsl) >= 1).all()
         assert (np.diff(qsl)[: out.num_decode_seqs] == 1).all()
@@ -109,17 +125,23 @@ def run_engine(reqs, *, seed, num_blocks, block_size, budget, max_num_seqs, chun
             results[(rid, index)] = (tokens[seq_id][len(by_id[rid][0]):], reason, stop_reason)
         for rid in result.request_finished:
             live.discard(rid)
+        # tokens in order; a sequence's tokens after its stop string are dropped (a speculative run
+        # appends several tokens per sequence: the engine's output processor does the same)
+        stopped: set[int] = set()
         for seq_id, tok in zip(result.seq_ids.tolist(), result.token_ids.tolist()):
+            if seq_id in stopped:
+                continue
             tokens[seq_id].append(tok)
             rid, index = seq_info[seq_id]
             prompt, p, stop_str = by_id[rid]
             n_out = len(tokens[seq_id]) - len(prompt)
-            if seq_id in finished_now:
-                results[(rid, index)] = (tokens[seq_id][len(prompt):],) + results[(rid, index)][1:]
-            elif stop_str and tok == STOP_STR_TOKEN and n_out >= p["min_tokens"]:
+            if stop_str and tok == STOP_STR_TOKEN and n_out >= p["min_tokens"]:
+                stopped.add(seq_id)
                 results[(rid, index)] = (tokens[seq_id][len(prompt):], "stop", "STOP")
-                if core.finish_sequence(seq_id, "STOP"):
+                if seq_id not in finished_now and core.finish_sequence(seq_id, "STOP"):
                     live.discard(rid)
+            elif seq_id in finished_now:
+                results[(rid, index)] = (tokens[seq_id][len(prompt):],) + results[(rid, index)][1:]
 
     while next_req < len(reqs) or core.has_unfinished_requests():
         steps += 1

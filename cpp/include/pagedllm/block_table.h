@@ -78,6 +78,10 @@ class BlockTable {
   /// Same, into an empty table *child of the same block size (reusing its capacity).
   void fork_into(BlockPool& pool, BlockTable* child) const;
 
+  /// Keep only the first num_tokens slots: blocks past ceil(num_tokens / block_size) are released,
+  /// last first (speculative decoding: the slots of rejected draft tokens). 0 <= num_tokens <=
+  /// num_tokens() (else InvalidArgument, nothing changed).
+  void truncate(BlockPool& pool, int32_t num_tokens);
   /// Release every block, last block first (so a cached chain's tail is evicted first), and
   /// become empty (the list keeps its capacity for reuse).
   void free(BlockPool& pool);

@@ -43,6 +43,9 @@ struct EngineConfig {
   /// Placeholder decodes of in-flight sequences, so that step N + 1 is scheduled before step N's
   /// tokens are known (scheduler.h, "Async scheduling"); update_from_output in step order.
   bool async_scheduling = false;
+  /// N-gram speculative decoding (pagedllm/spec_decode.h, scheduler.h); off while
+  /// num_speculative_tokens is 0. Not together with async_scheduling (InvalidArgument).
+  SpeculativeConfig speculative;
 };
 
 /// Everything the server exports (vLLM v1 metric names in comments). Sequence counts follow
@@ -69,6 +72,11 @@ struct EngineStats {
   int64_t num_copy_orders = 0;          ///< copy-on-write block copies issued
   int64_t num_finished_requests = 0;
   int64_t num_aborted_requests = 0;
+  int64_t spec_decode_num_drafts = 0;           ///< spec_decode_num_drafts_total
+  int64_t spec_decode_num_draft_tokens = 0;     ///< spec_decode_num_draft_tokens_total
+  int64_t spec_decode_num_accepted_tokens = 0;  ///< spec_decode_num_accepted_tokens_total
+  /// spec_decode_num_accepted_tokens_per_pos_total: [k], accepted drafts at each position
+  std::vector<int64_t> spec_decode_num_accepted_tokens_per_pos;
 };
 
 class EngineCore {
@@ -122,6 +130,8 @@ class EngineCore {
 
  private:
   static constexpr int32_t kMaxBufferSets = 16;
+  /// Sampled rows a step can have: max_num_seqs * (1 + num_speculative_tokens).
+  int32_t max_sampled() const;
   EngineConfig config_;
   int32_t max_blocks_per_seq_;
   std::unique_ptr<KVCacheManager> kv_;

@@ -125,6 +125,12 @@ class KVCacheManager {
   /// into a shared partly filled block is copy-on-write. Throws if child is live or parent unknown.
   void fork(SeqId parent, SeqId child);
 
+  /// Shrink seq's reservation to its first num_tokens slots, releasing the blocks past them (last
+  /// first). Speculative decoding gives back the slots of rejected draft tokens this way. Throws
+  /// InvalidArgument (nothing changed) on an unknown seq, num_tokens outside [0, num_tokens(seq)],
+  /// or a cut into the blocks already registered in the prefix cache.
+  void truncate(SeqId seq, int32_t num_tokens);
+
   /// Release seq's blocks, last block first (cached ones stay cached until reused: lazy
   /// eviction). Throws InvalidArgument on an unknown seq (incl. double free).
   void free(SeqId seq);

@@ -43,6 +43,10 @@ struct RequestParams {
   /// The caller wants prompt logprobs: the whole prompt is computed (prefix-cache hits are
   /// skipped for it) and SchedulerOutput::prompt_logprob_rows says which rows score which tokens.
   bool prompt_logprobs = false;
+  /// Speculative decoding may propose draft tokens for this request's sequences (when the engine
+  /// speculates at all: SpeculativeConfig). Off for requests whose sampling cannot verify drafts
+  /// (e.g. structured outputs: the grammar advances one token at a time).
+  bool allow_speculation = true;
 };
 
 enum class FinishReason : int8_t { kNone, kStop, kLength, kAbort };
@@ -71,6 +75,7 @@ struct Sequence {
   bool ignore_eos = false;
   bool prompt_done = false;  ///< the request's prompt was computed once (Request::forked)
   bool wants_prompt_logprobs = false;
+  bool allow_speculation = true;  ///< RequestParams::allow_speculation
   bool stop_ids_spill = false;  ///< more eos + stop ids than fit inline: use the request's lists
   uint8_t num_eos = 0;          ///< stop_ids[0, num_eos): eos ids; then num_stop stop_token_ids
   uint8_t num_stop = 0;
@@ -92,6 +97,8 @@ struct Sequence {
   /// the model runner finds its next token on the device before the host knows it.
   int32_t pending_row = -1;
   int64_t pending_step = -1;
+  /// Draft tokens proposed for the step in flight (speculative decoding; scratch of the scheduler).
+  std::vector<int32_t> draft_token_ids;
   /// Already listed in some SchedulerOutput::new_seqs.
   bool announced = false;
   FinishReason finish_reason = FinishReason::kNone;

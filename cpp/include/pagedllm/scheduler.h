@@ -43,6 +43,19 @@
 // step order. Preemption bumps a sequence's generation, so rows of any other in-flight output of
 // a preempted (e.g. cancelled) sequence are ignored too.
 //
+// Speculative decoding (SchedulerConfig::speculative, pagedllm/spec_decode.h; not with async
+// scheduling): in the decode pass, while fewer than disable_by_batch_size sequences run, a
+// sequence that allows speculation gets up to k n-gram drafts, capped so that its emitted tokens
+// cannot pass max_tokens / max_model_len and by the token budget; its query becomes its last token
+// plus the drafts, and it gets k + 1 sampled rows (SchedulerOutput::draft_token_ids). If the pool
+// cannot supply the draft slots it decodes one token, preempting nobody for drafts.
+// update_from_output emits the run spec_decode.h describes, each token through the stop rules (a
+// stop inside the run ends it there), sets the computed count to the tokens whose KV is right
+// (all but the last emitted) and truncates the block table to it: a rejected draft's slots go back
+// to the pool. Those slots lie past the sequence's committed tokens, in blocks it alone holds
+// (allocate_slots made copy-on-write copies of a shared last block before the step), and full
+// blocks are registered in the prefix cache only up to accepted tokens.
+//
 // Not thread-safe: one thread drives a Scheduler (and its EngineCore).
 #pragma once
 
@@ -57,6 +70,7 @@
 #include "pagedllm/request.h"
 #include "pagedllm/scheduler_output.h"
 #include "pagedllm/scheduling_policy.h"
+#include "pagedllm/spec_decode.h"
 
 namespace pagedllm {
 
@@ -67,6 +81,7 @@ struct SchedulerConfig {
   bool enable_chunked_prefill = true;
   SchedulingPolicy policy = SchedulingPolicy::kFcfs;
   bool async_scheduling = false;  ///< placeholder decodes of in-flight sequences (see above)
+  SpeculativeConfig speculative;  ///< n-gram speculative decoding (see above); off by default
 };
 
 /// Monotonic counters (tokens unless said otherwise).
@@ -124,6 +139,7 @@ class Scheduler {
   int32_t num_unfinished_requests() const { return static_cast<int32_t>(requests_.size()); }
   bool has_unfinished_requests() const { return !requests_.empty(); }
   const SchedulerCounters& counters() const { return counters_; }
+  const SpecDecodeCounters& spec_counters() const { return spec_counters_; }
   const SchedulerConfig& config() const { return config_; }
   /// Sequence slots held against max_num_seqs (an unforked running request holds n).
   int32_t num_running_slots() const { return num_running_slots_; }
@@ -140,7 +156,13 @@ class Scheduler {
   /// Mark finished, free KV, count; does not touch running_ (caller compacts or removes).
   void finish(Sequence* seq, FinishReason reason, StopReason stop_reason);
   /// Record a successfully allocated chunk of seq into the step's scheduled list.
-  void record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int32_t prev_row = -1);
+  void record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int32_t prev_row = -1,
+              int32_t num_draft = 0);
+  /// Speculative decoding: schedule decode seq with n-gram drafts if any fit; false otherwise.
+  bool schedule_speculative(Sequence* seq, int32_t budget, SchedulerOutput& out);
+  /// update_from_output for the k + 1 sampled rows [r, r + k] of one speculating sequence.
+  void apply_speculative_run(const SchedulerOutput& out, int32_t r, int32_t num_draft,
+                             std::span<const int32_t> sampled, UpdateResult& result);
   /// Async scheduling: whether in-flight seq may get a placeholder decode in step `step_id`.
   bool placeholder_allowed(const Sequence* seq, int64_t step_id) const;
   void fill_buffers(SchedulerOutput& out);
@@ -160,6 +182,7 @@ class Scheduler {
   WaitingQueue waiting_;
   int32_t num_running_slots_ = 0;
   SchedulerCounters counters_;
+  SpecDecodeCounters spec_counters_;
   // scratch, reused every step (no allocation once warm)
   PrefixHit hit_;
   std::vector<CopyOrder> copies_;

@@ -20,12 +20,18 @@
 //   sample_seq_ids   int64 [R]   the sequence each sampled token belongs to
 //   copy_orders      int64 [C, 2] copy-on-write (src_block, dst_block), to run before the step's
 //                                forward pass (before any reshape_and_cache of this step)
+//   draft_token_ids  int32 [R]   speculative decoding: the draft token that the token sampled in row
+//                                r is checked against, or -1 (a plain row, or the last row of a
+//                                sequence's run: the bonus position). A sequence with k drafts has
+//                                k + 1 consecutive sampled rows (its last k + 1 token rows), the
+//                                first k with drafts; num_draft_tokens drafts in all
 //   prev_sample_rows int32 [T]   -1, or (a placeholder token, async scheduling only) the sampled
 //                                row of step step_id - 1 whose token goes here: input_ids holds 0
 //                                and the model runner takes the token from that step's sampled
 //                                ids on the device (num_placeholders such tokens)
 // Sequences are ordered decodes first: rows [0, num_decode_seqs) have query length 1; rows
-// [num_decode_seqs, S) (num_prefill_seqs of them) have longer queries (prompt chunks, replays).
+// [num_decode_seqs, S) (num_prefill_seqs of them) have longer queries (prompt chunks, replays, and
+// speculative verification: a decode with k drafts has a query of k + 1 tokens).
 //
 // Requirement on the model runner: within each layer, every token's reshape_and_cache write
 // precedes that layer's attention, and copy_orders run before both. With placeholders, the
@@ -88,8 +94,10 @@ class SchedulerOutput {
  public:
   enum class State : int8_t { kFree, kScheduled, kUpdated };
 
-  /// Buffers for up to max_tokens tokens and max_seqs sequences / sampled rows.
-  SchedulerOutput(int32_t max_tokens, int32_t max_seqs, int32_t max_blocks_per_seq);
+  /// Buffers for up to max_tokens tokens, max_seqs sequences and max_sampled sampled rows
+  /// (0: max_seqs; speculative decoding needs max_seqs * (k + 1)).
+  SchedulerOutput(int32_t max_tokens, int32_t max_seqs, int32_t max_blocks_per_seq,
+                  int32_t max_sampled = 0);
 
   int32_t num_tokens = 0;
   int32_t num_seqs = 0;
@@ -100,6 +108,7 @@ class SchedulerOutput {
   int32_t max_query_len = 0;
   int32_t max_seq_len = 0;
   int32_t max_blocks_per_seq = 0;
+  int32_t num_draft_tokens = 0;  ///< speculative draft tokens in this step (draft_token_ids >= 0)
   int32_t num_placeholders = 0;  ///< tokens whose id is step step_id - 1's sample (prev_sample_rows)
   /// The most blocks any row of this step's block_tables holds: every column from it on is 0.
   int32_t max_row_blocks = 0;
@@ -115,6 +124,7 @@ class SchedulerOutput {
   std::vector<int64_t> seq_ids;
   std::vector<int64_t> logits_indices;
   std::vector<int64_t> sample_seq_ids;
+  std::vector<int32_t> draft_token_ids;
   std::vector<int64_t> copy_orders;  ///< 2 * num_copies()
   std::vector<int32_t> prev_sample_rows;
   std::vector<NewSequence> new_seqs;
@@ -140,6 +150,7 @@ class SchedulerOutput {
     int32_t fork_end;
     int32_t prev_row;       ///< >= 0: a placeholder decode of the token sampled in row prev_row
                             ///< of step step_id - 1 (async scheduling)
+    int32_t num_draft;      ///< speculative draft tokens among num_new (the query's last ones)
   };
   std::vector<Scheduled> scheduled;
   std::vector<SeqRef> samples;                   ///< [R]: whom sampled row r belongs to
