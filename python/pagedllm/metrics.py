@@ -8,6 +8,9 @@ prefix_cache_hits (counters, tokens), num_preemptions, prompt_tokens, generation
 pagedllm's own: num_steps, num_chunked_prefills, num_forks, num_finished_requests,
 num_aborted_requests; cache_config_info (gauge 1, labels block_size and num_gpu_blocks);
 iteration_tokens_total and iteration_num_seqs (histograms of tokens and sequences per step).
+With speculative decoding: spec_decode_num_drafts, spec_decode_num_draft_tokens,
+spec_decode_num_accepted_tokens (counters) and spec_decode_num_accepted_tokens_per_pos (a Vector:
+accepted drafts at each position 0..k-1; Prometheus gets one counter per "position" label).
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ class Histogram(Metric):
     count: int
     sum: float
     buckets: dict[str, int]  # cumulative counts per upper bound ("+Inf" last), as Prometheus
+
+
+@dataclasses.dataclass
+class Vector(Metric):
+    """Ordered integer counters (vLLM's reader.Vector; only spec_decode_num_accepted_tokens_per_pos)."""
+
+    values: list[int]
 
 
 class HistogramData:
@@ -93,9 +103,14 @@ def metrics_from_stats(stats, model_name: str = "", histograms: dict[str, Histog
             out.append(Counter(PREFIX + name, dict(labels), int(getattr(stats, field))))
     out.append(Gauge(PREFIX + "cache_config_info",
                      {"block_size": str(stats.block_size), "num_gpu_blocks": str(stats.num_blocks)}, 1.0))
+    per_pos = list(getattr(stats, "spec_decode_num_accepted_tokens_per_pos", []) or [])
+    if per_pos:  # speculative decoding is on
+        for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            out.append(Counter(PREFIX + name, dict(labels), int(getattr(stats, name))))
+        out.append(Vector(PREFIX + "spec_decode_num_accepted_tokens_per_pos", dict(labels), [int(v) for v in per_pos]))
     for name, hist in (histograms or {}).items():
         out.append(hist.metric(PREFIX + name, dict(labels)))
     return out
 
 
-__all__ = ["Metric", "Counter", "Gauge", "Histogram", "HistogramData", "metrics_from_stats"]
+__all__ = ["Metric", "Counter", "Gauge", "Histogram", "HistogramData", "Vector", "metrics_from_stats"]

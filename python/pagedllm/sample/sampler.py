@@ -103,6 +103,21 @@ class PendingSample:
         return SamplerOutput(host[0].astype(np.int32), logprobs)
 
 
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's output function (Steele et al. 2014) on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _counter_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """float64 U[0, 1) per (seed, position) pair (uint64 arrays): the top 53 bits of a hash."""
+    h = _splitmix64(_splitmix64(seeds) ^ positions)
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+
+
 class Sampler:
     """Batched sampler with per-sequence state (vLLM v1 semantics, see SamplingParams).
 
@@ -158,7 +173,6 @@ class Sampler:
         self._batch_matcher = g("_batch_matcher")
         self._fill_pool = g("_fill_pool")  # start_grammar's thread
         self._pending_fill = g("_pending_fill")  # ((rows, row indices, slots), Future) of start_grammar
-        self._generators: list[Optional[torch.Generator]] = (g("_generators") or []) + [None] * extend
         self._seeds: list[Optional[int]] = (g("_seeds") or []) + [None] * extend
         self._stop_ids: list[list[int]] = (g("_stop_ids") or []) + [[] for _ in range(extend)]
         self._bias: list[Optional[tuple[list[int], list[float]]]] = (g("_bias") or []) + [None] * extend
@@ -273,7 +287,6 @@ class Sampler:
         else:
             self.has_seed[slot] = False
             self._seeds[slot] = None
-        self._generators[slot] = None  # created at first use
 
     def remove_sequence(self, seq_id: int) -> None:
         """Forget ``seq_id`` (finished or aborted) and free its slot; unknown ids are ignored."""
@@ -284,7 +297,6 @@ class Sampler:
         slot = int(self._key_slots[pos])
         self._keys = np.delete(self._keys, pos)
         self._key_slots = np.delete(self._key_slots, pos)
-        self._generators[slot] = None
         self._prompt_ids[slot] = None
         self._output_ids[slot] = None
         self._bias[slot] = None
@@ -329,22 +341,20 @@ class Sampler:
                     self._matchers[slot] = None
 
     # ------------------------------------------------------------------ sampling
-    def _generator(self, slot: int) -> torch.Generator:
-        """The sequence's own CPU generator (created at first use from its seed)."""
-        gen = self._generators[slot]
-        if gen is None:
-            gen = torch.Generator()
-            gen.manual_seed(self._seeds[slot])
-            self._generators[slot] = gen
-        return gen
-
-    def _uniforms(self, slots: np.ndarray) -> torch.Tensor:
-        """One U[0, 1) float64 per row (CPU): seeded rows from their own generator (so the draw
-        does not depend on the batch, and is the same on CPU and CUDA), others from the
-        engine's stream."""
+    def _uniforms(self, slots: np.ndarray, offsets: Optional[np.ndarray] = None) -> torch.Tensor:
+        """One U[0, 1) float64 per row (CPU). Unseeded rows: the engine's stream. Seeded rows: a
+        counter-based draw (splitmix64 of the sequence's seed and the output position the row
+        samples: num_output_tokens + offsets), so a seeded token depends only on its seed, its
+        position and its context — not on the batch, the device, preemption, wasted rows of async
+        scheduling, or how many speculative rows were verified (seeded runs are identical with
+        speculation on and off)."""
         u = torch.rand(len(slots), generator=self._default_gen, dtype=torch.float64)
-        for r in np.nonzero(self.has_seed[slots])[0].tolist():
-            u[r] = torch.rand(1, generator=self._generator(int(slots[r])), dtype=torch.float64)[0]
+        seeded = np.nonzero(self.has_seed[slots])[0]
+        if seeded.size:
+            s = slots[seeded]
+            pos = self.num_output_tokens[s] + (0 if offsets is None else offsets[seeded])
+            seeds = np.array([self._seeds[int(x)] for x in s.tolist()], dtype=np.uint64)
+            u[torch.from_numpy(seeded)] = torch.from_numpy(_counter_uniform(seeds, pos.astype(np.uint64)))
         return u
 
     def argmax_suffices(self, seq_ids) -> bool:
@@ -381,17 +391,20 @@ class Sampler:
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits has {logits.shape[1]} columns, fewer than vocab_size={self.vocab_size}")
 
-    def _process(self, logits: torch.Tensor, slots: np.ndarray, want_raw: bool):
+    def _process(self, logits: torch.Tensor, slots: np.ndarray, want_raw: bool, spec: Optional["_SpecRows"] = None):
         """The logits transforms of one step. Returns (processed logits float32 [R, V] — the
         distribution the draw uses, after temperature/min_p/top_k/top_p for random rows —,
-        argmax of the penalised logits for greedy rows or None, greedy row mask, raw logprobs)."""
+        argmax of the penalised logits for greedy rows or None, greedy row mask, raw logprobs).
+        spec: speculative verification rows — row r samples output position num_output_tokens +
+        spec.offsets[r], after the drafts spec.before(r) (min_tokens and the penalties count them)."""
         device = logits.device
         # A float32 copy: the transforms work in place and the caller's tensor stays intact.
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True).contiguous()
         raw_logprobs = ops.compute_logprobs(logits) if want_raw else None
 
         # min_tokens: mask EOS and stop_token_ids while fewer outputs than min_tokens.
-        active_min = np.nonzero(self.num_output_tokens[slots] < self.min_tokens[slots])[0]
+        num_out = self.num_output_tokens[slots] + (0 if spec is None else spec.offsets)
+        active_min = np.nonzero(num_out < self.min_tokens[slots])[0]
         if active_min.size:
             rows = active_min.tolist()
             ops.mask_tokens(logits, rows, [self._stop_ids[int(slots[r])] for r in rows])
@@ -412,7 +425,7 @@ class Sampler:
         # penalties
         pen_rows = np.nonzero(self.has_penalty[slots])[0]
         if pen_rows.size:
-            self._apply_penalties(logits, pen_rows, slots[pen_rows], device)
+            self._apply_penalties(logits, pen_rows, slots[pen_rows], device, spec)
 
         temps = self.temperature[slots]
         greedy_rows = temps < _SAMPLING_EPS
@@ -512,32 +525,37 @@ class Sampler:
         xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=self.vocab_size, indices=indices)
 
     @torch.inference_mode()
-    def processed_logits(self, logits: torch.Tensor, seq_ids) -> torch.Tensor:
+    def processed_logits(self, logits: torch.Tensor, seq_ids, draft_token_ids=None) -> torch.Tensor:
         """The float32 [R, V] logits the draw of ``__call__`` would use (for tests and debugging):
         after min_tokens masking, logit_bias and penalties, and for non-greedy rows temperature,
         min_p, top_k and top_p (masked tokens are -inf). Consumes no random numbers."""
         self._check(logits, seq_ids)
-        return self._process(logits, self._slots_for(seq_ids), False)[0]
+        return self._process(logits, self._slots_for(seq_ids), False, _SpecRows.of(draft_token_ids))[0]
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seq_ids) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seq_ids, draft_token_ids=None) -> SamplerOutput:
         """Sample one token for each row of ``logits``.
 
         logits: [R, V] float32/bf16/fp16 on CPU or CUDA (V == vocab_size, or larger: padded
           vocabulary columns are ignored). seq_ids: int64 [R] (SchedulerOutput.sample_seq_ids);
-          a sequence may appear once per call.
+          a sequence appears once per call, or — speculative decoding — on k + 1 consecutive rows.
+        draft_token_ids: int32 [R] (SchedulerOutput.draft_token_ids) or None: row r of a
+          speculative run samples the position after the drafts of the run's earlier rows (see
+          _SpecRows); each row is sampled from the target's distribution there, and the native
+          scheduler accepts drafts while they equal those samples (pagedllm/spec_decode.h).
         Returns SamplerOutput (token ids int32 [R] on the host, logprobs if any row asked).
         """
-        return self.sample_async(logits, seq_ids).result()
+        return self.sample_async(logits, seq_ids, draft_token_ids=draft_token_ids).result()
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, seq_ids, rows: Optional[np.ndarray] = None,
-                     num_rows: Optional[int] = None) -> PendingSample:
+                     num_rows: Optional[int] = None, draft_token_ids=None) -> PendingSample:
         """As ``__call__``, but returns at once with the ids still on the device (PendingSample);
         its result() is what ``__call__`` returns. ``rows`` / ``num_rows``: these R rows are rows
         ``rows`` of a step of num_rows sampled rows (the others get id 0: rows of sequences that
         finished after the step was scheduled, under async scheduling)."""
         self._check(logits, seq_ids)
+        spec = _SpecRows.of(draft_token_ids)
         if logits.shape[0] == 0:
             return PendingSample(torch.zeros(0, dtype=torch.int64, device=logits.device), rows=rows,
                                  num_rows=num_rows)
@@ -553,11 +571,11 @@ class Sampler:
             else:
                 sampled = logits[:, : self.vocab_size].argmax(dim=-1)
             return PendingSample(sampled, rows=rows, num_rows=num_rows)
-        logits, greedy_sampled, greedy_rows, raw_logprobs = self._process(logits, slots, want_logprobs)
+        logits, greedy_sampled, greedy_rows, raw_logprobs = self._process(logits, slots, want_logprobs, spec)
         if greedy_rows.all():
             sampled = greedy_sampled
         else:
-            random_sampled = ops.random_sample(logits, self._uniforms(slots))
+            random_sampled = ops.random_sample(logits, self._uniforms(slots, None if spec is None else spec.offsets))
             if greedy_sampled is not None:
                 mask = torch.from_numpy(greedy_rows).to(device)
                 sampled = torch.where(mask, greedy_sampled, random_sampled)
@@ -570,12 +588,16 @@ class Sampler:
         ids, vals, ranks = ops.gather_logprobs(raw_logprobs, sampled, max(k_max, 0))
         return PendingSample(sampled, (ids, vals, ranks), num_logprobs.copy(), rows=rows, num_rows=num_rows)
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, device) -> None:
-        """Penalties on the tokens each row has seen (prompt for the repetition penalty, output),
-        with ops.apply_penalties_sparse: the cost follows the history length, not the vocabulary."""
+    def _apply_penalties(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, device,
+                         spec: Optional["_SpecRows"] = None) -> None:
+        """Penalties on the tokens each row has seen (prompt for the repetition penalty, output —
+        and, for a speculative row, the drafts before it), with ops.apply_penalties_sparse: the cost
+        follows the history length, not the vocabulary."""
         ids_list, counts_list = [], []
-        for s in slots.tolist():
+        for r, s in zip(rows.tolist(), slots.tolist()):
             out = np.asarray(self._output_ids[s] or [], dtype=np.int64)
+            if spec is not None and spec.offsets[r]:
+                out = np.concatenate([out, spec.before(r)])
             prompt = self._prompt_ids[s]
             toks, counts = np.unique(out, return_counts=True) if out.size else (out, out)
             if prompt is not None and prompt.size:
@@ -606,3 +628,28 @@ class Sampler:
             torch.from_numpy(self.frequency_penalty[sel]).to(device),
             torch.from_numpy(self.presence_penalty[sel]).to(device),
         )
+
+
+class _SpecRows:
+    """The speculative runs among a call's rows (SchedulerOutput.draft_token_ids): a run is k + 1
+    consecutive rows of one sequence whose first k carry drafts. offsets int64 [R]: a row's index
+    within its run (0 for plain rows); before(r): the drafts of the run's rows before r."""
+
+    def __init__(self, drafts: np.ndarray) -> None:
+        self.drafts = drafts
+        idx = np.arange(len(drafts))
+        starts = np.ones(len(drafts), dtype=bool)
+        starts[1:] = drafts[:-1] < 0  # a row after a draft row continues that run
+        self.start = np.maximum.accumulate(np.where(starts, idx, 0))
+        self.offsets = idx - self.start
+
+    @classmethod
+    def of(cls, draft_token_ids) -> Optional["_SpecRows"]:
+        if draft_token_ids is None:
+            return None
+        drafts = np.asarray(draft_token_ids, dtype=np.int64)
+        return cls(drafts) if (drafts >= 0).any() else None
+
+    def before(self, r: int) -> np.ndarray:
+        return self.drafts[self.start[r]:r]
+

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from pagedllm.metrics import Counter, Gauge, Histogram, Metric
+from pagedllm.metrics import Counter, Gauge, Histogram, Metric, Vector
 
 _HELP = {
     "num_requests_running": "Number of sequences in the running batch.",
@@ -43,6 +43,10 @@ _HELP = {
     "request_params_max_tokens": "The max_tokens of finished requests.",
     "request_params_n": "The n of finished requests.",
     "iteration_tokens_total": "Tokens per engine step.",
+    "spec_decode_num_drafts": "Number of spec decoding drafts (sequence-steps with draft tokens).",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "spec_decode_num_accepted_tokens_per_pos": "Accepted tokens per draft position.",
 }
 
 
@@ -72,6 +76,11 @@ class EngineMetricsCollector(Collector):
                 if fam is None:
                     fam = families[name] = GaugeMetricFamily(name, doc, labels=labels)
                 fam.add_metric([m.labels[k] for k in labels], m.value)
+            elif isinstance(m, Vector):  # one counter per position, as vLLM exports it
+                if fam is None:
+                    fam = families[name] = CounterMetricFamily(name, doc, labels=labels + ["position"])
+                for pos, v in enumerate(m.values):
+                    fam.add_metric([m.labels[k] for k in labels] + [str(pos)], v)
             elif isinstance(m, Histogram):
                 if fam is None:
                     fam = families[name] = HistogramMetricFamily(name, doc, labels=labels)

@@ -1,0 +1,247 @@
+"""Speculative decoding end to end (issue 25): LLM(speculative_config={"method": "ngram", ...})
+against the same engine without it — greedy output identical on the bundled model (fp32, k = 2
+and 4, input-grounded prompts, so that drafts are accepted and rejected: the metrics say both);
+stop strings, stop ids, max_tokens and min_tokens cutting inside accepted runs; logprobs (the
+target's); penalties and logit_bias applied per verified position; seeded sampling identical with
+speculation on and off (the sampler's seeded draws are counter-based: pagedllm.sample.sampler);
+prefix caching, chunked prefill, preemption and n > 1 together, with no block leaked; and, on a
+tiny-vocabulary model, the distribution of sampled outputs with speculation equals the one
+without (chi-square homogeneity over thousands of unseeded draws)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bundled_llm import bundled_llm, chat_ids
+from pagedllm import LLM, SamplingParams
+from pagedllm.spec_decode import SpeculativeConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 0}
+
+
+def grounded_prompts(llm, n=4):
+    doc = json.loads((ROOT / "bench" / "data" / "input_grounded_prompts.json").read_text())
+    return [chat_ids(llm, p["prompt"]) for p in doc["prompts"][:n]]
+
+
+def spec_llm(k, **kw):
+    return LLM(dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=2048,
+               speculative_config={**NGRAM, "num_speculative_tokens": k}, **kw)
+
+
+def spec_metrics(llm) -> dict:
+    return {m.name.split(":")[-1]: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()
+            if "spec_decode" in m.name}
+
+
+def assert_same(a, b, logprobs=False):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert cx.token_ids == cy.token_ids, (cx.text, cy.text)
+            assert (cx.text, cx.finish_reason, cx.stop_reason) == (cy.text, cy.finish_reason, cy.stop_reason)
+            if logprobs:
+                assert len(cx.logprobs) == len(cy.logprobs) == len(cx.token_ids)
+                for dx, dy in zip(cx.logprobs, cy.logprobs):
+                    assert list(dx) == list(dy)
+                    np.testing.assert_allclose([v.logprob for v in dx.values()], [v.logprob for v in dy.values()],
+                                               atol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    plain = bundled_llm()
+    spec = {k: spec_llm(k) for k in (2, 4)}
+    yield plain, spec
+    for llm in spec.values():
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_greedy_output_identical_with_ngram_speculation(engines, k):
+    plain, spec = engines
+    llm = spec[k]
+    prompts = grounded_prompts(plain) + [chat_ids(plain, "Name three colours.")]
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    before = spec_metrics(llm)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert_same(got, plain.generate(prompts, params, use_tqdm=False))
+    m = spec_metrics(llm)
+    drafted = m["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = m["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, (accepted, drafted)  # drafts were accepted, and some rejected
+    assert len(m["spec_decode_num_accepted_tokens_per_pos"]) == k
+    # several tokens per step: fewer sequence-steps than tokens
+    tokens = sum(len(o.outputs[0].token_ids) for o in got)
+    assert m["spec_decode_num_drafts"] - before["spec_decode_num_drafts"] < tokens
+
+
+def test_stops_lengths_logprobs_and_penalties_inside_accepted_runs(engines):
+    plain, spec = engines
+    llm = spec[4]
+    prompt = grounded_prompts(plain, 1)[0]
+    ref = plain.generate([prompt], SamplingParams(temperature=0.0, max_tokens=80), use_tqdm=False)[0].outputs[0]
+    text, toks = ref.text, ref.token_ids
+    assert len(text) > 200
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=80, stop=[text[100:110]]),  # a stop string mid-run
+        SamplingParams(temperature=0.0, max_tokens=80, stop=[text[150:156]], include_stop_str_in_output=True),
+        SamplingParams(temperature=0.0, max_tokens=80, stop_token_ids=[toks[41]]),
+        SamplingParams(temperature=0.0, max_tokens=13),
+        SamplingParams(temperature=0.0, max_tokens=17, min_tokens=9, ignore_eos=False),
+        SamplingParams(temperature=0.0, max_tokens=40, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.4,
+                       presence_penalty=0.2),
+        SamplingParams(temperature=0.0, max_tokens=40, logit_bias={toks[5]: -5.0, toks[9]: 3.0}),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=40, seed=1234, n=2),
+        SamplingParams(temperature=1.0, min_p=0.05, max_tokens=40, seed=7, repetition_penalty=1.1, logprobs=2),
+    ]
+    for params in cases:
+        want = plain.generate([prompt], params, use_tqdm=False)
+        got = llm.generate([prompt], params, use_tqdm=False)
+        assert_same(got, want, logprobs=params.logprobs is not None)
+        if params.stop or params.stop_token_ids:  # they cut the output short
+            assert want[0].outputs[0].finish_reason == "stop" and len(want[0].outputs[0].token_ids) < 60
+    assert spec_metrics(llm)["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_prefix_caching_chunked_prefill_preemption_and_n_with_speculation():
+    plain = bundled_llm()
+    prompts = grounded_prompts(plain, 6)
+    params = [SamplingParams(temperature=0.0, max_tokens=64), SamplingParams(temperature=0.7, max_tokens=64, seed=3, n=2)]
+    # a pool too small for six ~330-token prompts at once: preemption; a budget of 64: chunked prefill
+    llm = spec_llm(3, num_gpu_blocks_override=48, max_num_batched_tokens=64, max_num_seqs=6)
+    try:
+        for p in params:
+            for _ in range(2):  # the second pass hits the prefix cache
+                got = llm.generate(prompts, p, use_tqdm=False)
+                assert_same(got, plain.generate(prompts, p, use_tqdm=False))
+        stats = llm.llm_engine.core.stats()
+        assert stats.num_preemptions > 0 and stats.num_chunked_prefills > 0 and stats.prefix_cache_hits > 0
+        assert stats.num_forks > 0 and stats.spec_decode_num_accepted_tokens > 0
+        assert not llm.llm_engine.has_unfinished_requests()
+        assert stats.num_free_blocks == stats.num_blocks and llm.llm_engine.core.num_kv_seqs() == 0
+    finally:
+        llm.shutdown()
+
+
+def test_structured_output_requests_get_no_drafts_and_stay_valid(engines):
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    _, spec = engines
+    llm = spec[4]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    before = spec_metrics(llm)["spec_decode_num_drafts"]
+    out = llm.generate([chat_ids(llm, "Give a person as JSON, then repeat it: {\"name\": \"Ann\", \"age\": 3}")],
+                       SamplingParams(temperature=0.0, max_tokens=60,
+                                      structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)
+    value = json.loads(out[0].outputs[0].text)
+    assert set(value) == {"name", "age"}
+    assert spec_metrics(llm)["spec_decode_num_drafts"] == before
+
+
+# ----------------------------------------------------------------------------- distribution
+V = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_folder(tmp_path_factory):
+    from pagedllm.model_executor.dummy import synthetic_tokenizer
+    from tiny_models import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny-vocab")
+    build_tiny_model("llama", folder, seed=3, vocab_size=V)
+    synthetic_tokenizer(V).save_pretrained(folder)
+    return folder
+
+
+def tiny_llm(folder, spec):
+    return LLM(str(folder), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256, seed=0,
+               speculative_config=spec)
+
+
+def test_sampled_distribution_equals_the_target_and_seeds_match(tiny_vocab_folder):
+    from scipy.stats import chi2_contingency
+
+    prompt = {"prompt_token_ids": [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]}  # n-gram drafts from the start
+    n = 3000
+    runs = {}
+    for name, spec in (("plain", None), ("spec", {"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+                                                  "disable_by_batch_size": 0})):
+        llm = tiny_llm(tiny_vocab_folder, spec)
+        try:
+            outs = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
+                                use_tqdm=False)
+            seeded = llm.generate([prompt] * 200, [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True,
+                                                                  seed=s) for s in range(200)], use_tqdm=False)
+            runs[name] = (np.array([o.outputs[0].token_ids for o in outs]),
+                          [o.outputs[0].token_ids for o in seeded], spec_metrics(llm))
+        finally:
+            llm.shutdown()
+    plain, spec = runs["plain"][0], runs["spec"][0]
+    m = runs["spec"][2]
+    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
+    for j in range(4):  # each position's token, and the (position 1, position 2) pair
+        table = np.array([np.bincount(plain[:, j], minlength=V), np.bincount(spec[:, j], minlength=V)])
+        table = table[:, table.sum(axis=0) > 0]
+        assert chi2_contingency(table).pvalue > 1e-4, (j, table)
+    pairs = [np.bincount(x[:, 1] * V + x[:, 2], minlength=V * V) for x in (plain, spec)]
+    table = np.array(pairs)[:, (pairs[0] + pairs[1]) >= 10]
+    assert chi2_contingency(table).pvalue > 1e-4
+    # seeded requests: the same tokens with speculation on and off
+    assert runs["spec"][1] == runs["plain"][1]
+
+
+# ----------------------------------------------------------------------------- configuration
+@pytest.mark.parametrize("value, match", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"model": "/some/draft", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"\[1, 64\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}, "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_length": 2.5}, "synthetic_acceptance_length"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "unsupported key"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_speculative_config_is_a_value_error_naming_it(value, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_user(value)
+
+
+def test_speculative_config_defaults_and_json():
+    c = SpeculativeConfig.from_user('{"method": "ngram", "num_speculative_tokens": 3}', "cpu")
+    assert (c.prompt_lookup_min, c.prompt_lookup_max, c.accept_all) == (5, 5, False)  # vLLM's defaults
+    c = SpeculativeConfig.from_user({"num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                     "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 4})
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max, c.accept_all) == ("ngram", 3, 3, True)
+    assert SpeculativeConfig.from_user(None) is None and SpeculativeConfig.from_user({}) is None
+
+
+def test_speculation_refuses_async_scheduling():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(dtype="float32", async_scheduling=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_metrics_export_the_per_position_vector():
+    from prometheus_client import generate_latest
+
+    from pagedllm.entrypoints.openai.metrics import make_registry
+    from pagedllm.metrics import Counter, Vector
+
+    text = generate_latest(make_registry(lambda: [
+        Counter("pagedllm:spec_decode_num_drafts", {"model_name": "m"}, 5),
+        Vector("pagedllm:spec_decode_num_accepted_tokens_per_pos", {"model_name": "m"}, [4, 2, 1])])).decode()
+    assert 'pagedllm:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    for pos, v in enumerate([4, 2, 1]):
+        assert f'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {v}.0' in text
