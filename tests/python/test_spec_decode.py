@@ -245,3 +245,30 @@ def test_metrics_export_the_per_position_vector():
     assert 'pagedllm:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
     for pos, v in enumerate([4, 2, 1]):
         assert f'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {v}.0' in text
+
+
+@pytest.mark.cuda
+def test_cuda_greedy_and_seeded_output_identical_with_speculation(tmp_path):
+    """On the GPU (decode steps in CUDA graphs, verification steps eager): the same tokens."""
+    from tiny_models import build_tiny_engine_folder
+
+    folder = build_tiny_engine_folder("llama", tmp_path / "m", seed=5)
+    rng = np.random.default_rng(0)
+    prompts = []
+    for i in range(6):
+        motif = rng.integers(3, 1000, size=int(rng.integers(3, 9))).tolist()
+        prompts.append({"prompt_token_ids": (motif * 12)[: 20 + 7 * i]})
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.9, max_tokens=48, ignore_eos=True, seed=11)]
+    outs = {}
+    for name, spec in (("plain", None), ("spec", {**NGRAM, "num_speculative_tokens": 4})):
+        llm = LLM(str(folder), dtype="float32", device="cuda", kv_cache_memory_bytes=256 << 20, max_model_len=512,
+                  speculative_config=spec)
+        try:
+            outs[name] = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
+            if spec:
+                m = spec_metrics(llm)
+                assert m["spec_decode_num_accepted_tokens"] > 0
+        finally:
+            llm.shutdown()
+    assert outs["spec"] == outs["plain"]
