@@ -149,6 +149,20 @@ def test_drafts_never_pass_max_tokens():
     assert len(emitted) == 4 and core.num_kv_seqs() == 0
 
 
+def test_accept_all_pads_the_drafts_to_k():
+    cfg = _C.EngineConfig(num_blocks=64, block_size=16, max_model_len=128,
+                          speculative=_C.SpeculativeConfig(num_speculative_tokens=3, accept_all=True))
+    core = _C.EngineCore(cfg)
+    core.add_request("r", np.array([5, 6, 7], dtype=np.int32), _C.RequestParams(max_tokens=20))
+    out = core.schedule()
+    core.update_from_output(out, np.array([9], dtype=np.int32))  # 9: no earlier occurrence
+    core.release(out)
+    out = core.schedule()
+    assert out.draft_token_ids.tolist() == [9, 9, 9, -1]
+    core.release(out)
+    core.abort_request("r")
+
+
 def python_ngram(tokens, min_n, max_n, k):
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):

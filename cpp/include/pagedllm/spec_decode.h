@@ -38,7 +38,8 @@ struct SpeculativeConfig {
   /// batches a decode step is compute-bound and verification tokens cost as much as real ones.
   int32_t disable_by_batch_size = 0;
   /// Debug (vLLM's rejection_sample_method "synthetic" at acceptance length k + 1): every draft is
-  /// accepted whatever was sampled, to measure verification cost on random weights.
+  /// accepted whatever was sampled, and a sequence always gets k drafts (what the n-gram finds,
+  /// padded with the context's last token), to measure verification cost on random weights.
   bool accept_all = false;
 
   bool enabled() const { return num_speculative_tokens > 0; }

@@ -12,8 +12,9 @@ Supported keys (vLLM's names):
   v0's ``speculative_disable_by_batch_size``); default: DEFAULT_DISABLE_BY_BATCH_SIZE for the
   device (docs/speculative_decoding.md has the measurement), 0 for never.
 - ``rejection_sample_method``: ``"standard"`` (exact verification), or ``"synthetic"`` with
-  ``synthetic_acceptance_length`` = k + 1: every draft is accepted whatever the target samples — a
-  debug mode to measure verification cost on random weights (its outputs are not the model's).
+  ``synthetic_acceptance_length`` = k + 1: every step verifies k drafts (the n-gram's, padded with
+  the context's last token) and accepts them all whatever the target samples — a debug mode to
+  measure verification cost on random weights (its outputs are not the model's).
 
 Anything else is a ValueError naming the key and the supported ones.
 """
@@ -26,7 +27,7 @@ from typing import Any, Optional
 
 #: running sequences from which a step gets no drafts, per device type (measured:
 #: docs/speculative_decoding.md)
-DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 8, "cuda": 32}
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 128, "cuda": 32}
 
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
          "disable_by_batch_size", "rejection_sample_method", "synthetic_acceptance_length"}
