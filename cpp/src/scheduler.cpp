@@ -18,8 +18,6 @@ Scheduler::Scheduler(const SchedulerConfig& config, KVCacheManager& kv)
                  config.max_num_batched_tokens, ") must be >= max_model_len (", config.max_model_len,
                  ") so that every sequence fits in one step");
   config.speculative.validate();
-  PAGEDLLM_CHECK(!(config.speculative.enabled() && config.async_scheduling),
-                 "speculative decoding does not work with async scheduling: turn one off");
   spec_counters_.accepted_per_pos.assign(static_cast<size_t>(config.speculative.num_speculative_tokens), 0);
   running_.reserve(static_cast<size_t>(config.max_num_seqs));
   running_snapshot_.reserve(static_cast<size_t>(config.max_num_seqs));
@@ -275,8 +273,10 @@ void Scheduler::schedule(SchedulerOutput& out) {
         if (!config_.async_scheduling || seq->in_flight != 1) continue;
         int32_t num_new = 1, prev_row = -1;
         if (seq->num_computed_tokens == seq->num_tokens()) {
-          // sampled in the previous step: a placeholder decode of that token
-          if (!decode_pass || !placeholder_allowed(seq, out.step_id)) continue;
+          // sampled in the previous step: a placeholder decode of that token (not while this step
+          // speculates: such a sequence waits for its token, then gets drafts)
+          if (!decode_pass || (speculate && seq->allow_speculation) || !placeholder_allowed(seq, out.step_id))
+            continue;
           prev_row = seq->pending_row;
         } else {
           // the next chunk of a prompt (or replay) whose previous chunk is in flight: known tokens

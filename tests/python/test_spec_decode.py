@@ -227,10 +227,24 @@ def test_speculative_config_defaults_and_json():
     assert SpeculativeConfig.from_user(None) is None and SpeculativeConfig.from_user({}) is None
 
 
-def test_speculation_refuses_async_scheduling():
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(dtype="float32", async_scheduling=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_speculation_under_async_scheduling():
+    """Pipelined steps above disable_by_batch_size, speculating steps below it: the same tokens."""
+    plain = bundled_llm()
+    prompts = grounded_prompts(plain, 4)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=2048, async_scheduling=True,
+              speculative_config={**NGRAM, "num_speculative_tokens": 3, "disable_by_batch_size": 3})
+    try:
+        assert llm.llm_engine.async_scheduling
+        # staggered lengths: 4, then 3, 2, 1 sequences run (pipelined, then speculating)
+        per = [SamplingParams(temperature=0.0, max_tokens=24 + 8 * i) for i in range(4)]
+        assert_same(llm.generate(prompts, per, use_tqdm=False), plain.generate(prompts, per, use_tqdm=False))
+        assert_same(llm.generate(prompts[:1], params, use_tqdm=False), plain.generate(prompts[:1], params, use_tqdm=False))
+        assert spec_metrics(llm)["spec_decode_num_accepted_tokens"] > 0
+        stats = llm.llm_engine.core.stats()
+        assert stats.num_free_blocks == stats.num_blocks
+    finally:
+        llm.shutdown()
 
 
 def test_metrics_export_the_per_position_vector():

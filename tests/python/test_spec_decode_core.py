@@ -197,8 +197,31 @@ def test_bad_config_is_named(fields, match):
         _C.EngineCore(cfg)
 
 
-def test_speculation_and_async_scheduling_exclude_each_other():
-    cfg = _C.EngineConfig(num_blocks=8, block_size=16, max_model_len=64, async_scheduling=True,
-                          speculative=_C.SpeculativeConfig(num_speculative_tokens=2))
-    with pytest.raises(ValueError, match="async scheduling"):
-        _C.EngineCore(cfg)
+def test_async_scheduling_gives_no_placeholders_to_speculating_sequences():
+    def core_with(disable):
+        cfg = _C.EngineConfig(num_blocks=64, block_size=16, max_model_len=128, async_scheduling=True,
+                              speculative=_C.SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1,
+                                                               disable_by_batch_size=disable))
+        core = _C.EngineCore(cfg)
+        for r in ("a", "b"):
+            core.add_request(r, np.array([5, 6, 5, 6, 5], dtype=np.int32), _C.RequestParams(max_tokens=30))
+        return core
+
+    # speculating (2 running < 3): step 1 cannot pipeline the prompts' sequences: nothing scheduled
+    core = core_with(3)
+    first = core.schedule()
+    second = core.schedule()
+    assert first.num_seqs == 2 and second.num_tokens == 0 and second.num_placeholders == 0
+    core.update_from_output(first, np.array([6, 6], dtype=np.int32))
+    core.release(second)
+    core.release(first)
+    third = core.schedule()  # now with drafts ("5 6" was followed by "5 6 5")
+    assert third.num_draft_tokens == 4
+    core.release(third)
+    # off by batch size (2 running >= 2): placeholders as without speculation
+    core = core_with(2)
+    first = core.schedule()
+    second = core.schedule()
+    assert second.num_placeholders == 2 and second.num_draft_tokens == 0
+    core.release(second)
+    core.release(first)

@@ -44,7 +44,7 @@ struct EngineConfig {
   /// tokens are known (scheduler.h, "Async scheduling"); update_from_output in step order.
   bool async_scheduling = false;
   /// N-gram speculative decoding (pagedllm/spec_decode.h, scheduler.h); off while
-  /// num_speculative_tokens is 0. Not together with async_scheduling (InvalidArgument).
+  /// num_speculative_tokens is 0.
   SpeculativeConfig speculative;
 };
 

@@ -43,9 +43,9 @@
 // step order. Preemption bumps a sequence's generation, so rows of any other in-flight output of
 // a preempted (e.g. cancelled) sequence are ignored too.
 //
-// Speculative decoding (SchedulerConfig::speculative, pagedllm/spec_decode.h; not with async
-// scheduling): in the decode pass, while fewer than disable_by_batch_size sequences run, a
-// sequence that allows speculation gets up to k n-gram drafts, capped so that its emitted tokens
+// Speculative decoding (SchedulerConfig::speculative, pagedllm/spec_decode.h): in the decode pass,
+// while fewer than disable_by_batch_size sequences run, a sequence that allows speculation gets up
+// to k n-gram drafts, capped so that its emitted tokens
 // cannot pass max_tokens / max_model_len and by the token budget; its query becomes its last token
 // plus the drafts, and it gets k + 1 sampled rows (SchedulerOutput::draft_token_ids). If the pool
 // cannot supply the draft slots it decodes one token, preempting nobody for drafts.
@@ -54,7 +54,10 @@
 // (all but the last emitted) and truncates the block table to it: a rejected draft's slots go back
 // to the pool. Those slots lie past the sequence's committed tokens, in blocks it alone holds
 // (allocate_slots made copy-on-write copies of a shared last block before the step), and full
-// blocks are registered in the prefix cache only up to accepted tokens.
+// blocks are registered in the prefix cache only up to accepted tokens. With async scheduling, a
+// step that speculates gives no placeholder to a sequence that allows speculation (its drafts need
+// its last token): it is scheduled again once its step is updated; steps above
+// disable_by_batch_size pipeline as without speculation.
 //
 // Not thread-safe: one thread drives a Scheduler (and its EngineCore).
 #pragma once

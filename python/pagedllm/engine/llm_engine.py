@@ -99,8 +99,8 @@ class EngineArgs:
     load_format: str = "auto"
     #: True: deferred output processing (see the module docstring); "auto": True on CUDA
     async_output_processing: Any = False
-    #: True: schedule step N + 1 before step N's tokens are known (module docstring); "auto": on CUDA
-    #: (and off with speculative decoding, which it does not combine with)
+    #: True: schedule step N + 1 before step N's tokens are known (module docstring); "auto": on CUDA.
+    #: With speculative_config, steps that speculate are not pipelined (pagedllm/scheduler.h)
     async_scheduling: Any = "auto"
     #: vLLM's speculative_config (dict or JSON text): n-gram speculative decoding
     #: (pagedllm.spec_decode.config; docs/speculative_decoding.md)
@@ -128,11 +128,7 @@ class LLMEngine:
         self.device = _resolve_device(args.device)
         #: the checked speculative_config, or None
         self.speculative_config = SpeculativeConfig.from_user(args.speculative_config, self.device.type)
-        if self.speculative_config is not None and sched_async is True:
-            raise ValueError("speculative_config and async_scheduling=True do not work together: leave "
-                             "async_scheduling at 'auto' (it turns off under speculation) or False")
-        self.async_scheduling = (self.device.type == "cuda" and self.speculative_config is None
-                                 if sched_async == "auto" else sched_async)
+        self.async_scheduling = self.device.type == "cuda" if sched_async == "auto" else sched_async
         self.model_path = resolve_model(args.model)
         self.model_name = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
         self.model_config = ModelConfig.from_pretrained(self.model_path)
@@ -438,11 +434,14 @@ class LLMEngine:
         seq_ids = np.array(sched.sample_seq_ids, dtype=np.int64)
         if run.sampled_ids is not None:  # the model took the argmax itself
             return PendingSample(run.sampled_ids), seq_ids, run.prompt_logits
+        drafts = np.array(sched.draft_token_ids, dtype=np.int64) if sched.num_draft_tokens else None
         if live.all():
-            return self.sampler.sample_async(run.logits, seq_ids), seq_ids, run.prompt_logits
-        rows = np.nonzero(live)[0]
+            return (self.sampler.sample_async(run.logits, seq_ids, draft_token_ids=drafts), seq_ids,
+                    run.prompt_logits)
+        rows = np.nonzero(live)[0]  # (a speculative run's rows are all live or none)
         logits = run.logits[torch.from_numpy(rows).to(run.logits.device)]
-        pending = self.sampler.sample_async(logits, seq_ids[rows], rows=rows, num_rows=len(seq_ids))
+        pending = self.sampler.sample_async(logits, seq_ids[rows], rows=rows, num_rows=len(seq_ids),
+                                            draft_token_ids=None if drafts is None else drafts[rows])
         return pending, seq_ids[rows], run.prompt_logits
 
     def _finish_step(self, step: "_InFlight") -> list[tuple[int, str]]:
