@@ -16,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PAGEDLLM_CACHE=$PWD/.cache-pagedllm
 h200_build "$OUT"
 t0=$(date +%s)
-timeout 300 python3 -m pytest -q -rf -p no:cacheprovider tests/python/test_spec_decode.py -m cuda > "$OUT/tests.log" 2>&1
+timeout 300 python3 -m pytest -q -rf -p no:cacheprovider tests/python/test_spec_decode.py tests/python/test_gpu_engine.py -m cuda > "$OUT/tests.log" 2>&1
 echo "tests rc=$? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
 python3 - <<'PY'
 import json, shutil, sys

@@ -263,7 +263,8 @@ def test_metrics_export_the_per_position_vector():
 
 @pytest.mark.cuda
 def test_cuda_greedy_and_seeded_output_identical_with_speculation(tmp_path):
-    """On the GPU (decode steps in CUDA graphs, verification steps eager): the same tokens."""
+    """On the GPU (decode steps and verification steps in CUDA graphs, async scheduling on: steps
+    that speculate are not pipelined), and with enforce_eager: the same tokens."""
     from tiny_models import build_tiny_engine_folder
 
     folder = build_tiny_engine_folder("llama", tmp_path / "m", seed=5)
@@ -275,14 +276,20 @@ def test_cuda_greedy_and_seeded_output_identical_with_speculation(tmp_path):
     params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
               SamplingParams(temperature=0.9, max_tokens=48, ignore_eos=True, seed=11)]
     outs = {}
-    for name, spec in (("plain", None), ("spec", {**NGRAM, "num_speculative_tokens": 4})):
+    spec = {**NGRAM, "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    for name, kw in (("plain", {}), ("spec", dict(speculative_config=spec)),
+                     ("spec_eager", dict(speculative_config=spec, enforce_eager=True))):
         llm = LLM(str(folder), dtype="float32", device="cuda", kv_cache_memory_bytes=256 << 20, max_model_len=512,
-                  speculative_config=spec)
+                  **kw)
         try:
             outs[name] = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
-            if spec:
-                m = spec_metrics(llm)
-                assert m["spec_decode_num_accepted_tokens"] > 0
+            outs[name].append([o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0], use_tqdm=False)])
+            if kw:
+                assert spec_metrics(llm)["spec_decode_num_accepted_tokens"] > 0
+                verify = llm.llm_engine.runner.verify_graphs
+                assert (verify is None) == ("enforce_eager" in kw)
+                if verify is not None:
+                    assert verify.num_replays > 0 and verify.sizes == [1, 2, 4, 7]
         finally:
             llm.shutdown()
-    assert outs["spec"] == outs["plain"]
+    assert outs["spec"] == outs["plain"] and outs["spec_eager"] == outs["plain"]

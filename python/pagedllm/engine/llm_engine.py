@@ -162,6 +162,7 @@ class LLMEngine:
                 max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=args.seed,
                 async_scheduling=self.async_scheduling, tensor_parallel_size=tp, quantization=args.quantization,
                 gguf_file=self.gguf_file, distributed_executor_backend=args.distributed_executor_backend,
+                **self._verify_graph_args(),
             ))
             #: rank 0's ModelRunner (in this process)
             self.runner = self.executor.driver_runner
@@ -199,6 +200,16 @@ class LLMEngine:
         self._inflight: Optional[_InFlight] = None  # async scheduling: the launched, not yet updated step
         # structured outputs: requests whose grammar compiles off the step loop, (Future, token ids, RequestParams)
         self._compiling: dict[str, tuple[concurrent.futures.Future, np.ndarray, Any]] = {}
+
+    def _verify_graph_args(self) -> dict:
+        """CUDA graphs for verification steps: queries of 1 + k tokens, batches below
+        disable_by_batch_size (at most 64: larger speculating batches run eagerly)."""
+        spec = self.speculative_config
+        if spec is None:
+            return {}
+        limit = spec.disable_by_batch_size - 1 if spec.disable_by_batch_size > 0 else 64
+        return dict(verify_query_len=1 + spec.num_speculative_tokens,
+                    verify_max_seqs=max(0, min(limit, 64, self.args.max_num_seqs)))
 
     # ---- requests -------------------------------------------------------------------------
     def new_request_id(self) -> str:

@@ -47,6 +47,10 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1
     #: "mp" (or None) under tensor parallelism; "uni" for one rank
     distributed_executor_backend: Optional[str] = None
+    #: speculative decoding: verification steps of queries up to this many tokens (1 + k) of up to
+    #: verify_max_seqs sequences run in CUDA graphs (pagedllm.worker.cuda_graph_verify)
+    verify_query_len: int = 1
+    verify_max_seqs: int = 0
 
     def runner_kwargs(self) -> dict:
         return dict(dtype=self.dtype, block_size=self.block_size, max_model_len=self.max_model_len,
@@ -55,7 +59,8 @@ class ExecutorConfig:
                     load_format=self.load_format, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=self.enforce_eager,
                     seed=self.seed, async_scheduling=self.async_scheduling, quantization=self.quantization,
-                    gguf_file=self.gguf_file)
+                    gguf_file=self.gguf_file, verify_query_len=self.verify_query_len,
+                    verify_max_seqs=self.verify_max_seqs)
 
 
 class Executor:

@@ -47,6 +47,7 @@ from pagedllm.model_executor.models import LlamaForCausalLM
 from pagedllm.model_executor.quantization import get_quantization_config
 from pagedllm.worker.cpu_memory import tune_glibc_malloc
 from pagedllm.worker.cuda_graph import DecodeGraphRunner, boundary_state_bytes, capture_sizes
+from pagedllm.worker.cuda_graph_verify import VerifyGraphRunner, logits_bytes as verify_logits_bytes
 
 logger = logging.getLogger("pagedllm")
 
@@ -94,6 +95,8 @@ class ModelRunner:
         tp_group: Optional[GroupCoordinator] = None,
         quantization: Optional[str] = None,
         gguf_file: Optional[Path] = None,
+        verify_query_len: int = 1,
+        verify_max_seqs: int = 0,
     ):
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not supported: use one of {list(LOAD_FORMATS)}")
@@ -107,6 +110,10 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.phase_seconds: dict[str, float] = {}
         self.graphs: DecodeGraphRunner | None = None
+        #: speculative verification steps in CUDA graphs (queries of up to verify_query_len tokens)
+        self.verify_graphs: VerifyGraphRunner | None = None
+        self.verify_query_len = int(verify_query_len)
+        self.verify_max_seqs = min(int(verify_max_seqs), max_num_seqs)
         self.tp = tp_group if tp_group is not None else GroupCoordinator.single(device)
         tp_size = self.tp.world_size
         if device.type == "cpu":
@@ -179,6 +186,13 @@ class ModelRunner:
             self.phase_seconds["capture_cuda_graphs"] = time.perf_counter() - start
             logger.info("captured %d CUDA graphs for decode batches %s in %.1f s", len(self.graphs.sizes),
                         self.graphs.sizes, self.phase_seconds["capture_cuda_graphs"])
+            if self.verify_query_len > 1 and self.verify_max_seqs > 0:
+                start = time.perf_counter()
+                self.verify_graphs = VerifyGraphRunner(self.model, self.kv_caches, self.verify_query_len,
+                                                       self.verify_max_seqs, self._max_blocks_per_seq(), device)
+                logger.info("captured %d CUDA graphs for speculative verification (queries of <= %d tokens) of "
+                            "batches %s in %.1f s", len(self.verify_graphs.sizes), self.verify_query_len,
+                            self.verify_graphs.sizes, time.perf_counter() - start)
 
     def _rank_note(self) -> str:
         if self.tp.world_size == 1:
@@ -188,7 +202,8 @@ class ModelRunner:
 
     @property
     def num_graph_replays(self) -> int:
-        return 0 if self.graphs is None else self.graphs.num_replays
+        return ((0 if self.graphs is None else self.graphs.num_replays)
+                + (0 if self.verify_graphs is None else self.verify_graphs.num_replays))
 
     def _max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
@@ -220,6 +235,9 @@ class ModelRunner:
             graph_margin = (256 << 20) + 3 * self.max_num_seqs * self.config.vocab_size * 4 + boundary_state_bytes(
                 capture_sizes(self.max_num_seqs), self.config.num_hidden_layers, self.config.hidden_size, self.dtype,
                 segmented=not self.async_scheduling)
+            if self.verify_query_len > 1 and self.verify_max_seqs > 0:  # their logits (and bf16 ones in the pool)
+                graph_margin += 2 * verify_logits_bytes(self.verify_max_seqs, self.verify_query_len,
+                                                        self.config.vocab_size)
         budget = total * gpu_memory_utilization - used_by_others - weights - activation_peak - sampler - graph_margin
         self.phase_seconds["profile_run"] = time.perf_counter() - start
         logger.info("memory profile (%.2f s): total %.2f GiB x %.2f, other processes %.2f GiB, weights %.2f GiB, "
@@ -298,6 +316,8 @@ class ModelRunner:
         if (self.graphs is not None and sched.num_tokens > 0 and int(sched.max_query_len) == 1
                 and not prompt_rows and self.graphs.can_run(int(sched.num_seqs))):
             return ModelRunnerOutput(self.graphs.run(sched, prev_sampled if num_placeholders else None), {})
+        if self.verify_graphs is not None and sched.num_tokens > 0 and self.verify_graphs.can_run(sched):
+            return ModelRunnerOutput(self.verify_graphs.run(sched), {})
         rows = [self._tensor(sched.logits_indices)]
         for _, first_row, num_rows, _ in prompt_rows:
             rows.append(torch.arange(first_row, first_row + num_rows, dtype=torch.int64, device=self.device))
@@ -335,6 +355,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Drop the weights and the KV caches (memory is returned when no one else holds them)."""
         self.graphs = None
+        self.verify_graphs = None
         self.kv_caches = []
         self.model = None
         if self.device.type == "cuda":
