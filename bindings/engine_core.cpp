@@ -72,7 +72,9 @@ PAGEDLLM_BINDING(engine_core, m) {
       .def_readwrite("prompt_lookup_max", &SpeculativeConfig::prompt_lookup_max)
       .def_readwrite("disable_by_batch_size", &SpeculativeConfig::disable_by_batch_size,
                      "no drafts in a step with at least this many running sequences (0: no limit)")
-      .def_readwrite("accept_all", &SpeculativeConfig::accept_all, "debug: accept every draft");
+      .def_readwrite("accept_all", &SpeculativeConfig::accept_all, "debug: accept every draft")
+      .def_readwrite("external_drafts", &SpeculativeConfig::external_drafts,
+                     "the caller fills input_ids / draft_token_ids of the reserved draft rows (a draft model)");
   m.def("propose_ngram",
         [](py::handle tokens, int32_t min_n, int32_t max_n, int32_t k) {
           std::vector<int32_t> ids = token_ids(tokens, "token_ids"), out;

@@ -223,7 +223,10 @@ bool Scheduler::schedule_speculative(Sequence* seq, int32_t budget, SchedulerOut
   const int32_t max_k = std::min({spec.num_speculative_tokens, room, budget - 1});
   if (max_k <= 0) return false;
   std::vector<int32_t>& drafts = seq->draft_token_ids;
-  propose_ngram(seq->token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, max_k, &drafts);
+  if (spec.external_drafts)
+    drafts.assign(static_cast<size_t>(max_k), 0);  // the caller's draft model fills them in
+  else
+    propose_ngram(seq->token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, max_k, &drafts);
   // accept_all (debug): always max_k drafts, the n-gram's padded with the context's last token
   while (spec.accept_all && static_cast<int32_t>(drafts.size()) < max_k)
     drafts.push_back(drafts.empty() ? seq->token_ids.back() : drafts.back());

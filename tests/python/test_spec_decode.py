@@ -199,10 +199,120 @@ def test_sampled_distribution_equals_the_target_and_seeds_match(tiny_vocab_folde
     assert runs["spec"][1] == runs["plain"][1]
 
 
+# ----------------------------------------------------------------------------- draft models
+def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 0) -> Path:
+    """A copy of the model folder `src` whose weights got Gaussian noise (scale x each tensor's std)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            if t.is_floating_point() and t.numel() > 1:
+                t += torch.randn(t.shape, generator=g, dtype=t.dtype) * (scale * float(t.float().std()))
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny random Llama (1024 ids, synthetic tokenizer) and a perturbed copy of it as its draft."""
+    from tiny_models import build_tiny_engine_folder
+
+    root = tmp_path_factory.mktemp("draft-pair")
+    target = build_tiny_engine_folder("llama", root / "target", seed=7)
+    return target, perturbed_copy(target, root / "draft", 0.35)
+
+
+def test_bundled_model_drafting_for_itself_accepts_everything(engines):
+    plain, _ = engines
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=2048,
+              speculative_config={"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "num_speculative_tokens": 3,
+                                  "disable_by_batch_size": 0})
+    try:
+        prompts = grounded_prompts(plain, 2) + [chat_ids(plain, "Name three colours.")]
+        params = SamplingParams(temperature=0.0, max_tokens=40)
+        assert_same(llm.generate(prompts, params, use_tqdm=False), plain.generate(prompts, params, use_tqdm=False))
+        m = spec_metrics(llm)
+        assert m["spec_decode_num_draft_tokens"] > 0
+        # the same model proposes what the target samples (up to rounding between the two paths)
+        assert m["spec_decode_num_accepted_tokens"] >= 0.95 * m["spec_decode_num_draft_tokens"]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("draft_kw", [{}, {"dtype": "bfloat16"}])
+def test_perturbed_draft_model_output_identical_with_rejections(tiny_pair, draft_kw):
+    target, draft = tiny_pair
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(3, 1000, size=int(n)).tolist()} for n in (5, 17, 33, 64, 9, 21)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=40, max_tokens=40, ignore_eos=True, seed=5, n=2),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2, logprobs=2,
+                             stop_token_ids=[17])]
+    outs = {}
+    for name, spec in (("plain", None), ("draft", {"model": str(draft), "num_speculative_tokens": 3,
+                                                    "disable_by_batch_size": 0, **draft_kw})):
+        # a small pool (preemption) and budget (chunked prefill); prompts repeat: prefix caching
+        llm = LLM(str(target), dtype="float32", num_gpu_blocks_override=24, max_num_batched_tokens=32,
+                  max_model_len=256, speculative_config=spec)
+        try:
+            outs[name] = [llm.generate(prompts + prompts[:2], p, use_tqdm=False) for p in params]
+            if spec:
+                m = spec_metrics(llm)
+                assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
+                stats = llm.llm_engine.core.stats()
+                assert stats.num_preemptions > 0 and stats.num_chunked_prefills > 0 and stats.prefix_cache_hits > 0
+                assert stats.num_free_blocks == stats.num_blocks
+        finally:
+            llm.shutdown()
+    for got, want, p in zip(outs["draft"], outs["plain"], params):
+        assert_same(got, want, logprobs=p.logprobs is not None)
+
+
+def test_draft_model_sampled_distribution_equals_the_target(tiny_vocab_folder, tmp_path):
+    from scipy.stats import chi2_contingency
+
+    draft = perturbed_copy(tiny_vocab_folder, tmp_path / "draft", 0.5)
+    prompt = {"prompt_token_ids": [3, 4, 5, 6, 7, 8]}
+    runs = {}
+    for name, spec in (("plain", None), ("draft", {"model": str(draft), "num_speculative_tokens": 2,
+                                                    "disable_by_batch_size": 0})):
+        llm = tiny_llm(tiny_vocab_folder, spec)
+        try:
+            outs = llm.generate([prompt] * 2000, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+                                use_tqdm=False)
+            runs[name] = (np.array([o.outputs[0].token_ids for o in outs]), spec_metrics(llm))
+        finally:
+            llm.shutdown()
+    m = runs["draft"][1]
+    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
+    for j in range(3):
+        table = np.array([np.bincount(runs[k][0][:, j], minlength=V) for k in ("plain", "draft")])
+        table = table[:, table.sum(axis=0) > 0]
+        assert chi2_contingency(table).pvalue > 1e-4, (j, table)
+
+
+def test_bad_draft_models_are_named(tiny_pair, tiny_vocab_folder):
+    target, _ = tiny_pair
+    with pytest.raises(ValueError, match="vocab_size 16 differs"):
+        LLM(str(target), dtype="float32", speculative_config={"model": str(tiny_vocab_folder),
+                                                               "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="async_scheduling=True"):
+        LLM(str(target), dtype="float32", async_scheduling=True,
+            speculative_config={"model": str(target), "num_speculative_tokens": 2})
+
+
 # ----------------------------------------------------------------------------- configuration
 @pytest.mark.parametrize("value, match", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet"),
-    ({"model": "/some/draft", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle' is not supported"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+    ({"method": "ngram", "model": "/x", "num_speculative_tokens": 2}, "takes no model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"}, "draft model"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"\[1, 64\]"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -277,8 +387,11 @@ def test_cuda_greedy_and_seeded_output_identical_with_speculation(tmp_path):
               SamplingParams(temperature=0.9, max_tokens=48, ignore_eos=True, seed=11)]
     outs = {}
     spec = {**NGRAM, "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    draft = {"model": str(perturbed_copy(folder, tmp_path / "draft", 0.3)), "num_speculative_tokens": 3,
+             "disable_by_batch_size": 8}
     for name, kw in (("plain", {}), ("spec", dict(speculative_config=spec)),
-                     ("spec_eager", dict(speculative_config=spec, enforce_eager=True))):
+                     ("spec_eager", dict(speculative_config=spec, enforce_eager=True)),
+                     ("draft", dict(speculative_config=draft))):
         llm = LLM(str(folder), dtype="float32", device="cuda", kv_cache_memory_bytes=256 << 20, max_model_len=512,
                   **kw)
         try:
@@ -290,6 +403,9 @@ def test_cuda_greedy_and_seeded_output_identical_with_speculation(tmp_path):
                 assert (verify is None) == ("enforce_eager" in kw)
                 if verify is not None:
                     assert verify.num_replays > 0 and verify.sizes == [1, 2, 4, 7]
+                    assert verify.q == 1 + kw["speculative_config"]["num_speculative_tokens"]
+                if name == "draft":  # its decode passes in the draft's own graphs
+                    assert llm.llm_engine.proposer.runner.num_graph_replays > 0
         finally:
             llm.shutdown()
-    assert outs["spec"] == outs["plain"] and outs["spec_eager"] == outs["plain"]
+    assert outs["spec"] == outs["plain"] and outs["spec_eager"] == outs["plain"] and outs["draft"] == outs["plain"]

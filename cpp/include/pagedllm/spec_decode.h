@@ -41,6 +41,11 @@ struct SpeculativeConfig {
   /// accepted whatever was sampled, and a sequence always gets k drafts (what the n-gram finds,
   /// padded with the context's last token), to measure verification cost on random weights.
   bool accept_all = false;
+  /// The caller proposes (a draft model): the scheduler reserves up to k draft slots for each
+  /// sequence that may speculate, with draft token 0 in input_ids and draft_token_ids, and the
+  /// caller overwrites both before running the step (update_from_output verifies what
+  /// draft_token_ids then holds). The n-gram bounds are unused.
+  bool external_drafts = false;
 
   bool enabled() const { return num_speculative_tokens > 0; }
   /// Throws InvalidArgument naming a bad field.

@@ -128,7 +128,11 @@ class LLMEngine:
         self.device = _resolve_device(args.device)
         #: the checked speculative_config, or None
         self.speculative_config = SpeculativeConfig.from_user(args.speculative_config, self.device.type)
-        self.async_scheduling = self.device.type == "cuda" if sched_async == "auto" else sched_async
+        drafting = self.speculative_config is not None and self.speculative_config.method == "draft_model"
+        if drafting and sched_async is True:
+            raise ValueError("speculative_config with a draft model does not work with async_scheduling=True: "
+                             "leave it at 'auto' or False")
+        self.async_scheduling = self.device.type == "cuda" and not drafting if sched_async == "auto" else sched_async
         self.model_path = resolve_model(args.model)
         self.model_name = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
         self.model_config = ModelConfig.from_pretrained(self.model_path)
@@ -149,6 +153,8 @@ class LLMEngine:
                                 cfg.quantization_config, self.dtype)  # ValueError before any load
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
         self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
+        self.draft = _DraftSpec.check(self.speculative_config, cfg, self.dtype, self.device, self.max_model_len,
+                                      args.block_size, tp) if drafting else None
         # The tokenizer (mostly Python imports) loads in a thread while the weights (native copies
         # that release the GIL) load here: start-up is about the longer of the two.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer") as pool:
@@ -163,6 +169,7 @@ class LLMEngine:
                 async_scheduling=self.async_scheduling, tensor_parallel_size=tp, quantization=args.quantization,
                 gguf_file=self.gguf_file, distributed_executor_backend=args.distributed_executor_backend,
                 **self._verify_graph_args(),
+                **({} if self.draft is None else self.draft.executor_args()),
             ))
             #: rank 0's ModelRunner (in this process)
             self.runner = self.executor.driver_runner
@@ -170,6 +177,14 @@ class LLMEngine:
                 self.tokenizer = tokenizer.result()
             except BaseException:
                 self.executor.shutdown()  # no worker process outlives a failed start
+                raise
+        #: the draft model's proposer (speculative_config method "draft_model"), else None
+        self.proposer = None
+        if self.draft is not None:
+            try:
+                self.proposer = self.draft.build(self.executor.num_blocks, args)
+            except BaseException:
+                self.executor.shutdown()
                 raise
         self.eos_token_ids = _eos_token_ids(self.model_path, cfg, self.tokenizer)
         self.generation_defaults = _generation_defaults(self.model_path)
@@ -364,6 +379,8 @@ class LLMEngine:
                 # structured outputs: the token bitmask is filled on other cores while this thread
                 # launches the forward pass (on a CPU those cores run the forward pass itself)
                 self.sampler.start_grammar(sched.sample_seq_ids)
+            if self.proposer is not None:  # the draft model's tokens into the step's draft rows
+                self.proposer.propose(sched)
             run = self.executor.execute_model(sched, greedy_vocab=self.sampler.vocab_size if greedy else 0)
             # the previous step's output processing, while the GPU runs this step's forward pass
             stops += self._flush_pending()
@@ -528,8 +545,72 @@ class LLMEngine:
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
             self.executor = None
+        if getattr(self, "proposer", None) is not None:
+            self.proposer.runner.shutdown()
+            self.proposer = None
         self.runner = None
         self.core = None
+
+
+@dataclasses.dataclass
+class _DraftSpec:
+    """A draft model for speculative decoding (pagedllm.spec_decode.draft_model), checked before
+    anything loads: same vocabulary as the target, one rank, a context of at least max_model_len.
+    Its KV cache uses the target's block ids: the target's KV budget is shared (bytes per block of
+    both) and, on a GPU, the draft's weights are reserved before the target sizes its KV cache."""
+
+    path: Any
+    config: ModelConfig
+    dtype: torch.dtype
+    spec: Any
+    device: torch.device
+    max_model_len: int
+    block_size: int
+
+    @classmethod
+    def check(cls, spec, target_cfg: ModelConfig, target_dtype, device, max_model_len: int, block_size: int,
+              tp: int) -> "_DraftSpec":
+        if tp > 1:
+            raise ValueError("speculative_config: a draft model with tensor_parallel_size > 1 is not supported")
+        path = resolve_model(spec.model)
+        cfg = ModelConfig.from_pretrained(path)
+        if cfg.vocab_size != target_cfg.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocab_size {cfg.vocab_size} differs from the "
+                             f"target's {target_cfg.vocab_size} (a draft needs the target's tokenizer)")
+        if cfg.head_dim not in ops.SUPPORTED_HEAD_SIZES:
+            raise ValueError(f"speculative_config: the draft's head_dim={cfg.head_dim} is not supported: "
+                             f"{list(ops.SUPPORTED_HEAD_SIZES)}")
+        if cfg.max_position_embeddings < max_model_len:
+            raise ValueError(f"speculative_config: the draft's max_position_embeddings={cfg.max_position_embeddings} "
+                             f"is shorter than max_model_len={max_model_len}")
+        dtype = resolve_dtype(spec.dtype, cfg.dtype, device) if spec.dtype else target_dtype
+        get_quantization_config(spec.quantization, cfg.quantization, device, gguf_source(spec.model),
+                                cfg.quantization_config, dtype)
+        return cls(path, cfg, dtype, spec, device, max_model_len, block_size)
+
+    def executor_args(self) -> dict:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        kv = 2 * self.config.num_hidden_layers * self.block_size * self.config.num_key_value_heads * self.config.head_dim
+        reserved = 0
+        if self.device.type == "cuda":  # its weights in its dtype (an overestimate for a quantized draft)
+            c = self.config
+            per_layer = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                         + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+            reserved = (c.num_hidden_layers * per_layer + 2 * c.vocab_size * c.hidden_size) * elem + (256 << 20)
+        return dict(kv_extra_bytes_per_block=kv * elem, reserved_bytes=reserved)
+
+    def build(self, num_blocks: int, args: "EngineArgs"):
+        from pagedllm.spec_decode.draft_model import DraftModelProposer
+        from pagedllm.worker.model_runner import ModelRunner
+
+        runner = ModelRunner(self.path, self.config, device=self.device, dtype=self.dtype, block_size=self.block_size,
+                             max_model_len=self.max_model_len, num_blocks=num_blocks, load_format=args.load_format,
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=_batched_tokens(args, self.max_model_len),
+                             enforce_eager=args.enforce_eager, seed=args.seed + 1, quantization=self.spec.quantization,
+                             gguf_file=gguf_source(self.spec.model))
+        logger.info("speculative decoding: draft model %s (%s), k = %d", self.path, str(self.dtype).removeprefix("torch."),
+                    self.spec.num_speculative_tokens)
+        return DraftModelProposer(runner, self.spec.num_speculative_tokens)
 
 
 @dataclasses.dataclass

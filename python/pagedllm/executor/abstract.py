@@ -51,6 +51,10 @@ class ExecutorConfig:
     #: verify_max_seqs sequences run in CUDA graphs (pagedllm.worker.cuda_graph_verify)
     verify_query_len: int = 1
     verify_max_seqs: int = 0
+    #: a draft model's KV bytes per block (its cache uses the same block ids) and its weights' bytes
+    #: (reserved on a GPU before the KV budget), so that both fit
+    kv_extra_bytes_per_block: int = 0
+    reserved_bytes: int = 0
 
     def runner_kwargs(self) -> dict:
         return dict(dtype=self.dtype, block_size=self.block_size, max_model_len=self.max_model_len,
@@ -60,7 +64,8 @@ class ExecutorConfig:
                     max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=self.enforce_eager,
                     seed=self.seed, async_scheduling=self.async_scheduling, quantization=self.quantization,
                     gguf_file=self.gguf_file, verify_query_len=self.verify_query_len,
-                    verify_max_seqs=self.verify_max_seqs)
+                    verify_max_seqs=self.verify_max_seqs, kv_extra_bytes_per_block=self.kv_extra_bytes_per_block,
+                    reserved_bytes=self.reserved_bytes)
 
 
 class Executor:

@@ -3,8 +3,11 @@ checked and turned into the native core's ``_C.SpeculativeConfig``.
 
 Supported keys (vLLM's names):
 
-- ``method``: ``"ngram"`` (prompt lookup; also inferred when ``model`` is absent). Draft models
-  (``model``: a path) and EAGLE/MTP methods are refused with a ValueError for now.
+- ``method``: ``"ngram"`` (prompt lookup; inferred when ``model`` is absent) or ``"draft_model"``
+  (inferred when ``model`` is given): a smaller model with the same vocabulary proposes k tokens
+  greedily (pagedllm.spec_decode.draft_model). EAGLE/MTP methods are refused with a ValueError.
+- ``model``: the draft model (a folder or .gguf file, as LLM(model=...)); ``quantization``: the
+  draft's (vLLM's key; default none), ``dtype``: the draft's (pagedllm's key; default the target's).
 - ``num_speculative_tokens``: k >= 1 (required), at most 64.
 - ``prompt_lookup_min`` / ``prompt_lookup_max``: n-gram lengths; as vLLM, both default to 5 and one
   given alone sets the other.
@@ -30,7 +33,7 @@ from typing import Any, Optional
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 128, "cuda": 32}
 
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-         "disable_by_batch_size", "rejection_sample_method", "synthetic_acceptance_length"}
+         "disable_by_batch_size", "rejection_sample_method", "synthetic_acceptance_length", "quantization", "dtype"}
 
 
 @dataclasses.dataclass
@@ -41,6 +44,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     disable_by_batch_size: int
     accept_all: bool = False
+    #: method "draft_model": the draft's path, quantization and dtype (None: the target's)
+    model: Optional[str] = None
+    quantization: Optional[str] = None
+    dtype: Optional[str] = None
 
     @classmethod
     def from_user(cls, value: Any, device_type: str = "cpu") -> Optional["SpeculativeConfig"]:
@@ -60,9 +67,16 @@ class SpeculativeConfig:
         method = value.get("method") or ("ngram" if value.get("model") is None else "draft_model")
         if method == "[ngram]":
             method = "ngram"
-        if method != "ngram" or value.get("model") is not None:
-            raise ValueError(f"speculative_config: method={method!r} (model={value.get('model')!r}) is not supported "
-                             "yet; pagedllm speculates with method='ngram' (draft models are planned)")
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config: method={method!r} is not supported; use 'ngram' or 'draft_model'")
+        model = value.get("model")
+        if method == "draft_model" and not model:
+            raise ValueError("speculative_config: method='draft_model' needs model (the draft's path)")
+        if method == "ngram" and model is not None:
+            raise ValueError(f"speculative_config: method='ngram' takes no model (got {model!r}); a draft model is "
+                             "method='draft_model'")
+        if method == "ngram" and ("quantization" in value or "dtype" in value):
+            raise ValueError("speculative_config: quantization and dtype are a draft model's (method='draft_model')")
         k = value.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an int in [1, 64], got {k!r}")
@@ -96,14 +110,16 @@ class SpeculativeConfig:
                              f"{how!r}")
         elif "synthetic_acceptance_length" in value:
             raise ValueError("speculative_config: synthetic_acceptance_length needs rejection_sample_method='synthetic'")
-        return cls("ngram", k, lo, hi, disable, accept_all)
+        return cls(method, k, lo, hi, disable, accept_all, model=model, quantization=value.get("quantization"),
+                   dtype=value.get("dtype"))
 
     def native(self):
         from pagedllm import _C
 
         return _C.SpeculativeConfig(num_speculative_tokens=self.num_speculative_tokens,
                                     prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
-                                    disable_by_batch_size=self.disable_by_batch_size, accept_all=self.accept_all)
+                                    disable_by_batch_size=self.disable_by_batch_size, accept_all=self.accept_all,
+                                    external_drafts=self.method == "draft_model")
 
 
 __all__ = ["DEFAULT_DISABLE_BY_BATCH_SIZE", "SpeculativeConfig"]

@@ -97,6 +97,8 @@ class ModelRunner:
         gguf_file: Optional[Path] = None,
         verify_query_len: int = 1,
         verify_max_seqs: int = 0,
+        kv_extra_bytes_per_block: int = 0,
+        reserved_bytes: int = 0,
     ):
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not supported: use one of {list(LOAD_FORMATS)}")
@@ -159,8 +161,11 @@ class ModelRunner:
                                 * self.num_kv_heads * model_config.head_dim * elem)
         use_graphs = device.type == "cuda" and not enforce_eager
         if num_blocks is None:
+            # a draft model's KV blocks (same block ids, its own tensors) share the budget; its weights
+            # (loaded later) are reserved on a GPU
+            self.reserved_bytes = int(reserved_bytes)
             budget = self._kv_budget(kv_cache_memory_bytes, gpu_memory_utilization, use_graphs)
-            num_blocks = budget // self.bytes_per_block
+            num_blocks = budget // (self.bytes_per_block + int(kv_extra_bytes_per_block))
         num_blocks = self.tp.all_reduce_min(num_blocks)  # block ids mean the same on every rank
         if num_blocks < 1:
             raise ValueError(
@@ -238,7 +243,8 @@ class ModelRunner:
             if self.verify_query_len > 1 and self.verify_max_seqs > 0:  # their logits (and bf16 ones in the pool)
                 graph_margin += 2 * verify_logits_bytes(self.verify_max_seqs, self.verify_query_len,
                                                         self.config.vocab_size)
-        budget = total * gpu_memory_utilization - used_by_others - weights - activation_peak - sampler - graph_margin
+        budget = (total * gpu_memory_utilization - used_by_others - weights - activation_peak - sampler - graph_margin
+                  - getattr(self, "reserved_bytes", 0))
         self.phase_seconds["profile_run"] = time.perf_counter() - start
         logger.info("memory profile (%.2f s): total %.2f GiB x %.2f, other processes %.2f GiB, weights %.2f GiB, "
                     "activation peak %.2f GiB (%d tokens), sampler %.2f GiB, graphs %.2f GiB -> KV %.2f GiB",
