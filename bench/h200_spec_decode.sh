@@ -45,3 +45,16 @@ for k in ('pagedllm', 'pagedllm_spec1', 'pagedllm_spec2'):
     e = r.get(k, {}); print(k, {x: e.get(x) for x in ('output_tok_s', 'step_ms_median', 'steps', 'output_tokens', 'spec_decode_mean_accepted', 'error')})
 print({k: v for k, v in r.items() if k.startswith('ratio_pagedllm_spec') and not k.endswith('rounds')})" "$OUT/$(date +%F)-$(hostname)-h200-spec-decode-n$n.json" 2>&1 | tail -5
 done
+# the step time of a (k + 1)-token verification against a 1-token decode, each engine step one whole
+# step (async scheduling off), batch 1
+t0=$(date +%s)
+timeout 300 python3 bench/throughput.py --model /tmp/llama3-8b-shape-smollm2-vocab --load-format dummy --skip-hf \
+  --dtype bfloat16 --dataset input-grounded --ignore-eos --num-prompts 1 --output-len 256 --kv-bytes 8589934592 \
+  --max-model-len 1024 --threads 8 --speculative-config none "$(spec 4)" --async-scheduling false --rounds 3 \
+  --warmup-rounds 1 --pause 0.5 --name "h200-spec-decode-sync-n1" --results-dir "$OUT" > "$OUT/bench-sync-n1.log" 2>&1
+echo "sync n=1 rc=$? in $(( $(date +%s) - t0 )) s"
+python3 -c "
+import json, sys; r = json.load(open(sys.argv[1]))
+for k in ('pagedllm', 'pagedllm_spec'):
+    e = r.get(k, {}); print(k, {x: e.get(x) for x in ('output_tok_s', 'step_ms_median', 'steps', 'error')})
+print({k: v for k, v in r.items() if k.startswith('ratio_pagedllm_spec') and not k.endswith('rounds')})" "$OUT/$(date +%F)-$(hostname)-h200-spec-decode-sync-n1.json" 2>&1 | tail -3

@@ -409,3 +409,19 @@ def test_cuda_greedy_and_seeded_output_identical_with_speculation(tmp_path):
         finally:
             llm.shutdown()
     assert outs["spec"] == outs["plain"] and outs["spec_eager"] == outs["plain"] and outs["draft"] == outs["plain"]
+
+
+def test_serve_takes_speculative_config_json():
+    import argparse
+
+    from pagedllm.entrypoints.openai.api_server import add_server_args
+    from pagedllm.entrypoints.openai.cli_args import engine_args_from
+
+    text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    args = parser.parse_args(["--speculative-config", text])
+    engine_args = engine_args_from(args)
+    assert engine_args.speculative_config == text
+    c = SpeculativeConfig.from_user(engine_args.speculative_config)
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 3, 3, 3)

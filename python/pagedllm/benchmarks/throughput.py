@@ -138,7 +138,8 @@ class PagedllmRunner:
         t0 = time.perf_counter()
         self.llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
                        max_model_len=args.max_model_len, seed=0, tensor_parallel_size=args.tensor_parallel_size,
-                       quantization=quantization, load_format=args.load_format, speculative_config=speculative)
+                       quantization=quantization, load_format=args.load_format, speculative_config=speculative,
+                       async_scheduling=None if args.async_scheduling == "auto" else args.async_scheduling == "true")
         construct = time.perf_counter() - t0
         warm = [t + 1 for t in prompts[0][0][:16]]  # not a prefix of any prompt
         self.llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -581,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "each its own engine in the same run; docs/structured_output.md")
     p.add_argument("--speculative-config", nargs="+", default=["none"], metavar="CONFIG",
                    help="pagedllm engines with these speculative_config JSON texts, or none (default: none)")
+    p.add_argument("--async-scheduling", default="auto", choices=["auto", "true", "false"],
+                   help="pagedllm's async scheduling (default auto: on CUDA); false makes each engine step one "
+                        "whole step, so step_ms_median compares step costs directly")
     p.add_argument("--dataset", default="random", choices=["random", "input-grounded"],
                    help="random token prompts (--input-len), or the input-grounded prompts of --dataset-path")
     p.add_argument("--dataset-path", default=None,
