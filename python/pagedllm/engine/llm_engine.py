@@ -452,6 +452,11 @@ class LLMEngine:
         finally:
             for out in owned:  # never updated: its sequences are rescheduled, nothing leaks
                 self.core.release(out)
+        if run is None and prev is not None and self.speculative_config is not None:
+            # nothing could be launched because the sequences of a speculating step wait for its
+            # tokens (no placeholders for them): now that it is applied, launch the next step in this
+            # call, so that it runs while the caller handles these outputs
+            return self._step_async()
         outputs, self._ready = self._ready, []
         return outputs
 
