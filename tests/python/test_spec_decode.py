@@ -245,7 +245,7 @@ def test_bundled_model_drafting_for_itself_accepts_everything(engines):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("draft_kw", [{}, {"dtype": "bfloat16"}])
+@pytest.mark.parametrize("draft_kw", [{}, {"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "int8"}])
 def test_perturbed_draft_model_output_identical_with_rejections(tiny_pair, draft_kw):
     target, draft = tiny_pair
     rng = np.random.default_rng(1)
