@@ -50,6 +50,7 @@ Sequence* Scheduler::new_sequence(Request* req, int32_t index) {
   s->pending_row = -1;
   s->pending_step = -1;
   s->announced = false;
+  s->spec_skip = 0;
   s->finish_reason = FinishReason::kNone;
   s->stop_reason = std::monostate{};
   req->seqs[index] = s;
@@ -179,8 +180,7 @@ void Scheduler::append_copies(SchedulerOutput& out) {
   counters_.num_copy_orders += static_cast<int64_t>(copies_.size());
 }
 
-void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int32_t prev_row,
-                       int32_t num_draft) {
+void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int32_t prev_row) {
   Request* req = seq->request;
   const int32_t start = seq->num_computed_tokens;
   const int32_t end = start + num_new;
@@ -190,7 +190,7 @@ void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int
   counters_.num_recomputed_tokens += std::max(0, std::min(end, seq->max_computed_tokens) - start);
   if (end < seq->num_tokens()) ++counters_.num_chunked_prefills;
   seq->num_computed_tokens = end;
-  seq->max_computed_tokens = std::max(seq->max_computed_tokens, end - num_draft);
+  seq->max_computed_tokens = std::max(seq->max_computed_tokens, end);
   ++seq->in_flight;
   if (completes_prompt) {
     // The n - 1 children take n - 1 of the n slots the parent held: num_running_slots_ is unchanged.
@@ -213,33 +213,48 @@ void Scheduler::record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int
     }
   }
   out.scheduled.push_back({{seq, seq->generation}, start, num_new, completes_prompt, fork_begin,
-                           static_cast<int32_t>(out.forks.size()), prev_row, num_draft});
+                           static_cast<int32_t>(out.forks.size()), prev_row, 0});
 }
 
-bool Scheduler::schedule_speculative(Sequence* seq, int32_t budget, SchedulerOutput& out) {
+int32_t Scheduler::add_drafts(SchedulerOutput& out, int32_t budget) {
   const SpeculativeConfig& spec = config_.speculative;
-  // every emitted token (drafts accepted + 1) must fit max_tokens / max_model_len
-  const int32_t room = max_seq_tokens(*seq->request) - seq->num_tokens() - 1;
-  const int32_t max_k = std::min({spec.num_speculative_tokens, room, budget - 1});
-  if (max_k <= 0) return false;
-  std::vector<int32_t>& drafts = seq->draft_token_ids;
-  if (spec.external_drafts)
-    drafts.assign(static_cast<size_t>(max_k), 0);  // the caller's draft model fills them in
-  else
-    propose_ngram(seq->token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, max_k, &drafts);
-  // accept_all (debug): always max_k drafts, the n-gram's padded with the context's last token
-  while (spec.accept_all && static_cast<int32_t>(drafts.size()) < max_k)
-    drafts.push_back(drafts.empty() ? seq->token_ids.back() : drafts.back());
-  const int32_t num_draft = static_cast<int32_t>(drafts.size());
-  if (num_draft == 0) return false;
-  copies_.clear();
-  if (!kv_.allocate_slots(seq->seq_id, 1 + num_draft, nullptr, &copies_)) {
-    drafts.clear();
-    return false;
+  int32_t used = 0;
+  for (const int32_t idx : spec_candidates_) {
+    if (budget - used <= 0) break;
+    SchedulerOutput::Scheduled& s = out.scheduled[idx];
+    Sequence* seq = s.ref.seq;
+    // every emitted token (drafts accepted + 1) must fit max_tokens / max_model_len
+    const int32_t room = max_seq_tokens(*seq->request) - seq->num_tokens() - 1;
+    const int32_t max_k = std::min({spec.num_speculative_tokens, room, budget - used});
+    if (max_k <= 0) continue;
+    std::vector<int32_t>& drafts = seq->draft_token_ids;
+    if (spec.external_drafts)
+      drafts.assign(static_cast<size_t>(max_k), 0);  // the caller's draft model fills them in
+    else
+      propose_ngram(seq->token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, max_k, &drafts);
+    // accept_all (debug): always max_k drafts, the n-gram's padded with the context's last token
+    while (spec.accept_all && static_cast<int32_t>(drafts.size()) < max_k)
+      drafts.push_back(drafts.empty() ? seq->token_ids.back() : drafts.back());
+    const int32_t num_draft = static_cast<int32_t>(drafts.size());
+    if (num_draft == 0) {  // no n-gram match: under async scheduling, pipeline it for a while
+      seq->spec_skip = kSpecRetrySteps;
+      continue;
+    }
+    seq->spec_skip = 0;
+    copies_.clear();  // (the decode's own slot made any copy-on-write copy: these blocks are new)
+    if (!kv_.allocate_slots(seq->seq_id, num_draft, nullptr, &copies_)) {
+      drafts.clear();
+      continue;
+    }
+    append_copies(out);
+    s.num_new += num_draft;
+    s.num_draft = num_draft;
+    seq->num_computed_tokens += num_draft;
+    counters_.num_scheduled_tokens += num_draft;
+    used += num_draft;
   }
-  append_copies(out);
-  record(seq, 1 + num_draft, out, -1, num_draft);
-  return true;
+  spec_candidates_.clear();
+  return used;
 }
 
 bool Scheduler::placeholder_allowed(const Sequence* seq, int64_t step_id) const {
@@ -278,8 +293,9 @@ void Scheduler::schedule(SchedulerOutput& out) {
         if (seq->num_computed_tokens == seq->num_tokens()) {
           // sampled in the previous step: a placeholder decode of that token (not while this step
           // speculates: such a sequence waits for its token, then gets drafts)
-          if (!decode_pass || (speculate && seq->allow_speculation) || !placeholder_allowed(seq, out.step_id))
-            continue;
+          const bool due = speculate && seq->allow_speculation && seq->spec_skip == 0;
+          if (!decode_pass || due || !placeholder_allowed(seq, out.step_id)) continue;
+          if (speculate && seq->spec_skip > 0) --seq->spec_skip;
           prev_row = seq->pending_row;
         } else {
           // the next chunk of a prompt (or replay) whose previous chunk is in flight: known tokens
@@ -296,10 +312,10 @@ void Scheduler::schedule(SchedulerOutput& out) {
       }
       int32_t num_new = seq->num_tokens() - seq->num_computed_tokens;
       if (num_new <= 0 || (num_new == 1) != decode_pass || (!chunked && num_new > budget)) continue;
-      if (speculate && num_new == 1 && seq->allow_speculation && schedule_speculative(seq, budget, out)) {
-        budget -= 1 + static_cast<int32_t>(seq->draft_token_ids.size());
-        continue;
-      }
+      // a decode past the prompt (not the prompt's last token: its request may fork) may get drafts
+      // once every decode of the step has its slot (add_drafts: drafts never preempt anyone)
+      const bool candidate = speculate && num_new == 1 && seq->allow_speculation &&
+                             seq->num_computed_tokens >= seq->prompt_len();
       num_new = std::min(num_new, budget);
       bool allocated = false;
       for (;;) {
@@ -321,7 +337,9 @@ void Scheduler::schedule(SchedulerOutput& out) {
       append_copies(out);
       record(seq, num_new, out);
       budget -= num_new;
+      if (candidate) spec_candidates_.push_back(static_cast<int32_t>(out.scheduled.size()) - 1);
     }
+    if (decode_pass) budget -= add_drafts(out, budget);
   }
 
   // 2. Waiting sequences, unless this step had to preempt (vLLM v1: no admission then).

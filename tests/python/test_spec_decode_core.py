@@ -225,3 +225,69 @@ def test_async_scheduling_gives_no_placeholders_to_speculating_sequences():
     assert second.num_placeholders == 2 and second.num_draft_tokens == 0
     core.release(second)
     core.release(first)
+
+
+def test_n_gt_1_whose_last_prompt_chunk_is_one_token_forks_without_drafts():
+    # (a review found this hang: the 1-token last chunk was a "decode" that got drafts, and the
+    # forked child inherited a computed count past its tokens)
+    cfg = _C.EngineConfig(num_blocks=32, block_size=16, max_model_len=64, max_num_batched_tokens=8,
+                          speculative=_C.SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1))
+    core = _C.EngineCore(cfg)
+    core.add_request("r", np.array([3, 4, 3, 4, 3, 4, 3, 4, 3], dtype=np.int32), _C.RequestParams(max_tokens=6, n=2))
+    finished, steps = set(), 0
+    while core.has_unfinished_requests():
+        steps += 1
+        assert steps < 50, "no progress"
+        out = core.schedule()
+        if out.num_sampled and out.num_prefill_seqs and out.num_decode_seqs == 0 and out.num_tokens == 1:
+            assert out.num_draft_tokens == 0
+        res = core.update_from_output(out, np.full(out.num_sampled, 3, dtype=np.int32))
+        finished |= {f[2] for f in res.finished}
+        core.release(out)
+    assert finished == {0, 1} and core.num_kv_seqs() == 0 and core.stats().num_free_blocks == 32
+    assert core.stats().spec_decode_num_drafts > 0
+
+
+def test_drafts_never_preempt_a_decode():
+    # 3 blocks of 8: the prompts take one each; in the first decode step b needs the last free
+    # block for its 9th token, which a's drafts (positions 8..11) would also need: b gets it
+    for k in (0, 4):
+        spec = _C.SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1)
+        core = _C.EngineCore(_C.EngineConfig(num_blocks=3, block_size=8, max_model_len=24, speculative=spec))
+        core.add_request("a", np.array([1, 2, 1, 2, 1, 2, 1], dtype=np.int32), _C.RequestParams(max_tokens=12))
+        core.add_request("b", np.array([5, 6, 7, 8, 9, 10, 11, 12], dtype=np.int32), _C.RequestParams(max_tokens=4))
+        for _ in range(2):
+            out = core.schedule()
+            assert out.num_seqs == 2
+            core.update_from_output(out, np.full(out.num_sampled, 30, dtype=np.int32))
+            core.release(out)
+        assert core.stats().num_preemptions == 0
+        core.abort_request("a")
+        core.abort_request("b")
+
+
+def test_async_scheduling_pipelines_a_sequence_whose_ngram_found_nothing():
+    cfg = _C.EngineConfig(num_blocks=64, block_size=16, max_model_len=128, async_scheduling=True,
+                          speculative=_C.SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1))
+    core = _C.EngineCore(cfg)
+    core.add_request("a", np.array([5, 6, 7], dtype=np.int32), _C.RequestParams(max_tokens=30))
+    out = core.schedule()  # the prompt
+    core.update_from_output(out, np.array([9], dtype=np.int32))  # 9: never seen before
+    core.release(out)
+    pending = core.schedule()  # a decode: the n-gram finds nothing (no drafts)
+    assert pending.num_draft_tokens == 0 and pending.num_tokens == 1
+    placeholders = 0
+    token = 20
+    for _ in range(6):  # pipelined: the next step is scheduled before this one's token is known
+        nxt = core.schedule()
+        placeholders += nxt.num_placeholders
+        core.update_from_output(pending, np.full(pending.num_sampled, token, dtype=np.int32))
+        token += 1
+        core.release(pending)
+        pending = nxt
+        if nxt.num_tokens == 0:  # it waits for its token to try the n-gram again
+            core.release(nxt)
+            pending = core.schedule()
+    assert placeholders >= 4  # kSpecRetrySteps pipelined steps after each miss
+    core.release(pending)
+    core.abort_request("a")

@@ -99,6 +99,9 @@ struct Sequence {
   int64_t pending_step = -1;
   /// Draft tokens proposed for the step in flight (speculative decoding; scratch of the scheduler).
   std::vector<int32_t> draft_token_ids;
+  /// Async scheduling + speculation: steps left in which this sequence is pipelined (placeholder
+  /// decodes) before it waits for its token to try the n-gram again (its last try found nothing).
+  int32_t spec_skip = 0;
   /// Already listed in some SchedulerOutput::new_seqs.
   bool announced = false;
   FinishReason finish_reason = FinishReason::kNone;

@@ -43,12 +43,12 @@
 // step order. Preemption bumps a sequence's generation, so rows of any other in-flight output of
 // a preempted (e.g. cancelled) sequence are ignored too.
 //
-// Speculative decoding (SchedulerConfig::speculative, pagedllm/spec_decode.h): in the decode pass,
-// while fewer than disable_by_batch_size sequences run, a sequence that allows speculation gets up
-// to k n-gram drafts, capped so that its emitted tokens
-// cannot pass max_tokens / max_model_len and by the token budget; its query becomes its last token
-// plus the drafts, and it gets k + 1 sampled rows (SchedulerOutput::draft_token_ids). If the pool
-// cannot supply the draft slots it decodes one token, preempting nobody for drafts.
+// Speculative decoding (SchedulerConfig::speculative, pagedllm/spec_decode.h): while fewer than
+// disable_by_batch_size sequences run, once every decode of the step has its slot, each decoding
+// sequence past its prompt that allows speculation gets up to k n-gram drafts, capped so that its
+// emitted tokens cannot pass max_tokens / max_model_len, by the token budget and by the free
+// blocks (drafts never preempt anyone); its query becomes its last token plus the drafts, and it
+// gets k + 1 sampled rows (SchedulerOutput::draft_token_ids).
 // update_from_output emits the run spec_decode.h describes, each token through the stop rules (a
 // stop inside the run ends it there), sets the computed count to the tokens whose KV is right
 // (all but the last emitted) and truncates the block table to it: a rejected draft's slots go back
@@ -56,7 +56,8 @@
 // (allocate_slots made copy-on-write copies of a shared last block before the step), and full
 // blocks are registered in the prefix cache only up to accepted tokens. With async scheduling, a
 // step that speculates gives no placeholder to a sequence that allows speculation (its drafts need
-// its last token): it is scheduled again once its step is updated; steps above
+// its last token): it is scheduled again once its step is updated — except for kSpecRetrySteps
+// steps after its n-gram found nothing, when it is pipelined as usual; steps above
 // disable_by_batch_size pipeline as without speculation.
 //
 // Not thread-safe: one thread drives a Scheduler (and its EngineCore).
@@ -159,10 +160,14 @@ class Scheduler {
   /// Mark finished, free KV, count; does not touch running_ (caller compacts or removes).
   void finish(Sequence* seq, FinishReason reason, StopReason stop_reason);
   /// Record a successfully allocated chunk of seq into the step's scheduled list.
-  void record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int32_t prev_row = -1,
-              int32_t num_draft = 0);
-  /// Speculative decoding: schedule decode seq with n-gram drafts if any fit; false otherwise.
-  bool schedule_speculative(Sequence* seq, int32_t budget, SchedulerOutput& out);
+  void record(Sequence* seq, int32_t num_new, SchedulerOutput& out, int32_t prev_row = -1);
+  /// Speculative decoding, after the decode pass: extend the scheduled decodes of
+  /// spec_candidates_ with drafts where the budget and free blocks allow (no preemption); returns
+  /// the draft tokens added.
+  int32_t add_drafts(SchedulerOutput& out, int32_t budget);
+  /// Async scheduling: steps a sequence whose n-gram found nothing is pipelined before it waits
+  /// for its token to try again.
+  static constexpr int32_t kSpecRetrySteps = 4;
   /// update_from_output for the k + 1 sampled rows [r, r + k] of one speculating sequence.
   void apply_speculative_run(const SchedulerOutput& out, int32_t r, int32_t num_draft,
                              std::span<const int32_t> sampled, UpdateResult& result);
@@ -192,6 +197,7 @@ class Scheduler {
   std::vector<Sequence*> candidates_;
   std::vector<Sequence*> running_snapshot_;
   std::vector<Sequence*> finished_scratch_;
+  std::vector<int32_t> spec_candidates_;  ///< indices into out.scheduled of this step's candidates
   std::vector<Request*> done_scratch_;
 };
 

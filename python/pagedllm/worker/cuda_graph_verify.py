@@ -35,6 +35,12 @@ def verify_sizes(max_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_seqs]))
 
 
+def max_batch(max_model_len: int, q: int) -> int:
+    """The largest size whose longest padding sequence (size * (q - 1) + 1 rows, at capture: every
+    row a padding row) fits max_model_len."""
+    return (int(max_model_len) - 1) // (q - 1)
+
+
 def _rows(kind: str, size: int, q: int) -> int:
     return {"T": size * q + 1, "S": size + 1, "Q": size + 2}[kind]
 
@@ -62,13 +68,18 @@ def logits_bytes(max_seqs: int, q: int, vocab_size: int) -> int:
 class VerifyGraphRunner:
     """Captured verification graphs (module docstring) for one model and its KV caches.
 
-    query_len: q = 1 + num_speculative_tokens; max_seqs: the largest batch captured.
+    query_len: q = 1 + num_speculative_tokens; max_seqs: the largest batch captured, capped by
+    max_batch(max_model_len, q) (the last padding sequence must stay inside max_model_len: its
+    positions index the RoPE tables and its block-table row).
     """
 
     def __init__(self, model, kv_caches, query_len: int, max_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device, pool=None):
+                 device: torch.device, max_model_len: int, pool=None):
         if query_len < 2:
             raise ValueError(f"query_len must be >= 2 (1 + num_speculative_tokens), got {query_len}")
+        max_seqs = min(max_seqs, max_batch(max_model_len, query_len))
+        if max_seqs < 1:
+            raise ValueError(f"max_model_len={max_model_len} is too short for verification graphs of {query_len} tokens")
         self.model = model
         self.kv_caches = kv_caches
         self.q = int(query_len)
@@ -165,4 +176,4 @@ class VerifyGraphRunner:
         return self._logits.index_select(0, idx)
 
 
-__all__ = ["VerifyGraphRunner", "logits_bytes", "verify_sizes"]
+__all__ = ["VerifyGraphRunner", "logits_bytes", "max_batch", "verify_sizes"]

@@ -48,6 +48,7 @@ from pagedllm.model_executor.quantization import get_quantization_config
 from pagedllm.worker.cpu_memory import tune_glibc_malloc
 from pagedllm.worker.cuda_graph import DecodeGraphRunner, boundary_state_bytes, capture_sizes
 from pagedllm.worker.cuda_graph_verify import VerifyGraphRunner, logits_bytes as verify_logits_bytes
+from pagedllm.worker.cuda_graph_verify import max_batch as verify_max_batch
 
 logger = logging.getLogger("pagedllm")
 
@@ -115,7 +116,8 @@ class ModelRunner:
         #: speculative verification steps in CUDA graphs (queries of up to verify_query_len tokens)
         self.verify_graphs: VerifyGraphRunner | None = None
         self.verify_query_len = int(verify_query_len)
-        self.verify_max_seqs = min(int(verify_max_seqs), max_num_seqs)
+        self.verify_max_seqs = min(int(verify_max_seqs), max_num_seqs,
+                                   verify_max_batch(max_model_len, max(2, self.verify_query_len)))
         self.tp = tp_group if tp_group is not None else GroupCoordinator.single(device)
         tp_size = self.tp.world_size
         if device.type == "cpu":
@@ -194,7 +196,8 @@ class ModelRunner:
             if self.verify_query_len > 1 and self.verify_max_seqs > 0:
                 start = time.perf_counter()
                 self.verify_graphs = VerifyGraphRunner(self.model, self.kv_caches, self.verify_query_len,
-                                                       self.verify_max_seqs, self._max_blocks_per_seq(), device)
+                                                       self.verify_max_seqs, self._max_blocks_per_seq(), device,
+                                                       max_model_len)
                 logger.info("captured %d CUDA graphs for speculative verification (queries of <= %d tokens) of "
                             "batches %s in %.1f s", len(self.verify_graphs.sizes), self.verify_query_len,
                             self.verify_graphs.sizes, time.perf_counter() - start)
