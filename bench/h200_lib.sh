@@ -8,6 +8,9 @@
 #   h200_collect_tests LOGDIR ALL SUMMARY T0
 #                              every log into ALL, then the seconds since T0 and the per-log
 #                              summary appended to SUMMARY (and printed)
+#   h200_smollm2_vocab_model   writes /tmp/llama3-8b-shape-smollm2-vocab: the Llama-3-8B shape
+#                              (bench/throughput_gpu.py SHAPES) with SmolLM2's 49,152-token
+#                              vocabulary and tokenizer (from .cache-pagedllm), for --load-format dummy
 #   h200_kernel_specs          sets the array H200_SPECS to test_cuda_kernels.py's default tests
 #                              and each of its forced-plan children, as pytest collects them (the
 #                              specs for h200_tests)
@@ -55,4 +58,20 @@ h200_collect_tests() {
   for f in "$dir"/*.log; do echo "== $f"; cat "$f"; done > "$all"
   echo "tests: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
   h200_test_summary "$dir" | tee -a "$summary"
+}
+
+h200_smollm2_vocab_model() {
+  python3 - <<'PY'
+import json, shutil, sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+from throughput_gpu import SHAPES
+folder = Path("/tmp/llama3-8b-shape-smollm2-vocab")
+folder.mkdir(exist_ok=True)
+cfg = dict(SHAPES["llama3-8b"], vocab_size=49152, bos_token_id=1, eos_token_id=2)
+(folder / "config.json").write_text(json.dumps(cfg))
+tok = Path(".cache-pagedllm/test-tokenizers/smollm2-135m-instruct")
+for f in tok.iterdir():
+    shutil.copy(f, folder / f.name)
+PY
 }

@@ -17,19 +17,7 @@ t0=$(date +%s)
 timeout 300 python3 -m pytest -q -rf -p no:cacheprovider tests/python/test_sampler_grammar.py \
   tests/python/test_structured_output.py -k "cuda or mask_matches or start_grammar or stop_token" > "$OUT/tests.log" 2>&1
 echo "tests rc=$? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
-python3 - <<'PY'
-import json, shutil, sys
-from pathlib import Path
-sys.path.insert(0, "bench")
-from throughput_gpu import SHAPES
-folder = Path("/tmp/llama3-8b-shape-smollm2-vocab")
-folder.mkdir(exist_ok=True)
-cfg = dict(SHAPES["llama3-8b"], vocab_size=49152, bos_token_id=1, eos_token_id=2)
-(folder / "config.json").write_text(json.dumps(cfg))
-tok = Path(".cache-pagedllm/test-tokenizers/smollm2-135m-instruct")
-for f in tok.iterdir():
-    shutil.copy(f, folder / f.name)
-PY
+h200_smollm2_vocab_model
 for n in ${LEVELS:-1 16 64}; do
   t0=$(date +%s)
   timeout 420 python3 bench/throughput.py --model /tmp/llama3-8b-shape-smollm2-vocab --load-format dummy --skip-hf \

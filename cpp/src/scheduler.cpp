@@ -547,17 +547,7 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     if (!ref.valid() || ref.seq->status == SequenceStatus::kFinished) continue;
     Sequence* seq = ref.seq;
     if (seq->pending_step == out.step_id) seq->pending_row = -1;  // the token is known now
-    const int32_t token = sampled[r];
-    seq->token_ids.push_back(token);
-    result.seq_ids.push_back(seq->seq_id);
-    result.token_ids.push_back(token);
-    ++counters_.num_generation_tokens;
-    StopReason stop_reason;
-    const FinishReason reason = check_stop(*seq, config_.max_model_len, &stop_reason);
-    if (reason != FinishReason::kNone) {
-      finish(seq, reason, std::move(stop_reason));
-      finished_scratch_.push_back(seq);
-    }
+    append_token(seq, sampled[r], result);
   }
   for (Sequence* orphan : candidates_)
     if (orphan->status == SequenceStatus::kRunning) preempt(orphan);
@@ -586,6 +576,19 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
   }
 }
 
+bool Scheduler::append_token(Sequence* seq, int32_t token, UpdateResult& result) {
+  seq->token_ids.push_back(token);
+  result.seq_ids.push_back(seq->seq_id);
+  result.token_ids.push_back(token);
+  ++counters_.num_generation_tokens;
+  StopReason stop_reason;
+  const FinishReason reason = check_stop(*seq, config_.max_model_len, &stop_reason);
+  if (reason == FinishReason::kNone) return false;
+  finish(seq, reason, std::move(stop_reason));
+  finished_scratch_.push_back(seq);
+  return true;
+}
+
 void Scheduler::apply_speculative_run(const SchedulerOutput& out, int32_t r, int32_t num_draft,
                                       std::span<const int32_t> sampled, UpdateResult& result) {
   const auto& ref = out.samples[r];
@@ -603,20 +606,8 @@ void Scheduler::apply_speculative_run(const SchedulerOutput& out, int32_t r, int
   spec_counters_.num_accepted_tokens += accepted;
   for (int32_t j = 0; j < accepted && j < static_cast<int32_t>(spec_counters_.accepted_per_pos.size()); ++j)
     ++spec_counters_.accepted_per_pos[j];
-  for (int32_t j = 0; j < emit; ++j) {
-    const int32_t token = (accept_all && j < num_draft) ? x[j] : y[j];
-    seq->token_ids.push_back(token);
-    result.seq_ids.push_back(seq->seq_id);
-    result.token_ids.push_back(token);
-    ++counters_.num_generation_tokens;
-    StopReason stop_reason;
-    const FinishReason reason = check_stop(*seq, config_.max_model_len, &stop_reason);
-    if (reason != FinishReason::kNone) {  // inside the run: the rest is dropped, as without drafts
-      finish(seq, reason, std::move(stop_reason));
-      finished_scratch_.push_back(seq);
-      return;
-    }
-  }
+  for (int32_t j = 0; j < emit; ++j)  // a stop inside the run drops the rest, as without drafts
+    if (append_token(seq, (accept_all && j < num_draft) ? x[j] : y[j], result)) return;
   // KV is right for every token but the last emitted (its KV is computed by the next step); the
   // slots past it (rejected drafts) go back to the pool.
   seq->num_computed_tokens = seq->num_tokens() - 1;

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pagedllm import _C
+from test_rejection_sampler import reference_ngram
 from test_engine_sim import check_idle, check_stop_rules, compare, make_requests, run_engine
 
 REPEAT = 8
@@ -163,16 +164,6 @@ def test_accept_all_pads_the_drafts_to_k():
     core.abort_request("r")
 
 
-def python_ngram(tokens, min_n, max_n, k):
-    L = len(tokens)
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = tokens[L - n:]
-        for i in range(0, L - n):
-            if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + k]
-    return []
-
-
 def test_native_ngram_proposer_matches_a_plain_search():
     seed = random.SystemRandom().randrange(2**31)
     rng = np.random.default_rng(seed)
@@ -182,7 +173,7 @@ def test_native_ngram_proposer_matches_a_plain_search():
         lo = int(rng.integers(1, 4))
         hi = lo + int(rng.integers(0, 4))
         k = int(rng.integers(1, 6))
-        assert _C.propose_ngram(tokens, lo, hi, k) == python_ngram(tokens, lo, hi, k), (seed, tokens, lo, hi, k)
+        assert _C.propose_ngram(tokens, lo, hi, k) == reference_ngram(tokens, k, lo, hi), (seed, tokens, lo, hi, k)
 
 
 @pytest.mark.parametrize("fields, match", [

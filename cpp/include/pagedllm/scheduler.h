@@ -168,6 +168,9 @@ class Scheduler {
   /// Async scheduling: steps a sequence whose n-gram found nothing is pipelined before it waits
   /// for its token to try again.
   static constexpr int32_t kSpecRetrySteps = 4;
+  /// update_from_output: append one sampled token to running seq, report it in result, apply
+  /// the stop rules; true when they finished it (then it is in finished_scratch_).
+  bool append_token(Sequence* seq, int32_t token, UpdateResult& result);
   /// update_from_output for the k + 1 sampled rows [r, r + k] of one speculating sequence.
   void apply_speculative_run(const SchedulerOutput& out, int32_t r, int32_t num_draft,
                              std::span<const int32_t> sampled, UpdateResult& result);

@@ -127,10 +127,11 @@ class VerifyGraphRunner:
         torch.cuda.synchronize(self.device)
 
     def can_run(self, sched) -> bool:
-        """A step of sequences with 1..q query tokens each, no prompt logprob rows or placeholders."""
+        """A step of sequences with 1..q query tokens each and no placeholders (the caller also
+        requires no prompt logprob rows, as for the decode graphs)."""
         n = int(sched.num_seqs)
         return (0 < n <= self.max_size and 1 < int(sched.max_query_len) <= self.q
-                and not int(sched.num_placeholders) and not list(sched.prompt_logprob_rows))
+                and not int(sched.num_placeholders))
 
     def _fill(self, size: int, sched) -> None:
         """The host inputs of graph `size`: the step's rows (none for sched None), then padding."""

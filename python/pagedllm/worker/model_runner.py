@@ -325,7 +325,8 @@ class ModelRunner:
         if (self.graphs is not None and sched.num_tokens > 0 and int(sched.max_query_len) == 1
                 and not prompt_rows and self.graphs.can_run(int(sched.num_seqs))):
             return ModelRunnerOutput(self.graphs.run(sched, prev_sampled if num_placeholders else None), {})
-        if self.verify_graphs is not None and sched.num_tokens > 0 and self.verify_graphs.can_run(sched):
+        if (self.verify_graphs is not None and sched.num_tokens > 0 and not prompt_rows
+                and self.verify_graphs.can_run(sched)):
             return ModelRunnerOutput(self.verify_graphs.run(sched), {})
         rows = [self._tensor(sched.logits_indices)]
         for _, first_row, num_rows, _ in prompt_rows:
