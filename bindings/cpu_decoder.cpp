@@ -36,7 +36,15 @@ PAGEDLLM_BINDING(cpu_decoder, m) {
       .def_readwrite("down_bias", &pagedllm::CpuDecoderLayer::down_bias)
       .def_readwrite("key_cache", &pagedllm::CpuDecoderLayer::key_cache)
       .def_readwrite("value_cache", &pagedllm::CpuDecoderLayer::value_cache)
-      .def_readwrite("sliding_window", &pagedllm::CpuDecoderLayer::sliding_window);
+      .def_readwrite("sliding_window", &pagedllm::CpuDecoderLayer::sliding_window)
+      .def_property(
+          "k_scale", [](const pagedllm::CpuDecoderLayer& l) { return l.kv_scales.k_scale; },
+          [](pagedllm::CpuDecoderLayer& l, const pagedllm::TensorView& v) { l.kv_scales.k_scale = v; },
+          "FP8 caches: the layer's key scale (float32 [1] cpu tensor view; unset = 1.0)")
+      .def_property(
+          "v_scale", [](const pagedllm::CpuDecoderLayer& l) { return l.kv_scales.v_scale; },
+          [](pagedllm::CpuDecoderLayer& l, const pagedllm::TensorView& v) { l.kv_scales.v_scale = v; },
+          "FP8 caches: the layer's value scale (float32 [1] cpu tensor view; unset = 1.0)");
   py::class_<pagedllm::CpuDecoderStack>(m, "CpuDecoderStack",
                                         "Llama decoder layers run natively on the CPU (pagedllm/cpu_decoder.h).")
       .def(py::init<const pagedllm::CpuDecoderConfig&, std::vector<pagedllm::CpuDecoderLayer>, const TensorView&>(),

@@ -43,7 +43,7 @@ PAGEDLLM_BINDING(tensor_view, m) {
              int device_index) {
             // The hot path of pagedllm.ops._view (several calls per kernel launch): integer dtype
             // code (the order of pagedllm::DType), shape and strides as tuples read in place.
-            PAGEDLLM_CHECK(dtype_code >= 0 && dtype_code <= static_cast<int>(pagedllm::DType::kInt8),
+            PAGEDLLM_CHECK(dtype_code >= 0 && dtype_code <= static_cast<int>(pagedllm::DType::kFloat8E5M2),
                            "TensorView.from_parts: dtype code ", dtype_code, " is out of range");
             const auto ndim = static_cast<int>(PyTuple_GET_SIZE(shape.ptr()));
             PAGEDLLM_CHECK(ndim == static_cast<int>(PyTuple_GET_SIZE(strides.ptr())), "TensorView: shape has ",
@@ -66,7 +66,7 @@ PAGEDLLM_BINDING(tensor_view, m) {
           py::arg("data_ptr"), py::arg("dtype_code"), py::arg("shape"), py::arg("strides"), py::arg("cuda"),
           py::arg("device_index"),
           "TensorView from a pointer, a pagedllm::DType code (float32, float16, bfloat16, int32, int64, "
-          "uint8, int8 = 0..6), shape and strides tuples (elements) and the device (cuda flag, index).")
+          "uint8, int8, float8_e4m3fn, float8_e5m2 = 0..8), shape and strides tuples (elements) and the device (cuda flag, index).")
       .def_property_readonly("shape", [](const TensorView& v) {
         return std::vector<int64_t>(v.shape, v.shape + v.ndim);
       })

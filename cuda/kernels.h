@@ -23,7 +23,7 @@ namespace pagedllm::cuda {
 
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping,
-                       std::uintptr_t stream);
+                       const KVCacheScales& scales, std::uintptr_t stream);
 
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,

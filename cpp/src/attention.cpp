@@ -24,8 +24,13 @@ const std::vector<int64_t>& supported_block_sizes() {
 }
 
 std::vector<DType> supported_cache_dtypes(DeviceType device) {
+  if (device == DeviceType::kCPU) return {DType::kFloat32, DType::kBFloat16, DType::kFloat8E4M3FN, DType::kFloat8E5M2};
+  return {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3FN, DType::kFloat8E5M2};
+}
+
+std::vector<DType> fp8_query_dtypes(DeviceType device) {
   if (device == DeviceType::kCPU) return {DType::kFloat32, DType::kBFloat16};
-  return {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  return {DType::kBFloat16, DType::kFloat16};
 }
 
 namespace {
@@ -56,8 +61,8 @@ void check_query_out(const char* op, const TensorView& out, const TensorView& qu
   check_ndim(op, "out", out, 3, layout.c_str());
   check_same_device(op, "query", query, "key_cache", key_cache);
   check_same_device(op, "out", out, "key_cache", key_cache);
-  check_dtype(op, "query", query, key_cache.dtype);
-  check_dtype(op, "out", out, key_cache.dtype);
+  detail::check_compute_dtype(op, "query", query, key_cache);
+  check_dtype(op, "out", out, query.dtype);
   detail::check_token_rows(op, "query", query);
   check_contiguous(op, "out", out);
   for (int d = 0; d < 3; ++d)
@@ -118,6 +123,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   check_query_out(op, out, query, key_cache, "num_seqs");
   check_tables(op, block_tables, seq_lens, key_cache, query.size(0));
   check_options(op, scale, options);
+  detail::check_kv_scales(op, options.kv_scales, key_cache);
   if (query.size(0) == 0) return;
   if (key_cache.device == DeviceType::kCPU) {
     check_table_values(op, block_tables, seq_lens, key_cache);
@@ -158,6 +164,7 @@ void paged_prefill_attention(const TensorView& out, const TensorView& query,
   check_contiguous(op, "query_start_loc", query_start_loc);
   check_dim(op, "query_start_loc", query_start_loc, 0, batch + 1, "num_seqs + 1");
   check_options(op, scale, options);
+  detail::check_kv_scales(op, options.kv_scales, key_cache);
   if (batch == 0 || query.size(0) == 0) return;
   if (key_cache.device == DeviceType::kCPU) {
     check_table_values(op, block_tables, seq_lens, key_cache);

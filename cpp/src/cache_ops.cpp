@@ -58,15 +58,16 @@ std::array<int64_t, 4> kv_cache_shape(int64_t num_blocks, int64_t block_size, in
 
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping,
-                       std::uintptr_t stream) {
+                       const KVCacheScales& scales, std::uintptr_t stream) {
   const char* op = "reshape_and_cache";
   detail::check_kv_caches(op, key_cache, value_cache);
   const char* layout = "[num_tokens, num_kv_heads, head_size]";
   check_ndim(op, "key", key, 3, layout);
   check_ndim(op, "value", value, 3, layout);
   check_ndim(op, "slot_mapping", slot_mapping, 1, "[num_tokens]");
-  check_dtype(op, "key", key, key_cache.dtype);
-  check_dtype(op, "value", value, key_cache.dtype);
+  detail::check_compute_dtype(op, "key", key, key_cache);
+  check_dtype(op, "value", value, key.dtype);
+  detail::check_kv_scales(op, scales, key_cache);
   check_dtype(op, "slot_mapping", slot_mapping, DType::kInt64);
   check_same_device(op, "key", key, "key_cache", key_cache);
   check_same_device(op, "value", value, "key_cache", key_cache);
@@ -89,11 +90,11 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
       PAGEDLLM_CHECK(slots[t] < num_slots, op, ": slot_mapping[", t, "] = ", slots[t],
                      " is out of range: the cache has ", num_slots, " slots (", key_cache.size(0),
                      " blocks x block_size ", key_cache.size(2), "); negative slots are skipped");
-    cpu::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, get_num_threads());
+    cpu::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, scales, get_num_threads());
     return;
   }
 #ifdef PAGEDLLM_WITH_CUDA
-  cuda::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, stream);
+  cuda::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, scales, stream);
 #else
   (void)stream;
   no_cuda(op);

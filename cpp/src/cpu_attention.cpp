@@ -7,7 +7,9 @@
 // Split-K (flash-decoding) partitions a sequence's context; the partial (m, l, acc) triples are
 // combined by a log-sum-exp reduction. Work items are spread over OpenMP threads. bfloat16 caches
 // of head size 64 or 128 take cpu_attention_amx.h's AMX tile version of the same walk instead
-// (up to 64 rows per call), where the CPU has AMX (cpu_attention_uses_amx()).
+// (up to 64 rows per call), where the CPU has AMX (cpu_attention_uses_amx()). FP8 caches: each
+// K / V tile is decoded exactly into the query's dtype as the walk reaches it (cpu_fp8.h), k_scale
+// joins the softmax scale and v_scale the output; they take the AVX-512 walk.
 #include <omp.h>
 
 #include <algorithm>
@@ -44,16 +46,29 @@ bool use_amx() {
 template <typename T>
 Context<T> make_context(const TensorView& key_cache, const TensorView& value_cache,
                         const TensorView& block_tables, const AttentionOptions& o) {
-  return Context<T>{key_cache.ptr<const T>(), value_cache.ptr<const T>(),
-                    block_tables.ptr<const int32_t>(), block_tables.size(1), key_cache.size(1),
-                    static_cast<int>(key_cache.size(2)), o.sliding_window, o.soft_cap};
+  const bool fp8 = is_fp8(key_cache.dtype);
+  Context<T> c{fp8 ? nullptr : key_cache.ptr<const T>(), fp8 ? nullptr : value_cache.ptr<const T>(),
+               block_tables.ptr<const int32_t>(), block_tables.size(1), key_cache.size(1),
+               static_cast<int>(key_cache.size(2)), o.sliding_window, o.soft_cap};
+  if (fp8) {
+    c.key8 = static_cast<const uint8_t*>(key_cache.data);
+    c.value8 = static_cast<const uint8_t*>(value_cache.data);
+    c.fp8 = key_cache.dtype == DType::kFloat8E4M3FN ? 1 : 2;
+  }
+  return c;
 }
+
+/// The scale a KVCacheScales view holds (1.0 when unset).
+float scale_of(const TensorView& t) { return t.data == nullptr ? 1.0f : *static_cast<const float*>(t.data); }
 
 template <typename T, int D>
 void decode(const TensorView& out, const TensorView& query, const TensorView& key_cache,
             const TensorView& value_cache, const TensorView& block_tables,
             const TensorView& seq_lens, float scale, const AttentionOptions& o, int nt) {
   const Context<T> c = make_context<T>(key_cache, value_cache, block_tables, o);
+  // An FP8 cache: k_scale joins the softmax scale, v_scale the output (cpu_attention_tiles.h).
+  const float v_scale = c.fp8 ? scale_of(o.kv_scales.v_scale) : 1.0f;
+  if (c.fp8) scale *= scale_of(o.kv_scales.k_scale);
   const int64_t B = query.size(0), Hq = query.size(1), Hkv = key_cache.size(1);
   const int G = static_cast<int>(Hq / Hkv);
   const int32_t* sl = seq_lens.ptr<const int32_t>();
@@ -80,7 +95,7 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
   // such items than threads (a few short sequences on a many-core host) each head is an item.
   const int64_t heads_per_item = (B * S < nt) ? 1 : Hkv;
   const int64_t items = B * S * (Hkv / heads_per_item);
-  [[maybe_unused]] const bool amx_decode = use_amx<T, D>() && G <= 16;
+  [[maybe_unused]] const bool amx_decode = use_amx<T, D>() && G <= 16 && !c.fp8;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, items)))
   {
     Workspace w(G, D, c.block_size);
@@ -124,7 +139,7 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
         for (int g = 0; g < G; ++g) {
           const int64_t h = kvh * G + g;
           if (S == 1) {
-            store_row<T, D>(w.acc.data() + g * D, w.l[g], op + (b * Hq + h) * D);
+            store_row<T, D>(w.acc.data() + g * D, w.l[g], op + (b * Hq + h) * D, v_scale);
           } else {
             const size_t idx = (size_t(b) * Hq + h) * S + split;
             pm[idx] = w.m[g];
@@ -155,7 +170,7 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
             for (int d = 0; d < D; ++d) a[d] += f * ps[d];
           }
         }
-        store_row<T, D>(a, L, op + row * D);
+        store_row<T, D>(a, L, op + row * D, v_scale);
       }
     }
   }
@@ -172,6 +187,8 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
              const TensorView& seq_lens, const TensorView& query_start_loc, float scale,
              const AttentionOptions& o, int nt) {
   const Context<T> c = make_context<T>(key_cache, value_cache, block_tables, o);
+  const float v_scale = c.fp8 ? scale_of(o.kv_scales.v_scale) : 1.0f;  // as in decode
+  if (c.fp8) scale *= scale_of(o.kv_scales.k_scale);
   const int64_t B = seq_lens.size(0), Hq = query.size(1), Hkv = key_cache.size(1);
   const int G = static_cast<int>(Hq / Hkv);
   const int32_t* sl = seq_lens.ptr<const int32_t>();
@@ -200,7 +217,7 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
   int64_t work = 0;  // query rows x visible tokens per KV head, in tiles
   for (const PrefillTile& t : tiles) work += t.cost;
   if (work * Hkv * D < kMinParallelElements) nt = 1;
-  [[maybe_unused]] const bool amx_prefill = use_amx<T, D>();
+  [[maybe_unused]] const bool amx_prefill = use_amx<T, D>() && !c.fp8;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, std::max<int64_t>(items, 1))))
   {
     Workspace w(R, D, c.block_size);
@@ -255,13 +272,14 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
       for (int64_t i = tile.q0; i < tile.q1; ++i)
         for (int g = 0; g < G; ++g) {
           const int r = static_cast<int>(i - tile.q0) * G + g;
-          store_row<T, D>(w.acc.data() + r * D, w.l[r], op + ((qsl[b] + i) * Hq + kvh * G + g) * D);
+          store_row<T, D>(w.acc.data() + r * D, w.l[r], op + ((qsl[b] + i) * Hq + kvh * G + g) * D, v_scale);
         }
     }
   }
 }
 
-/// Calls f.template operator()<T, D>() for the runtime dtype and head size.
+/// Calls f.template operator()<T, D>() for the runtime query dtype (float32 or bfloat16; with a
+/// 16/32-bit cache the cache's) and head size.
 template <typename F>
 void dispatch(DType dtype, int64_t head_size, F&& f) {
   auto by_size = [&]<typename T>() {
@@ -299,7 +317,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                      const TensorView& value_cache, const TensorView& block_tables,
                      const TensorView& seq_lens, float scale, const AttentionOptions& options,
                      int num_threads) {
-  dispatch(key_cache.dtype, key_cache.size(3), [&]<typename T, int D>() {
+  dispatch(query.dtype, key_cache.size(3), [&]<typename T, int D>() {
     decode<T, D>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, options,
                  num_threads);
   });
@@ -310,7 +328,7 @@ void paged_prefill_attention(const TensorView& out, const TensorView& query,
                              const TensorView& block_tables, const TensorView& seq_lens,
                              const TensorView& query_start_loc, float scale,
                              const AttentionOptions& options, int num_threads) {
-  dispatch(key_cache.dtype, key_cache.size(3), [&]<typename T, int D>() {
+  dispatch(query.dtype, key_cache.size(3), [&]<typename T, int D>() {
     prefill<T, D>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                   scale, options, num_threads);
   });

@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_fp8.h"
 #include "cpu_qk_pv.h"
 #include "cpu_vec.h"
 
@@ -27,7 +28,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 #endif
 constexpr int64_t kPrefetchTiles = PAGEDLLM_PREFETCH_TILES;
 
-/// Geometry shared by every work item of one launch.
+/// Geometry shared by every work item of one launch. T is the query's dtype; the cache holds T
+/// (key_cache / value_cache) or FP8 codes (key8 / value8, fp8 = 1 for E4M3, 2 for E5M2), decoded
+/// tile by tile into the workspace (tile_rows) — the same element offsets either way.
 template <typename T>
 struct Context {
   const T* key_cache;
@@ -38,12 +41,34 @@ struct Context {
   int block_size;
   int32_t sliding_window;
   float soft_cap;
+  const uint8_t* key8 = nullptr;
+  const uint8_t* value8 = nullptr;
+  int fp8 = 0;
+
+  /// Address of element `off` of the key (kv = 0) or value (kv = 1) cache, and an element's bytes.
+  const char* bytes(int kv, int64_t off) const {
+    if (fp8) return reinterpret_cast<const char*>((kv ? value8 : key8) + off);
+    return reinterpret_cast<const char*>((kv ? value_cache : key_cache) + off);
+  }
+  size_t elem_bytes() const { return fp8 ? 1 : sizeof(T); }
 };
+
+/// Prefetch the K and V tiles (bs x D elements) at element offset `tile` into the cache.
+template <typename T>
+inline void prefetch_tile(const Context<T>& c, int64_t tile, int D) {
+  const char* nk = c.bytes(0, tile);
+  const char* nv = c.bytes(1, tile);
+  for (size_t off = 0; off < size_t(c.block_size) * D * c.elem_bytes(); off += 64) {
+    __builtin_prefetch(nk + off);
+    __builtin_prefetch(nv + off);
+  }
+}
 
 /// Per-thread scratch, sized for up to `rows` query rows (rounded up to 16 for the row-tiled
 /// prefill path, whose transposed query qt, probabilities pt and fp32 K chunk kf live here too).
 struct Workspace {
   std::vector<float> q, acc, m, l, corr, s, vf, qt, pt, kf, acct;
+  std::vector<float> conv;  // FP8 caches: one decoded K and one V tile (as float, or bf16 in the first half)
   std::vector<bf16> qb;
   std::vector<int32_t> pos;
   Workspace(int rows, int head_size, int block_size) {
@@ -57,6 +82,7 @@ struct Workspace {
     vf.resize(size_t(block_size) * d);
     qb.resize(r16 * d);
     pos.resize(r16);
+    conv.resize(2 * size_t(block_size) * d);
     if (rows >= 16) {
       qt.resize(r16 * d);
       pt.resize(16 * 16);
@@ -65,6 +91,20 @@ struct Workspace {
     }
   }
 };
+
+/// Rows [r0, r1) of the K (kv = 0) or V (kv = 1) tile at element offset `tile`, as T: the cache's
+/// own memory, or for an FP8 cache those rows decoded into w.conv (exact). Returns the tile's row 0.
+template <typename T, int D>
+inline const T* tile_rows(const Context<T>& c, int kv, int64_t tile, int r0, int r1, Workspace& w) {
+  if (c.fp8 == 0) return (kv ? c.value_cache : c.key_cache) + tile;
+  T* dst = reinterpret_cast<T*>(w.conv.data()) + size_t(kv) * c.block_size * D;
+  const uint8_t* src = (kv ? c.value8 : c.key8) + tile;
+  if (c.fp8 == 1)
+    fp8::decode_row<fp8::Kind::kE4M3>(src + size_t(r0) * D, dst + size_t(r0) * D, int64_t(r1 - r0) * D);
+  else
+    fp8::decode_row<fp8::Kind::kE5M2>(src + size_t(r0) * D, dst + size_t(r0) * D, int64_t(r1 - r0) * D);
+  return dst;
+}
 
 /// Online-softmax attention of R query rows (w.q: [R][D] fp32, already multiplied by `scale`;
 /// for bf16 also w.qb: the unscaled bf16 rows; w.pos[r]: the row's position) over the context
@@ -89,20 +129,16 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
     const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
     const int t1 = static_cast<int>(std::min<int64_t>(hi, base + bs) - base);
     const int64_t tile = (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * bs * D;
-    const T* kt = c.key_cache + tile;
     // Blocks are scattered, so the hardware prefetcher cannot run ahead across tiles: fetch the
     // (block, kv head) K and V tiles kPrefetchTiles ahead while this one is computed (the first
     // iteration also fetches the ones in between).
     for (int64_t ahead = (blk * bs == (lo / bs) * bs) ? 1 : kPrefetchTiles; ahead <= kPrefetchTiles; ++ahead) {
       if ((blk + ahead) * bs >= hi) break;
-      const int64_t next = (static_cast<int64_t>(table[blk + ahead]) * c.num_kv_heads + kvh) * bs * D;
-      const char* nk = reinterpret_cast<const char*>(c.key_cache + next);
-      const char* nv = reinterpret_cast<const char*>(c.value_cache + next);
-      for (size_t off = 0; off < size_t(bs) * D * sizeof(T); off += 64) {
-        __builtin_prefetch(nk + off);
-        __builtin_prefetch(nv + off);
-      }
+      prefetch_tile(c, (static_cast<int64_t>(table[blk + ahead]) * c.num_kv_heads + kvh) * bs * D, D);
     }
+    // the 16-token chunks that [t0, t1) touches (an FP8 tile is decoded only there)
+    const int r0 = t0 - t0 % 16, r1 = std::min(bs, (t1 + 15) / 16 * 16);
+    const T* kt = tile_rows<T, D>(c, 0, tile, r0, r1, w);
     // Scores S = Q K^T for this block, 16 tokens at a time (bs is a multiple of 16); a chunk's
     // K rows stay in L1 for all R rows. Rows outside [t0, t1) are computed but never used.
     for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16)
@@ -199,7 +235,7 @@ void attend_blocks(const Context<T>& c, const int32_t* table, int64_t kvh, int64
       l[r] = l[r] * corr + sum;
       w.corr[r] = corr;
     }
-    pv_rows<T, D>(acc, w.corr.data(), s, bs, c.value_cache + tile, t0, t1, R);
+    pv_rows<T, D>(acc, w.corr.data(), s, bs, tile_rows<T, D>(c, 1, tile, t0, t1, w), t0, t1, R);
   }
 }
 
@@ -230,18 +266,16 @@ void attend_blocks_rows16(const Context<T>& c, const int32_t* table, int64_t kvh
     const int t0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
     const int t1 = static_cast<int>(std::min<int64_t>(hi, base + bs) - base);
     const int64_t tile = (static_cast<int64_t>(table[blk]) * c.num_kv_heads + kvh) * bs * D;
-    const T* kt = c.key_cache + tile;
-    if ((blk + 1) * bs < hi) {
-      const int64_t next = (static_cast<int64_t>(table[blk + 1]) * c.num_kv_heads + kvh) * bs * D;
-      const char* nk = reinterpret_cast<const char*>(c.key_cache + next);
-      const char* nv = reinterpret_cast<const char*>(c.value_cache + next);
-      for (size_t off = 0; off < size_t(bs) * D * sizeof(T); off += 64) {
-        __builtin_prefetch(nk + off);
-        __builtin_prefetch(nv + off);
-      }
-    }
-    const float* vp;
-    if constexpr (std::is_same_v<T, float>) {
+    if ((blk + 1) * bs < hi)
+      prefetch_tile(c, (static_cast<int64_t>(table[blk + 1]) * c.num_kv_heads + kvh) * bs * D, D);
+    const float* vp;  // V rows [t0, t1) in fp32
+    if (c.fp8 == 1) {
+      fp8::decode_row<fp8::Kind::kE4M3>(c.value8 + tile + t0 * D, w.vf.data() + t0 * D, int64_t(t1 - t0) * D);
+      vp = w.vf.data();
+    } else if (c.fp8 == 2) {
+      fp8::decode_row<fp8::Kind::kE5M2>(c.value8 + tile + t0 * D, w.vf.data() + t0 * D, int64_t(t1 - t0) * D);
+      vp = w.vf.data();
+    } else if constexpr (std::is_same_v<T, float>) {
       vp = c.value_cache + tile;
     } else {
       to_float_row(c.value_cache + tile + t0 * D, w.vf.data() + t0 * D, (t1 - t0) * D);
@@ -250,10 +284,16 @@ void attend_blocks_rows16(const Context<T>& c, const int32_t* table, int64_t kvh
     for (int c16 = t0 - t0 % 16; c16 < t1; c16 += 16) {
       const int u0 = std::max(t0, c16) - c16, u1 = std::min(t1, c16 + 16) - c16;
       const float* kf16;  // the chunk's 16 K rows in fp32 (converted once for all row groups)
-      if constexpr (std::is_same_v<T, float>) {
-        kf16 = kt + size_t(c16) * D;
+      if (c.fp8 == 1) {
+        fp8::decode_row<fp8::Kind::kE4M3>(c.key8 + tile + size_t(c16) * D, w.kf.data(), 16 * D);
+        kf16 = w.kf.data();
+      } else if (c.fp8 == 2) {
+        fp8::decode_row<fp8::Kind::kE5M2>(c.key8 + tile + size_t(c16) * D, w.kf.data(), 16 * D);
+        kf16 = w.kf.data();
+      } else if constexpr (std::is_same_v<T, float>) {
+        kf16 = c.key_cache + tile + size_t(c16) * D;
       } else {
-        to_float_row(kt + size_t(c16) * D, w.kf.data(), 16 * D);
+        to_float_row(c.key_cache + tile + size_t(c16) * D, w.kf.data(), 16 * D);
         kf16 = w.kf.data();
       }
       for (int g = 0; g < NG; ++g) {
@@ -337,10 +377,11 @@ inline void load_query(const T* src, float scale, float* dst, bf16* qb) {
   if constexpr (std::is_same_v<T, bf16>) std::copy_n(src, D, qb);
 }
 
-/// out row = acc / l (a zero row when the row saw no token, l == 0).
+/// out row = acc * v_scale / l (a zero row when the row saw no token, l == 0); v_scale: an FP8
+/// cache's value scale, 1 otherwise.
 template <typename T, int D>
-inline void store_row(const float* acc, float l, T* dst) {
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+inline void store_row(const float* acc, float l, T* dst, float v_scale = 1.0f) {
+  const float inv = l > 0.0f ? v_scale / l : 0.0f;
 #pragma omp simd
   for (int d = 0; d < D; ++d) dst[d] = from_float<T>(acc[d] * inv);
 }

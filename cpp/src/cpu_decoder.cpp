@@ -99,9 +99,9 @@ CpuDecoderStack::CpuDecoderStack(const CpuDecoderConfig& cfg, std::vector<CpuDec
     check_packed(at + "down", l.down, H, I);
     check_bias(at + "down_bias", l.down_bias, H);
     for (const TensorView* c : {&l.key_cache, &l.value_cache})
-      PAGEDLLM_CHECK(c->device == DeviceType::kCPU && c->dtype == DType::kBFloat16 && c->ndim == 4 &&
-                         c->size(1) == cfg.num_kv_heads && c->size(3) == D && c->is_contiguous(),
-                     kOp, ": ", at, "KV cache must be a contiguous bfloat16 [num_blocks, ", cfg.num_kv_heads,
+      PAGEDLLM_CHECK(c->device == DeviceType::kCPU && (c->dtype == DType::kBFloat16 || is_fp8(c->dtype)) &&
+                         c->ndim == 4 && c->size(1) == cfg.num_kv_heads && c->size(3) == D && c->is_contiguous(),
+                     kOp, ": ", at, "KV cache must be a contiguous bfloat16 or fp8 [num_blocks, ", cfg.num_kv_heads,
                      ", block_size, ", D, "] cpu tensor, got ", c->describe());
     bool same = true;
     for (int d = 0; d < 4; ++d) same = same && l.key_cache.size(d) == l.value_cache.size(d);
@@ -171,9 +171,10 @@ void CpuDecoderStack::forward(int64_t start, int64_t end, const TensorView& hidd
       kr = bf16_view(k_.data(), {T, Hkv, D}, {kv_size, D, 1});
     }
     rotary_embedding(step.positions, qr, kr, cos_sin_cache_);
-    reshape_and_cache(kr, v, l.key_cache, l.value_cache, step.slot_mapping);
+    reshape_and_cache(kr, v, l.key_cache, l.value_cache, step.slot_mapping, l.kv_scales);
     AttentionOptions options;
     options.sliding_window = l.sliding_window;
+    options.kv_scales = l.kv_scales;
     if (step.decode_only)
       paged_attention(attn3, qr, l.key_cache, l.value_cache, step.block_tables, step.seq_lens, cfg_.scale, options);
     else

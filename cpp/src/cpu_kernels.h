@@ -23,7 +23,8 @@ void paged_prefill_attention(const TensorView& out, const TensorView& query,
                              const AttentionOptions& options, int num_threads);
 
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
-                       const TensorView& value_cache, const TensorView& slot_mapping, int num_threads);
+                       const TensorView& value_cache, const TensorView& slot_mapping,
+                       const KVCacheScales& scales, int num_threads);
 
 void copy_blocks(const std::vector<TensorView>& key_caches, const std::vector<TensorView>& value_caches,
                  const TensorView& block_mapping, int num_threads);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -29,15 +30,59 @@ inline std::string device_str(const TensorView& t) {
 
 /// Cache dtypes the kernels of `device` implement.
 inline const char* supported_dtypes(DeviceType device) {
-  return device == DeviceType::kCPU ? "float32, bfloat16" : "float32, bfloat16, float16";
+  return device == DeviceType::kCPU ? "float32, bfloat16, float8_e4m3fn, float8_e5m2"
+                                    : "float32, bfloat16, float16, float8_e4m3fn, float8_e5m2";
+}
+
+/// Query / key / value / out dtypes taken with an FP8 cache on `device` (attention.h's fp8_query_dtypes).
+inline const char* fp8_compute_dtypes(DeviceType device) {
+  return device == DeviceType::kCPU ? "float32, bfloat16" : "bfloat16, float16";
+}
+
+inline bool fp8_compute_dtype_ok(DType dtype, DeviceType device) {
+  if (device == DeviceType::kCPU) return dtype == DType::kFloat32 || dtype == DType::kBFloat16;
+  return dtype == DType::kBFloat16 || dtype == DType::kFloat16;
 }
 
 inline void check_cache_dtype(const char* op, const TensorView& cache) {
-  bool ok = cache.dtype == DType::kFloat32 || cache.dtype == DType::kBFloat16 ||
+  bool ok = cache.dtype == DType::kFloat32 || cache.dtype == DType::kBFloat16 || is_fp8(cache.dtype) ||
             (cache.dtype == DType::kFloat16 && cache.device == DeviceType::kCUDA);
   PAGEDLLM_CHECK(ok, op, ": cache dtype ", dtype_name(cache.dtype), " is not supported on ",
                  device_name(cache.device), "; supported dtypes on ", device_name(cache.device), ": ",
                  supported_dtypes(cache.device));
+}
+
+/// A tensor that meets the cache (query, key, value, out): the cache's dtype, or with an FP8 cache
+/// one of fp8_compute_dtypes(device).
+inline void check_compute_dtype(const char* op, const char* name, const TensorView& t, const TensorView& cache) {
+  if (!is_fp8(cache.dtype)) {
+    PAGEDLLM_CHECK(t.dtype == cache.dtype, op, ": ", name, " must be ", dtype_name(cache.dtype),
+                   " (the cache's dtype), got ", dtype_name(t.dtype), " (", t.describe(), ")");
+    return;
+  }
+  PAGEDLLM_CHECK(fp8_compute_dtype_ok(t.dtype, cache.device), op, ": with a ", dtype_name(cache.dtype),
+                 " cache on ", device_name(cache.device), ", ", name, " must be one of ",
+                 fp8_compute_dtypes(cache.device), ", got ", dtype_name(t.dtype), " (", t.describe(), ")");
+}
+
+/// KVCacheScales: each set scale a float32 one-element tensor on the cache's device; on the CPU
+/// also finite and > 0.
+inline void check_kv_scales(const char* op, const KVCacheScales& scales, const TensorView& cache) {
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"k_scale", &scales.k_scale},
+                                std::pair<const char*, const TensorView*>{"v_scale", &scales.v_scale}}) {
+    if (t->data == nullptr) continue;
+    PAGEDLLM_CHECK(t->dtype == DType::kFloat32 && t->numel() == 1, op, ": ", name,
+                   " must be a one-element float32 tensor, got ", t->describe());
+    const bool same = t->device == cache.device &&
+                      (t->device == DeviceType::kCPU || t->device_index == cache.device_index);
+    PAGEDLLM_CHECK(same, op, ": ", name, " is on ", device_name(t->device), " but the cache is on ",
+                   device_name(cache.device), "; the scale must be on the cache's device");
+    if (t->device == DeviceType::kCPU) {
+      const float v = *static_cast<const float*>(t->data);
+      PAGEDLLM_CHECK(v > 0.0f && v < std::numeric_limits<float>::infinity(), op, ": ", name,
+                     " must be finite and > 0, got ", v);
+    }
+  }
 }
 
 inline void check_contiguous(const char* op, const char* name, const TensorView& t) {

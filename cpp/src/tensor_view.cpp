@@ -11,8 +11,11 @@ DType parse_dtype(const std::string& raw) {
   if (name == "int64" || name == "long") return DType::kInt64;
   if (name == "uint8") return DType::kUInt8;
   if (name == "int8") return DType::kInt8;
+  if (name == "float8_e4m3fn") return DType::kFloat8E4M3FN;
+  if (name == "float8_e5m2") return DType::kFloat8E5M2;
   throw InvalidArgument("unknown dtype '" + raw +
-                        "'; expected one of float32, float16, bfloat16, int32, int64, uint8, int8");
+                        "'; expected one of float32, float16, bfloat16, int32, int64, uint8, int8, float8_e4m3fn, "
+                        "float8_e5m2");
 }
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,

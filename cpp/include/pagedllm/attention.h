@@ -24,7 +24,17 @@
 // Sizes supported by both implementations: head sizes 32, 64, 80, 96, 128, 256; block sizes
 // 16 and 32 (supported_head_sizes(), supported_block_sizes()); GQA/MQA with
 // num_heads % num_kv_heads == 0. Dtypes: float32 and bfloat16 on CPU and CUDA, float16 on CUDA
-// only. query / out have the cache's dtype; all accumulation is in float32.
+// only; query / out then have the cache's dtype. All accumulation is in float32.
+//
+// FP8 caches (float8_e4m3fn, float8_e5m2; vLLM's kv_cache_dtype "fp8" / "fp8_e5m2"): a stored
+// element c stands for c * k_scale (keys) or c * v_scale (values), per-tensor scales of the layer
+// (KVCacheScales). The writers (reshape_and_cache, rotary_embedding_and_cache, the GEMV's rotary
+// epilogue) store x / scale rounded to nearest-even and saturated to the format's largest finite
+// value (448 for e4m3, 57344 for e5m2; NaN stays NaN). The attention kernels read the codes exactly
+// (both formats are exact in bfloat16 / float16 / float32), fold k_scale into the softmax scale and
+// v_scale into the output, and keep the softmax and every sum in float32: the result is attention
+// over the dequantized cache. query / out are then float32 or bfloat16 on the CPU, bfloat16 or
+// float16 on CUDA (fp8_query_dtypes()).
 // ---------------------------------------------------------------------------------------------
 #pragma once
 
@@ -35,6 +45,16 @@
 #include "pagedllm/tensor_view.h"
 
 namespace pagedllm {
+
+/// Per-tensor dequantization scales of one layer's FP8 KV cache: key = code * k_scale, value =
+/// code * v_scale. Each is a float32 one-element tensor on the cache's device (a host float on the
+/// CPU), read by the kernels when they run, so a CUDA graph that captured a launch follows later
+/// in-place updates (calculate_kv_scales). An unset view (data == nullptr) means 1.0. Values must
+/// be finite and > 0 (checked on the CPU). Ignored for 16/32-bit caches.
+struct KVCacheScales {
+  TensorView k_scale;
+  TensorView v_scale;
+};
 
 /// Options shared by the decode and prefill launchers.
 struct AttentionOptions {
@@ -66,6 +86,8 @@ struct AttentionOptions {
   /// (programmatic dependent launch), and only the tiles holding the last token after. Same
   /// results; false (the default) loads nothing before the wait.
   bool early_context_loads = false;
+  /// FP8 caches: the layer's dequantization scales (unset: 1.0).
+  KVCacheScales kv_scales;
 };
 
 /// Head sizes every implementation supports: {32, 64, 80, 96, 128, 256}.
@@ -73,10 +95,13 @@ const std::vector<int64_t>& supported_head_sizes();
 /// Block sizes (tokens per KV block) every implementation supports: {16, 32}.
 const std::vector<int64_t>& supported_block_sizes();
 
-/// Cache (and query/out) dtypes the kernels of `device` implement: float32 and bfloat16 on the
-/// CPU; float32, bfloat16 and float16 on CUDA.
+/// Cache dtypes the kernels of `device` implement: float32 and bfloat16 on the CPU; float32,
+/// bfloat16 and float16 on CUDA; float8_e4m3fn and float8_e5m2 on both.
 std::vector<DType> supported_cache_dtypes(DeviceType device);
 
+/// Query / out dtypes the kernels of `device` take with an FP8 cache: float32 and bfloat16 on the
+/// CPU; bfloat16 and float16 on CUDA (its tensor cores read the FP8 tiles as float16).
+std::vector<DType> fp8_query_dtypes(DeviceType device);
 /// Threads the CPU kernels (attention and cache ops) use. n <= 0 restores the default: all
 /// available cores (omp_get_max_threads()). Ignored by the CUDA kernels.
 void set_num_threads(int n);
@@ -90,9 +115,10 @@ bool cpu_attention_uses_amx();
 
 /// Decode attention: one query token per sequence against its paged context.
 ///
-///   out          [B, Hq, D]   dtype of the cache, same device; written (every element)
-///   query        [B, Hq, D]   dtype of the cache
-///   key_cache    [num_blocks, Hkv, block_size, D]  float32 | bfloat16 (| float16 on CUDA)
+///   out          [B, Hq, D]   dtype of the query, same device; written (every element)
+///   query        [B, Hq, D]   dtype of the cache (an FP8 cache: see fp8_query_dtypes)
+///   key_cache    [num_blocks, Hkv, block_size, D]  float32 | bfloat16 (| float16 on CUDA) |
+///                float8_e4m3fn | float8_e5m2 (query / out then in fp8_query_dtypes(device))
 ///   value_cache  same shape and dtype as key_cache
 ///   block_tables int32 [B, M]  physical block ids; entries past a sequence's last block unused
 ///   seq_lens     int32 [B]     context length of each sequence, the query's own token included

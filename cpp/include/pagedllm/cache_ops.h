@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "pagedllm/attention.h"
 #include "pagedllm/tensor_view.h"
 
 namespace pagedllm {
@@ -23,16 +24,20 @@ std::array<int64_t, 4> kv_cache_shape(int64_t num_blocks, int64_t block_size, in
 
 /// Write this step's keys and values into the cache (vLLM's reshape_and_cache).
 ///
-///   key, value    [T, Hkv, D]   the cache's dtype and device, contiguous (on the CPU: any token
+///   key, value    [T, Hkv, D]   the cache's dtype (an FP8 cache: one of attention.h's
+///                               fp8_query_dtypes) and device, contiguous (on the CPU: any token
 ///                               stride, [Hkv, D] rows contiguous: views of a fused QKV)
 ///   key_cache, value_cache  [num_blocks, Hkv, block_size, D]
 ///   slot_mapping  int64 [T]     slot of each token, same device; slot < 0 skips the token
 ///                               (padding); slot >= num_blocks * block_size is an error (checked
 ///                               on CPU; on CUDA such a slot is skipped)
+///   scales        FP8 caches: the stored code is key / k_scale (value / v_scale), rounded to
+///                 nearest-even and saturated to the format's largest finite value (attention.h);
+///                 ignored for 16/32-bit caches
 /// T = 0 is a no-op.
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping,
-                       std::uintptr_t stream = 0);
+                       const KVCacheScales& scales = {}, std::uintptr_t stream = 0);
 
 /// Copy whole blocks within each layer's caches (copy-on-write after a fork).
 ///

@@ -26,6 +26,7 @@
 #include <optional>
 #include <vector>
 
+#include "pagedllm/attention.h"
 #include "pagedllm/tensor_view.h"
 
 namespace pagedllm {
@@ -57,7 +58,8 @@ struct CpuDecoderLayer {
   std::optional<TensorView> gate_up_bias;
   TensorView down;                       // packed, [hidden_size / 32, intermediate / 32, ...]
   std::optional<TensorView> down_bias;
-  TensorView key_cache, value_cache;     // [num_blocks, Hkv, block_size, D]
+  TensorView key_cache, value_cache;     // [num_blocks, Hkv, block_size, D], bfloat16 or FP8
+  KVCacheScales kv_scales;               // FP8 caches: the layer's scales (attention.h); unset = 1.0
   int32_t sliding_window = 0;            // 0 = full causal context
 };
 

@@ -14,7 +14,10 @@
 
 namespace pagedllm {
 
-enum class DType : int8_t { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8, kInt8 };
+/// Element types. kFloat8E4M3FN / kFloat8E5M2 are the OCP FP8 formats as PyTorch's float8_e4m3fn
+/// (4 exponent bits, bias 7, 3 mantissa bits, no infinities, max 448) and float8_e5m2 (bias 15, 2
+/// mantissa bits, IEEE-like, max 57344): "OCP 8-bit Floating Point Specification (OFP8)", 2023.
+enum class DType : int8_t { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8, kInt8, kFloat8E4M3FN, kFloat8E5M2 };
 enum class DeviceType : int8_t { kCPU, kCUDA };
 
 /// Size in bytes of one element of `dtype`.
@@ -27,6 +30,8 @@ inline std::size_t dtype_size(DType dtype) {
     case DType::kInt64: return 8;
     case DType::kUInt8: return 1;
     case DType::kInt8: return 1;
+    case DType::kFloat8E4M3FN: return 1;
+    case DType::kFloat8E5M2: return 1;
   }
   return 0;
 }
@@ -41,11 +46,17 @@ inline const char* dtype_name(DType dtype) {
     case DType::kInt64: return "int64";
     case DType::kUInt8: return "uint8";
     case DType::kInt8: return "int8";
+    case DType::kFloat8E4M3FN: return "float8_e4m3fn";
+    case DType::kFloat8E5M2: return "float8_e5m2";
   }
   return "unknown";
 }
 
-/// Parse a dtype name ("float32"/"float", "float16"/"half", "bfloat16", "int32", "int64", "uint8", "int8");
+/// Whether `dtype` is one of the 8-bit float formats (kFloat8E4M3FN, kFloat8E5M2).
+inline bool is_fp8(DType dtype) { return dtype == DType::kFloat8E4M3FN || dtype == DType::kFloat8E5M2; }
+
+/// Parse a dtype name ("float32"/"float", "float16"/"half", "bfloat16", "int32", "int64", "uint8", "int8",
+/// "float8_e4m3fn", "float8_e5m2");
 /// a "torch." prefix is accepted. Throws InvalidArgument naming an unknown name.
 DType parse_dtype(const std::string& name);
 

@@ -23,6 +23,7 @@ __all__ = [
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_HEAD_SIZES",
     "supported_cache_dtypes",
+    "fp8_query_dtypes",
     "kv_cache_shape",
     "allocate_kv_cache",
     "reshape_and_cache",
@@ -81,17 +82,24 @@ SUPPORTED_HEAD_SIZES: tuple[int, ...] = tuple(_C.supported_head_sizes())
 
 
 def supported_cache_dtypes(device: str | torch.device = "cpu") -> tuple[torch.dtype, ...]:
-    """KV-cache dtypes the kernels of ``device`` ('cpu' or 'cuda') implement."""
+    """KV-cache dtypes the kernels of ``device`` ('cpu' or 'cuda') implement (FP8 included)."""
     return tuple(getattr(torch, name) for name in _C.supported_cache_dtypes(torch.device(device).type))
 
 
+def fp8_query_dtypes(device: str | torch.device = "cpu") -> tuple[torch.dtype, ...]:
+    """Query / key / value dtypes (the model's compute dtype) the kernels of ``device`` take with an
+    FP8 KV cache: float32 and bfloat16 on the CPU, bfloat16 and float16 on CUDA."""
+    return tuple(getattr(torch, name) for name in _C.fp8_query_dtypes(torch.device(device).type))
+
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8", torch.int8: "int8"}
+                torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8", torch.int8: "int8",
+                torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 
 
 # pagedllm::DType codes (cpp/include/pagedllm/tensor_view.h), for TensorView.from_parts
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4,
-                torch.uint8: 5, torch.int8: 6}
+                torch.uint8: 5, torch.int8: 6, torch.float8_e4m3fn: 7, torch.float8_e5m2: 8}
 
 
 def _view(t: torch.Tensor) -> "_C.TensorView":
@@ -158,22 +166,32 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
             torch.zeros(shape, dtype=dtype, device=device))
 
 
+def _scale_view(scale: torch.Tensor | None) -> "_C.TensorView | None":
+    return None if scale is None else _view(scale)
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping`` (int64 ``[T]``,
-    same device; a negative slot skips the token)."""
+    same device; a negative slot skips the token). FP8 caches (float8_e4m3fn / float8_e5m2) store
+    ``key / k_scale`` and ``value / v_scale`` rounded to nearest-even and saturated to the format's
+    largest finite value; ``k_scale`` / ``v_scale`` are float32 ``[1]`` tensors on the cache's
+    device (None = 1.0), ignored for 16/32-bit caches."""
     _C.reshape_and_cache(_view(key), _view(value), _view(key_cache), _view(value_cache),
-                         _view(slot_mapping), _stream(key_cache))
+                         _view(slot_mapping), _stream(key_cache), _scale_view(k_scale), _scale_view(v_scale))
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, sliding_window: int | None = None, soft_cap: float | None = None,
                     split_k: int | None = None, workspace: torch.Tensor | None = None,
-                    early_context_loads: bool = False) -> None:
+                    early_context_loads: bool = False, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
     """Decode attention, one query per sequence, written into ``out`` ``[B, Hq, D]``.
 
-    ``query`` ``[B, Hq, D]`` (cache dtype), ``block_tables`` int32 ``[B, M]``, ``seq_lens`` int32
+    ``query`` ``[B, Hq, D]`` (the cache's dtype; with an FP8 cache one of
+    :func:`fp8_query_dtypes`), ``block_tables`` int32 ``[B, M]``, ``seq_lens`` int32
     ``[B]`` (context length including the query's token). ``sliding_window``: attend to the last
     N tokens; ``soft_cap``: Gemma-2 logit soft-cap; ``split_k``: None/-1 auto, 0 single pass,
     k > 0 force a k-way flash-decoding split. ``workspace``: CUDA only, a contiguous tensor on the
@@ -184,7 +202,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     promise that the kernels still running on the stream write at most each sequence's last
     token of these caches (a decode step's KV-cache write just before, as in a model layer); the
     kernel then loads the rest of each context before waiting for the previous kernel
-    (``AttentionOptions::early_context_loads``). Same results.
+    (``AttentionOptions::early_context_loads``). Same results. ``k_scale`` / ``v_scale``: an FP8
+    cache's float32 ``[1]`` scales on its device (None = 1.0; read when the kernel runs).
     """
     ws_ptr = ws_bytes = 0
     if workspace is not None and key_cache.is_cuda:
@@ -199,7 +218,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                        _view(block_tables), _view(seq_lens), float(scale),
                        int(sliding_window or 0), float(soft_cap or 0.0),
                        -1 if split_k is None else int(split_k), _stream(key_cache), ws_ptr, ws_bytes,
-                       bool(early_context_loads))
+                       bool(early_context_loads), _scale_view(k_scale), _scale_view(v_scale))
 
 
 def last_cuda_decode_plan() -> dict:
@@ -214,17 +233,19 @@ def last_cuda_decode_plan() -> dict:
 def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-                            sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+                            sliding_window: int | None = None, soft_cap: float | None = None,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Varlen causal attention of query chunks (prefill, chunked prefill, mixed decode rows).
 
     ``query``/``out`` ``[T, Hq, D]``; ``query_start_loc`` int32 ``[B+1]``; ``seq_lens`` int32
     ``[B]`` is each context length including its chunk; row i of sequence b sits at position
-    ``seq_lens[b] - q_len_b + i`` and sees positions up to its own.
+    ``seq_lens[b] - q_len_b + i`` and sees positions up to its own. ``k_scale`` / ``v_scale``: as
+    for :func:`paged_attention`.
     """
     _C.paged_prefill_attention(_view(out), _view(query), _view(key_cache), _view(value_cache),
                                _view(block_tables), _view(seq_lens), _view(query_start_loc),
                                float(scale), int(sliding_window or 0), float(soft_cap or 0.0),
-                               _stream(key_cache))
+                               _stream(key_cache), _scale_view(k_scale), _scale_view(v_scale))
 
 
 def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],

@@ -1,0 +1,251 @@
+"""FP8 KV caches (float8_e4m3fn, float8_e5m2) in every KV kernel, against float64 references.
+
+The writer (reshape_and_cache) is checked bit for bit against PyTorch's own conversion of
+``(x / scale).clamp(-max, max)`` (round to nearest-even, saturating). The attention kernels are
+checked against the float64 reference attention (kernel_reference.reference_attention) over the
+*dequantized* cache (code * scale) of identical inputs, so the only differences are the kernels'
+float32 sums and the output rounding. Fresh random inputs every run (the seed is printed); slots
+no sequence owns hold NaN codes (0x7f in both formats) and every output is poisoned with NaN
+first, so a wrong gather or an unwritten row shows. CUDA cases carry the `cuda` marker.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import pagedllm.ops as ops
+from kernel_reference import assert_close_to_reference, build_paged_cache, poisoned, reference_attention
+
+torch.set_num_threads(2)
+
+FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_IDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+#: (device, fp8 cache dtype, query dtype): the CPU takes float32 and bfloat16 queries, CUDA
+#: bfloat16 and float16 (ops.fp8_query_dtypes)
+CASES = [pytest.param("cpu", kv, q, id=f"cpu-{FP8_IDS[kv]}-{str(q)[6:]}")
+         for kv in FP8 for q in (torch.float32, torch.bfloat16)] + [
+    pytest.param("cuda", kv, q, id=f"cuda-{FP8_IDS[kv]}-{str(q)[6:]}", marks=pytest.mark.cuda)
+    for kv in FP8 for q in (torch.bfloat16, torch.float16)]
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture
+def gen(request):
+    seed = random.SystemRandom().randrange(2**31)
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    ops.set_num_threads(2)
+    yield
+    ops.set_num_threads(0)
+
+
+def reference_codes(x: torch.Tensor, scale: float, kv_dtype: torch.dtype) -> torch.Tensor:
+    """PyTorch's saturating FP8 codes of x / scale (uint8 view)."""
+    mx = FP8[kv_dtype]
+    return (x.float() / torch.tensor(scale, dtype=torch.float32)).clamp(-mx, mx).to(kv_dtype).view(torch.uint8)
+
+
+def dequantized(x: torch.Tensor, scale: float, kv_dtype: torch.dtype) -> torch.Tensor:
+    """float64 values the cache stands for: code * scale."""
+    return reference_codes(x, scale, kv_dtype).view(kv_dtype).to(torch.float64) * scale
+
+
+class Fp8Cache:
+    """A paged FP8 cache written through ops.reshape_and_cache from per-sequence K/V [L, Hkv, D] in
+    the query dtype (block tables, slots and unowned blocks as kernel_reference.build_paged_cache),
+    with the float64 dequantized K/V of each sequence for the reference."""
+
+    def __init__(self, seq_lens, num_kv_heads, head_size, block_size, kv_dtype, q_dtype, device, gen):
+        # codes of standard normal values up to 5 sigma stay below e4m3's 448 (no saturation here):
+        # most are normal numbers, the smallest subnormal
+        self.k_scale = float(torch.empty(1).uniform_(0.012, 0.03, generator=gen))
+        self.v_scale = float(torch.empty(1).uniform_(0.012, 0.03, generator=gen))
+        self.keys = [(torch.randn(n, num_kv_heads, head_size, generator=gen)).to(q_dtype)
+                     for n in seq_lens]
+        self.values = [(torch.randn(n, num_kv_heads, head_size, generator=gen)).to(q_dtype)
+                       for n in seq_lens]
+        layout = build_paged_cache(self.keys, self.values, block_size, torch.float32, "cpu", gen,
+                                   num_kv_heads=num_kv_heads, head_size=head_size)
+        shape = layout.key_cache.shape
+        self.key_cache = torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(kv_dtype)  # NaN codes
+        self.value_cache = torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(kv_dtype)
+        self.block_tables = layout.block_tables.to(device)
+        self.slot_mappings = layout.slot_mappings
+        self.k_scale_t = torch.tensor([self.k_scale], dtype=torch.float32, device=device)
+        self.v_scale_t = torch.tensor([self.v_scale], dtype=torch.float32, device=device)
+        if seq_lens and sum(seq_lens):
+            ops.reshape_and_cache(torch.cat(self.keys).to(device), torch.cat(self.values).to(device), self.key_cache,
+                                  self.value_cache, torch.cat(self.slot_mappings).to(device), self.k_scale_t,
+                                  self.v_scale_t)
+        self.deq_keys = [dequantized(k, self.k_scale, kv_dtype) for k in self.keys]
+        self.deq_values = [dequantized(v, self.v_scale, kv_dtype) for v in self.values]
+
+
+def check_decode(device, kv_dtype, q_dtype, seq_lens, num_heads, num_kv_heads, head_size, block_size, gen,
+                 split_modes=(None, 0, 4), sliding_window=None, soft_cap=None):
+    cache = Fp8Cache(seq_lens, num_kv_heads, head_size, block_size, kv_dtype, q_dtype, device, gen)
+    B = len(seq_lens)
+    query = torch.randn(B, num_heads, head_size, generator=gen).to(q_dtype)
+    scale = 1.0 / math.sqrt(head_size)
+    ref = torch.zeros(B, num_heads, head_size, dtype=torch.float64)
+    for b, n in enumerate(seq_lens):
+        if n:
+            ref[b] = reference_attention(query[b:b + 1], cache.deq_keys[b], cache.deq_values[b],
+                                         torch.tensor([n - 1]), scale, sliding_window, soft_cap)[0]
+    for split_k in split_modes:
+        out = poisoned((B, num_heads, head_size), q_dtype, device)
+        ops.paged_attention(out, query.to(device), cache.key_cache, cache.value_cache, cache.block_tables,
+                            torch.tensor(seq_lens, dtype=torch.int32, device=device), scale,
+                            sliding_window=sliding_window, soft_cap=soft_cap, split_k=split_k,
+                            k_scale=cache.k_scale_t, v_scale=cache.v_scale_t)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert_close_to_reference(out, ref, q_dtype)
+
+
+def check_prefill(device, kv_dtype, q_dtype, contexts, num_heads, num_kv_heads, head_size, block_size, gen,
+                  sliding_window=None):
+    seq_lens = [c for c, _ in contexts]
+    cache = Fp8Cache(seq_lens, num_kv_heads, head_size, block_size, kv_dtype, q_dtype, device, gen)
+    T = sum(q for _, q in contexts)
+    query = torch.randn(T, num_heads, head_size, generator=gen).to(q_dtype)
+    scale = 1.0 / math.sqrt(head_size)
+    ref = torch.zeros(T, num_heads, head_size, dtype=torch.float64)
+    qsl = [0]
+    for b, (n, q_len) in enumerate(contexts):
+        s = qsl[-1]
+        ref[s:s + q_len] = reference_attention(query[s:s + q_len], cache.deq_keys[b], cache.deq_values[b],
+                                               torch.arange(n - q_len, n), scale, sliding_window)
+        qsl.append(s + q_len)
+    out = poisoned((T, num_heads, head_size), q_dtype, device)
+    ops.paged_prefill_attention(out, query.to(device), cache.key_cache, cache.value_cache, cache.block_tables,
+                                torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                torch.tensor(qsl, dtype=torch.int32, device=device), scale,
+                                sliding_window=sliding_window, k_scale=cache.k_scale_t, v_scale=cache.v_scale_t)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_close_to_reference(out, ref, q_dtype)
+
+
+# ----------------------------------------------------------------------------- the writer
+
+
+@pytest.mark.parametrize("device,kv_dtype,q_dtype", CASES)
+def test_reshape_and_cache_matches_torch_codes_and_saturates(device, kv_dtype, q_dtype, gen):
+    """Codes equal torch's (x / scale).clamp(+-max).to(fp8) bit for bit, including values far past the
+    format's range (saturated, never NaN / inf), exact ties and subnormals; padding slots (-1) skip."""
+    T, H, D, bs = 40, 2, 64, 16
+    mx = FP8[kv_dtype]
+    scale = 0.5
+    x = torch.randn(T, H, D, generator=gen) * mx * scale * 0.3
+    x[0, 0, :8] = torch.tensor([1e6, -1e6, mx * scale * 1.02, -mx * scale * 1.3, 3 * 2**-11, 2**-12, 0.0, -0.0])
+    x[1, 0, :4] = torch.tensor([float("inf"), float("-inf"), mx * scale, 1e-30])
+    x = x.to(q_dtype)
+    v = (-x).contiguous()
+    kc = torch.zeros(6, H, bs, D, dtype=torch.uint8, device=device).view(kv_dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(6 * bs, generator=gen)[:T]
+    slots[5] = -1
+    sc = torch.tensor([scale], device=device)
+    ops.reshape_and_cache(x.to(device), v.to(device), kc, vc, slots.to(device), sc, sc)
+    blk, row = slots // bs, slots % bs
+    keep = slots >= 0
+    got_k = kc.cpu().view(torch.uint8)[blk[keep], :, row[keep]]
+    got_v = vc.cpu().view(torch.uint8)[blk[keep], :, row[keep]]
+    assert torch.equal(got_k, reference_codes(x[keep], scale, kv_dtype))
+    assert torch.equal(got_v, reference_codes(v[keep], scale, kv_dtype))
+    deq = got_k.view(kv_dtype).float()
+    assert torch.isfinite(deq).all() and deq.abs().max().item() == mx  # saturated, not inf / NaN
+    # the padding token's slot was not written: every byte of its block row stays 0 unless owned
+    assert int((kc.cpu().view(torch.uint8) != 0).sum()) <= int(keep.sum()) * H * D
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_cache_errors_name_the_value(device):
+    """A float32 query on CUDA with an FP8 cache, a bad scale, a mismatched key dtype: ValueError."""
+    kc = torch.zeros(2, 1, 16, 64, dtype=torch.float8_e4m3fn, device=device)
+    bad_q = torch.float32 if device == "cuda" else torch.float16
+    q = torch.zeros(1, 1, 64, dtype=bad_q, device=device)
+    with pytest.raises(ValueError, match="query must be one of"):
+        ops.paged_attention(torch.empty_like(q), q, kc, kc, torch.zeros(1, 2, dtype=torch.int32, device=device),
+                            torch.ones(1, dtype=torch.int32, device=device), 0.125)
+    k = torch.zeros(1, 1, 64, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="k_scale must be a one-element float32"):
+        ops.reshape_and_cache(k, k, kc, kc, torch.zeros(1, dtype=torch.int64, device=device),
+                              torch.ones(2, device=device), None)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="v_scale must be finite and > 0, got 0"):
+            ops.reshape_and_cache(k, k, kc, kc, torch.zeros(1, dtype=torch.int64), None, torch.zeros(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_blocks_and_swap_blocks_move_fp8_bytes(device, gen):
+    """Copy-on-write and swaps move an FP8 block's bytes unchanged (one byte per element)."""
+    codes = torch.randint(0, 256, (5, 2, 16, 32), dtype=torch.uint8, generator=gen)
+    kc = codes.clone().to(device).view(torch.float8_e5m2)
+    vc = codes.flip(0).contiguous().to(device).view(torch.float8_e5m2)
+    ops.copy_blocks([kc], [vc], torch.tensor([[1, 3], [4, 0]], device=device))
+    want_k, want_v = codes.clone(), codes.flip(0).contiguous()
+    want_k[3], want_k[0] = codes[1], codes[4]
+    want_v[3], want_v[0] = want_v[1].clone(), want_v[4].clone()
+    assert torch.equal(kc.cpu().view(torch.uint8), want_k) and torch.equal(vc.cpu().view(torch.uint8), want_v)
+    dst = torch.zeros(3, 2, 16, 32, dtype=torch.float8_e5m2)
+    ops.swap_blocks(kc, dst, torch.tensor([[2, 1]]))
+    assert torch.equal(dst.view(torch.uint8)[1], want_k[2])
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("device,kv_dtype,q_dtype", CASES)
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_dequantized_reference(device, kv_dtype, q_dtype, head_size, block_size, gen):
+    check_decode(device, kv_dtype, q_dtype, [1, 17, 64, 150, 333], 8, 2, head_size, block_size, gen)
+
+
+@pytest.mark.parametrize("device,kv_dtype,q_dtype", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 1), (12, 3), (32, 8)])
+def test_decode_gqa_and_mqa(device, kv_dtype, q_dtype, num_heads, num_kv_heads, gen):
+    check_decode(device, kv_dtype, q_dtype, [5, 90, 257], num_heads, num_kv_heads, 128, 16, gen)
+
+
+@pytest.mark.parametrize("device,kv_dtype,q_dtype", CASES)
+def test_decode_long_context_split_k(device, kv_dtype, q_dtype, gen):
+    """Long contexts through flash-decoding partitions (auto and forced) and one pass."""
+    check_decode(device, kv_dtype, q_dtype, [4100, 2500], 32, 8, 128, 16, gen, split_modes=(None, 0, 16))
+
+
+@pytest.mark.parametrize("device,kv_dtype,q_dtype", CASES)
+def test_decode_sliding_window_and_soft_cap(device, kv_dtype, q_dtype, gen):
+    check_decode(device, kv_dtype, q_dtype, [3, 100, 300], 8, 2, 64, 16, gen, sliding_window=40, soft_cap=5.0)
+
+
+# ----------------------------------------------------------------------------- prefill
+
+MIXED = [(37, 37), (100, 23), (50, 1), (1, 1), (64, 64), (20, 0), (129, 1)]
+
+
+@pytest.mark.parametrize("device,kv_dtype,q_dtype", CASES)
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_mixed_batch_matches_dequantized_reference(device, kv_dtype, q_dtype, head_size, block_size, gen):
+    check_prefill(device, kv_dtype, q_dtype, MIXED, 8, 2, head_size, block_size, gen)
+
+
+@pytest.mark.parametrize("device,kv_dtype,q_dtype", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 1), (32, 8)])
+def test_prefill_gqa_long_prompt_and_window(device, kv_dtype, q_dtype, num_heads, num_kv_heads, gen):
+    check_prefill(device, kv_dtype, q_dtype, [(600, 600), (300, 150), (9, 1)], num_heads, num_kv_heads, 128, 16,
+                  gen)
+    check_prefill(device, kv_dtype, q_dtype, MIXED, num_heads, num_kv_heads, 64, 16, gen, sliding_window=33)
