@@ -56,8 +56,8 @@ inline void check_cache_dtype(const char* op, const TensorView& cache) {
 /// one of fp8_compute_dtypes(device).
 inline void check_compute_dtype(const char* op, const char* name, const TensorView& t, const TensorView& cache) {
   if (!is_fp8(cache.dtype)) {
-    PAGEDLLM_CHECK(t.dtype == cache.dtype, op, ": ", name, " must be ", dtype_name(cache.dtype),
-                   " (the cache's dtype), got ", dtype_name(t.dtype), " (", t.describe(), ")");
+    PAGEDLLM_CHECK(t.dtype == cache.dtype, op, ": ", name, " must be ", dtype_name(cache.dtype), ", got ",
+                   dtype_name(t.dtype), " (", t.describe(), "; it must have the cache's dtype)");
     return;
   }
   PAGEDLLM_CHECK(fp8_compute_dtype_ok(t.dtype, cache.device), op, ": with a ", dtype_name(cache.dtype),
