@@ -49,6 +49,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="weight quantization (docs/quantization.md): int8 (CPU), int4 (CPU, CUDA), gguf (the GGUF "
                         "file's own types, CPU), fp8 (CUDA); gptq, awq, compressed-tensors: the checkpoint's own "
                         "(read from its config.json without this flag)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the KV cache's dtype (docs/fp8_kv_cache.md): fp8 holds twice the tokens of bfloat16")
 
 
 def _sampling_options(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -123,6 +125,7 @@ def make_llm(args: argparse.Namespace):
         args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

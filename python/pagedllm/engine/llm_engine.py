@@ -64,6 +64,7 @@ from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.executor import EXECUTOR_BACKENDS, ExecutorConfig, make_executor
 from pagedllm.model_executor.layers.linear import partition_heads
 from pagedllm.model_executor.quantization import get_quantization_config, required_dtype
+from pagedllm.model_executor.quantization.kv_cache import resolve_kv_cache_dtype
 
 logger = logging.getLogger("pagedllm")
 
@@ -105,6 +106,10 @@ class EngineArgs:
     #: vLLM's speculative_config (dict or JSON text): n-gram speculative decoding
     #: (pagedllm.spec_decode.config; docs/speculative_decoding.md)
     speculative_config: Any = None
+    #: the KV cache's dtype (vLLM's names): "auto" (the model's), "fp8" = "fp8_e4m3", "fp8_e5m2";
+    #: calculate_kv_scales: FP8 scales from the first batch (docs/fp8_kv_cache.md)
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
 
 class LLMEngine:
@@ -151,6 +156,11 @@ class LLMEngine:
         self.gguf_file = gguf_source(args.model)
         get_quantization_config(args.quantization, cfg.quantization, self.device, self.gguf_file,
                                 cfg.quantization_config, self.dtype)  # ValueError before any load
+        #: the KV caches' torch dtype (ValueError before any load)
+        self.cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
+        if args.calculate_kv_scales and self.cache_dtype == self.dtype:
+            raise ValueError("calculate_kv_scales=True needs an FP8 KV cache: pass kv_cache_dtype='fp8' (or "
+                             "'fp8_e5m2'), or leave calculate_kv_scales off")
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
         self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
         self.draft = _DraftSpec.check(self.speculative_config, cfg, self.dtype, self.device, self.max_model_len,
@@ -168,6 +178,7 @@ class LLMEngine:
                 max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=args.seed,
                 async_scheduling=self.async_scheduling, tensor_parallel_size=tp, quantization=args.quantization,
                 gguf_file=self.gguf_file, distributed_executor_backend=args.distributed_executor_backend,
+                kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=bool(args.calculate_kv_scales),
                 **self._verify_graph_args(),
                 **({} if self.draft is None else self.draft.executor_args()),
             ))

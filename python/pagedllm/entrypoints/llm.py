@@ -34,7 +34,7 @@ _NO_EFFECT_ARGS = {
 # that asks for nothing (vLLM's default), else a ValueError naming the argument — a user who asks
 # for fp8 KV or two pipeline stages must not silently get neither.
 _UNIMPLEMENTED_ARGS = {
-    "pipeline_parallel_size": 1, "enable_lora": False, "kv_cache_dtype": "auto",
+    "pipeline_parallel_size": 1, "enable_lora": False,
     "cpu_offload_gb": 0, "max_logprobs": 20, "hf_overrides": None, "tokenizer_mode": "auto",
     "skip_tokenizer_init": False,
 }
@@ -79,7 +79,10 @@ class LLM:
       config.json (docs/quantization.md). speculative_config: vLLM's dict, e.g. {"method": "ngram",
       "num_speculative_tokens": 4, "prompt_lookup_max": 4}: n-gram speculative decoding, exact
       (greedy output unchanged; sampled output from the same distribution); see
-      pagedllm.spec_decode.config and docs/speculative_decoding.md.
+      pagedllm.spec_decode.config and docs/speculative_decoding.md. kv_cache_dtype: "auto" (the
+      model's dtype), "fp8" = "fp8_e4m3" or "fp8_e5m2": one byte per cached element, twice the
+      tokens of a bfloat16 cache in the same memory; scales from the checkpoint's k_scale /
+      v_scale, else 1.0, or from the first batch with calculate_kv_scales=True (docs/fp8_kv_cache.md).
     Errors: ValueError naming the bad argument.
     """
 
@@ -108,6 +111,8 @@ class LLM:
         disable_async_output_proc: bool = False,
         async_scheduling: Optional[bool] = None,
         speculative_config: Optional[dict] = None,
+        kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
         **kwargs: Any,
     ):
         check_vllm_args(kwargs)
@@ -123,7 +128,8 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override, load_format=load_format,
             async_output_processing=False if disable_async_output_proc else "auto",
             async_scheduling="auto" if async_scheduling is None else async_scheduling,
-            speculative_config=speculative_config,
+            speculative_config=speculative_config, kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
         ))
         self.startup_seconds = time.perf_counter() - start
         logger.info("LLM ready in %.1f s", self.startup_seconds)

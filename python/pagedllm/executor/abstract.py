@@ -55,6 +55,10 @@ class ExecutorConfig:
     #: (reserved on a GPU before the KV budget), so that both fit
     kv_extra_bytes_per_block: int = 0
     reserved_bytes: int = 0
+    #: vLLM's kv_cache_dtype ("auto", "fp8", "fp8_e4m3", "fp8_e5m2") and calculate_kv_scales
+    #: (model_executor/quantization/kv_cache.py)
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
     def runner_kwargs(self) -> dict:
         return dict(dtype=self.dtype, block_size=self.block_size, max_model_len=self.max_model_len,
@@ -65,7 +69,8 @@ class ExecutorConfig:
                     seed=self.seed, async_scheduling=self.async_scheduling, quantization=self.quantization,
                     gguf_file=self.gguf_file, verify_query_len=self.verify_query_len,
                     verify_max_seqs=self.verify_max_seqs, kv_extra_bytes_per_block=self.kv_extra_bytes_per_block,
-                    reserved_bytes=self.reserved_bytes)
+                    reserved_bytes=self.reserved_bytes, kv_cache_dtype=self.kv_cache_dtype,
+                    calculate_kv_scales=self.calculate_kv_scales)
 
 
 class Executor:

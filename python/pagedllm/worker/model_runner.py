@@ -45,6 +45,7 @@ from pagedllm.model_executor.dummy import LOAD_FORMATS, init_dummy_weights
 from pagedllm.model_executor.loader import load_safetensors
 from pagedllm.model_executor.models import LlamaForCausalLM
 from pagedllm.model_executor.quantization import get_quantization_config
+from pagedllm.model_executor.quantization.kv_cache import resolve_kv_cache_dtype
 from pagedllm.worker.cpu_memory import tune_glibc_malloc
 from pagedllm.worker.cuda_graph import DecodeGraphRunner, boundary_state_bytes, capture_sizes
 from pagedllm.worker.cuda_graph_verify import VerifyGraphRunner, logits_bytes as verify_logits_bytes
@@ -100,9 +101,16 @@ class ModelRunner:
         verify_max_seqs: int = 0,
         kv_extra_bytes_per_block: int = 0,
         reserved_bytes: int = 0,
+        kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
     ):
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not supported: use one of {list(LOAD_FORMATS)}")
+        #: the KV caches' torch dtype (the model's, or FP8: model_executor/quantization/kv_cache.py)
+        self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
+        if calculate_kv_scales and self.cache_dtype == dtype:
+            raise ValueError("calculate_kv_scales=True needs an FP8 KV cache: pass kv_cache_dtype='fp8' (or "
+                             "'fp8_e5m2'), or leave calculate_kv_scales off")
         self.config = model_config
         self.async_scheduling = async_scheduling
         self.dtype = dtype
@@ -156,7 +164,8 @@ class ModelRunner:
         self.phase_seconds["load_weights"] = time.perf_counter() - start
         logger.info("loaded %s (%s, %s, load_format=%s) in %.1f s%s", model_path, model_config.architecture, dtype,
                     load_format, self.phase_seconds["load_weights"], self._rank_note())
-        elem = torch.empty((), dtype=dtype).element_size()
+        scales_from = self.model.set_kv_cache_dtype(self.cache_dtype)
+        elem = torch.empty((), dtype=self.cache_dtype).element_size()
         #: this rank's KV heads (all of them on one rank; a share, or one replicated head, under TP)
         self.num_kv_heads = self.model.num_kv_heads_per_rank
         self.bytes_per_block = (2 * model_config.num_hidden_layers * block_size
@@ -177,15 +186,22 @@ class ModelRunner:
         self.num_blocks = int(num_blocks)
         start = time.perf_counter()
         self.kv_caches = [
-            ops.allocate_kv_cache(self.num_blocks, block_size, self.num_kv_heads, model_config.head_dim, dtype, device)
+            ops.allocate_kv_cache(self.num_blocks, block_size, self.num_kv_heads, model_config.head_dim,
+                                  self.cache_dtype, device)
             for _ in range(model_config.num_hidden_layers)
         ]
         self._synchronize()
         self.phase_seconds["allocate_kv_cache"] = time.perf_counter() - start
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s) in %.2f s%s",
                     self.num_blocks, block_size, self.num_blocks * block_size,
-                    self.num_blocks * self.bytes_per_block / 2**30, dtype, device,
+                    self.num_blocks * self.bytes_per_block / 2**30, self.cache_dtype, device,
                     self.phase_seconds["allocate_kv_cache"], self._rank_note())
+        if self.cache_dtype != dtype:
+            model_elem = torch.empty((), dtype=dtype).element_size()
+            logger.info("KV cache dtype %s (kv_cache_dtype=%r): %d bytes per element against %d in %s, %dx the "
+                        "tokens in the same memory; k/v scales: %s", str(self.cache_dtype).removeprefix("torch."),
+                        kv_cache_dtype, elem, model_elem, str(dtype).removeprefix("torch."), model_elem // elem,
+                        "from the first batch (calculate_kv_scales)" if calculate_kv_scales else scales_from)
         if use_graphs:
             start = time.perf_counter()
             self.graphs = DecodeGraphRunner(self.model, self.kv_caches, max_num_seqs,
@@ -201,6 +217,8 @@ class ModelRunner:
                 logger.info("captured %d CUDA graphs for speculative verification (queries of <= %d tokens) of "
                             "batches %s in %.1f s", len(self.verify_graphs.sizes), self.verify_query_len,
                             self.verify_graphs.sizes, time.perf_counter() - start)
+        if calculate_kv_scales:  # after the profile run and the captures: the first real batch sets them
+            self.model.enable_kv_scale_calculation()
 
     def _rank_note(self) -> str:
         if self.tp.world_size == 1:
@@ -273,7 +291,8 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-        scratch = ops.allocate_kv_cache(num_seqs * blocks_per_seq, bs, self.num_kv_heads, cfg.head_dim, self.dtype, dev)
+        scratch = ops.allocate_kv_cache(num_seqs * blocks_per_seq, bs, self.num_kv_heads, cfg.head_dim,
+                                        self.cache_dtype, dev)
         scratch_bytes = torch.cuda.memory_allocated(dev) - base
         tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=dev).view(num_seqs, blocks_per_seq)
         positions = torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in lens])

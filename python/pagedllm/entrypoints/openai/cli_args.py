@@ -30,6 +30,9 @@ _HELP = {
     "async_output_processing": "auto | true | false: a step's detokenization during the next step's forward pass",
     "async_scheduling": "auto | true | false: schedule and launch step N + 1 before step N's tokens are known "
                         "(auto: on CUDA)",
+    "kv_cache_dtype": "auto | fp8 | fp8_e4m3 | fp8_e5m2: the KV cache's dtype (fp8: twice the tokens of bfloat16 "
+                      "in the same memory; docs/fp8_kv_cache.md)",
+    "calculate_kv_scales": "FP8 KV cache: compute each layer's k/v scales from the first batch",
 }
 
 #: vLLM's short flags

@@ -41,7 +41,12 @@ class AttentionMetadata:
 
 
 class Attention:
-    """Scaled dot-product attention of q [T, Hq, D] against the paged cache (GQA: Hq % Hkv == 0)."""
+    """Scaled dot-product attention of q [T, Hq, D] against the paged cache (GQA: Hq % Hkv == 0).
+
+    FP8 caches (set_kv_cache_dtype): k_scale / v_scale are this layer's float32 [1] scales on the
+    cache's device (model_executor/quantization/kv_cache.py), passed to every cache kernel; with
+    calculate_kv_scales set, the next call with tokens computes them from its keys and values
+    (calibrate) and clears the flag."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0):
         self.num_heads = num_heads
@@ -54,6 +59,39 @@ class Attention:
         #: decode split-K override (ops.paged_attention's split_k; None: the kernel's cost model),
         #: for benchmarks (bench/batch1_graph.py)
         self.split_k: int | None = None
+        #: FP8 caches: the cache dtype and this layer's scales (None: a 16/32-bit cache)
+        self.kv_cache_dtype: torch.dtype | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        #: compute the scales from the next batch with tokens (calculate_kv_scales)
+        self.calculate_kv_scales = False
+
+    def set_kv_cache_dtype(self, dtype: torch.dtype | None, device: torch.device, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> None:
+        """An FP8 cache dtype (torch.float8_e4m3fn / float8_e5m2) with its scales, or None for a
+        cache in the model's dtype."""
+        fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        self.kv_cache_dtype = dtype if fp8 else None
+        self.k_scale = torch.tensor([k_scale], dtype=torch.float32, device=device) if fp8 else None
+        self.v_scale = torch.tensor([v_scale], dtype=torch.float32, device=device) if fp8 else None
+
+    @property
+    def scales(self) -> dict:
+        """The scale keyword arguments of the pagedllm.ops cache kernels."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    def calibrate(self, k: torch.Tensor, v: torch.Tensor, key_bound: float = 1.0) -> None:
+        """calculate_kv_scales: k_scale = key_bound * max|k| / K_SCALE_CONSTANT, v_scale = max|v| /
+        V_SCALE_CONSTANT (in place: captured CUDA graphs read the new values), once, from a batch
+        with tokens. key_bound: sqrt(2) when k is taken before the rotary embedding."""
+        from pagedllm.model_executor.quantization.kv_cache import K_SCALE_CONSTANT, V_SCALE_CONSTANT
+
+        if not self.calculate_kv_scales or self.k_scale is None or k.numel() == 0:
+            return
+        tiny = torch.finfo(torch.float32).tiny
+        self.k_scale.copy_((k.abs().amax().float() * key_bound / K_SCALE_CONSTANT).clamp_min(tiny).reshape(1))
+        self.v_scale.copy_((v.abs().amax().float() / V_SCALE_CONSTANT).clamp_min(tiny).reshape(1))
+        self.calculate_kv_scales = False
 
     def forward(
         self,
@@ -65,7 +103,8 @@ class Attention:
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> out [T, Hq, D] (same dtype)."""
         key_cache, value_cache = kv_cache
-        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        self.calibrate(k, v)
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, **self.scales)
         return self.attend(q, kv_cache, meta)
 
     def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -78,11 +117,11 @@ class Attention:
             ops.paged_attention(
                 out, q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
                 sliding_window=self.sliding_window, split_k=self.split_k, workspace=self.workspace,
-                early_context_loads=EARLY_CONTEXT_LOADS,
+                early_context_loads=EARLY_CONTEXT_LOADS, **self.scales,
             )
         else:
             ops.paged_prefill_attention(
                 out, q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                self.scale, sliding_window=self.sliding_window,
+                self.scale, sliding_window=self.sliding_window, **self.scales,
             )
         return out

@@ -62,11 +62,12 @@ from pagedllm.model_executor.layers.attention import Attention, AttentionMetadat
 from pagedllm.model_executor.layers.cpu_linear_methods import AmxLinearMethod, PackedLinearMethod, can_pack_linear
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                                   RowParallelLinear, default_weight_loader)
+                                                   RowParallelLinear, _materialize, default_weight_loader)
 from pagedllm.model_executor.layers.linear_method import (GEMV_CROSSOVER_TOKENS, UnquantizedLinearMethod,
                                                           gemv_max_tokens)
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model_executor.quantization.kv_cache import checkpoint_kv_scale, scale_value
 
 __all__ = ["LlamaForCausalLM", "DecoderLayer", "GEMV_CROSSOVER_TOKENS", "gemv_max_tokens", "qk_head_rows"]
 
@@ -171,7 +172,7 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(hidden, fp8=fp8_qkv)
         else:
             h, residual = self.input_layernorm.add_and_norm(hidden, residual, fp8=fp8_qkv)
-        if gemv and self.rope_counters is not None and cos_sin is None:
+        if gemv and self.rope_counters is not None and cos_sin is None and not self.attn.calculate_kv_scales:
             attn = self._qkv_rope_attention(h, positions, rotary, kv_cache, meta)
         else:
             qkv = self.qkv_proj(h)
@@ -226,8 +227,8 @@ class DecoderLayer(nn.Module):
         key_cache, value_cache = kv_cache
         self.qkv_proj(h, rope=ops.GemvRope(
             self.num_heads, self.num_kv_heads, positions, rotary.cos, rotary.sin, query, key_cache, value_cache,
-            meta.slot_mapping, None if self.rope_paired_rows else self.rope_counters, self.rope_paired_rows),
-            config=self.qkv_gemv_config)
+            meta.slot_mapping, None if self.rope_paired_rows else self.rope_counters, self.rope_paired_rows,
+            **self.attn.scales), config=self.qkv_gemv_config)
         return self.attn.attend(query, kv_cache, meta).view(T, self.q_size)
 
     def _attention(self, qkv: torch.Tensor, positions: torch.Tensor,
@@ -253,8 +254,10 @@ class DecoderLayer(nn.Module):
             # fused (CUDA): the rotated query to a new tensor, the rotated key and v into the cache
             query = torch.empty((T, self.num_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
             key_cache, value_cache = kv_cache
+            self.attn.calibrate(k, v, key_bound=2**0.5)  # k before its rotation (quantization/kv_cache.py)
             ops.rotary_embedding_and_cache(positions, q, k, v, rotary.cos, rotary.sin, query, key_cache,
-                                           value_cache, meta.slot_mapping, paired_rows=self.rope_paired_rows)
+                                           value_cache, meta.slot_mapping, paired_rows=self.rope_paired_rows,
+                                           **self.attn.scales)
             attn = self.attn.attend(query, kv_cache, meta)
         else:
             # fused (CPU): rotate q and k in place; the CPU kernels read q, k, v as views of qkv
@@ -389,6 +392,8 @@ class LlamaForCausalLM(nn.Module):
         limit = min(_C.CPU_DECODER_MAX_TOKENS, AmxLinearMethod.MAX_TOKENS)
         if not (self._native_applies and 0 < tokens <= limit and len(kv_caches) == len(self.layers)):
             return None
+        if any(layer.attn.calculate_kv_scales for layer in self.layers):  # the Python layers calibrate
+            return None
         if os.environ.get("PAGEDLLM_CPU_NATIVE_DECODER", "1") == "0":
             return None
         key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for kv in kv_caches for t in kv)
@@ -416,9 +421,33 @@ class LlamaForCausalLM(nn.Module):
             if layer.qk_norm:
                 n.q_norm, n.k_norm = v(layer.q_norm.weight), v(layer.k_norm.weight)
             n.key_cache, n.value_cache = v(key_cache), v(value_cache)
+            if layer.attn.k_scale is not None:  # an FP8 cache (read at each call: calibration updates in place)
+                n.k_scale, n.v_scale = v(layer.attn.k_scale), v(layer.attn.v_scale)
             n.sliding_window = layer.attn.sliding_window or 0
             layers.append(n)
         return _C.CpuDecoderStack(conf, layers, v(self.rotary.cos_sin_cache))
+
+    def set_kv_cache_dtype(self, dtype: torch.dtype) -> str:
+        """The KV caches' dtype: the model's, or FP8 (torch.float8_e4m3fn / float8_e5m2) with each
+        layer's scales from the checkpoint (load_weights; this rank's heads: a per-head scale vector
+        becomes its largest entry) or 1.0. Returns where the scales came from, for the start-up log."""
+        fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        found = getattr(self, "checkpoint_kv_scales", {})
+        for i, layer in enumerate(self.layers):
+            layer.attn.set_kv_cache_dtype(dtype if fp8 else None, self.device, found.get((i, "k"), 1.0),
+                                          found.get((i, "v"), 1.0))
+        self._native = None  # rebuilt with the scales
+        if not fp8:
+            return "none"
+        return (f"checkpoint ({len(found)} of {2 * len(self.layers)} k/v scales; the others 1.0)" if found
+                else "1.0 (the checkpoint has none)")
+
+    def enable_kv_scale_calculation(self) -> None:
+        """calculate_kv_scales: every layer with an FP8 cache computes its scales from the next batch
+        with tokens (Attention.calibrate)."""
+        for layer in self.layers:
+            if layer.attn.k_scale is not None:
+                layer.attn.calculate_kv_scales = True
 
     def logits(self, state: tuple, logits_indices: torch.Tensor | None, out: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -641,11 +670,18 @@ class LlamaForCausalLM(nn.Module):
         parameter's owner's weight_loader, which copies this rank's slice; norms are copied whole."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        self.checkpoint_kv_scales = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name.startswith("model."):
                 name = name[len("model."):]
+            scale_of = checkpoint_kv_scale(name)
+            if scale_of is not None:  # FP8 KV-cache scales: kept for set_kv_cache_dtype
+                layer, which = scale_of
+                for part in which:
+                    self.checkpoint_kv_scales[(layer, part)] = scale_value(name, _materialize(tensor))
+                continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             if quant_config is not None and quant_config.is_checkpoint_tensor(name):

@@ -215,7 +215,9 @@ class CompressedTensorsConfig(CheckpointWoqConfig):
         status = config.get("quantization_status", "compressed")
         if status != "compressed":
             raise _refuse("quantization_status", status, "'compressed'")
-        for key in ("kv_cache_scheme", "sparsity_config", "moe_sparsity_config", "transform_config"):
+        # kv_cache_scheme: the checkpoint's k_scale / v_scale are read by the model (kv_cache.py) and
+        # used with kv_cache_dtype="fp8"
+        for key in ("sparsity_config", "moe_sparsity_config", "transform_config"):
             if config.get(key):
                 raise _refuse(key, config[key], "none")
         groups = config.get("config_groups") or {}

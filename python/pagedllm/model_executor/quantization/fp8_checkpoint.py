@@ -70,8 +70,8 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, module: str,
                      f"or [{n}, 1] (a per-block scale needs the config's block size)")
 
 
-#: attention-side FP8 scales some checkpoints carry (KV-cache and attention quantization): the KV
-#: cache stays in the model dtype here, so they are read and dropped
+#: attention-side FP8 scales some checkpoints carry (KV-cache and attention quantization): the
+#: model reads the KV-cache ones itself (quantization/kv_cache.py); any other is read and dropped
 _ATTENTION_SCALES = ("k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale", "output_scale")
 
 
@@ -85,8 +85,7 @@ class _Fp8CheckpointBase(CheckpointWoqConfig):
         if name.rpartition(".")[2] in _ATTENTION_SCALES:
             if not getattr(self, "_dropped_scales", False):
                 self._dropped_scales = True
-                logger.info("%s checkpoint: KV-cache / attention scales (%s, ...) dropped: the KV cache stays in the "
-                            "model dtype", self.name, name)
+                logger.info("%s checkpoint: attention scales (%s, ...) dropped: not used here", self.name, name)
             return
         super().take_checkpoint_tensor(name, tensor)
 
