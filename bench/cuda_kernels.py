@@ -11,7 +11,7 @@ enough independent buffer sets that the bytes touched per replay exceed 4x the L
 call reads its K/V from HBM as in a real decode step. Eager (host-inclusive) medians are
 reported too. Bytes = K+V read once (decode); FLOPs = 2 * S^2 * H * d for causal prefill.
 
-    python3 bench/cuda_kernels.py [--out DIR] [--quick] [--prefill-only]
+    python3 bench/cuda_kernels.py [--out DIR] [--quick] [--prefill-only] [--kv-cache-dtype auto fp8]
 Prints one JSON document and writes it to DIR/<date>-<gpu>-cuda-kernels.json.
 """
 
@@ -93,16 +93,26 @@ def num_sets(bytes_per_call: int) -> int:
     return max(1, min(256, math.ceil(4 * l2 / bytes_per_call)))
 
 
-def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=None, block_size=BS) -> dict:
+KV_DTYPES = {"auto": DTYPE, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=None, block_size=BS,
+                 kv_cache_dtype="auto") -> dict:
     """width: block-table width in blocks (default: just the context), as the engine's
-    ceil(max_model_len / block_size); block_size: tokens per cache block (16 unless a case says)."""
+    ceil(max_model_len / block_size); block_size: tokens per cache block (16 unless a case says);
+    kv_cache_dtype: "auto" (bf16) or an FP8 cache (k/v scales 0.5; SDPA then reads the
+    dequantized values in bf16)."""
     BS = block_size  # noqa: N806 (the module default, overridden per case)
-    kv_bytes = batch * ctx * HKV * D * 2 * 2
+    cache_dtype = KV_DTYPES[kv_cache_dtype]
+    elem = torch.empty((), dtype=cache_dtype).element_size()
+    kv_bytes = batch * ctx * HKV * D * 2 * elem
     nsets = num_sets(kv_bytes)
     blocks_per_seq = math.ceil(ctx / BS)
     num_blocks = nsets * batch * blocks_per_seq
-    kc = torch.randn(num_blocks, HKV, BS, D, device=DEV, dtype=DTYPE)
-    vc = torch.randn_like(kc)
+    kc = torch.randn(num_blocks, HKV, BS, D, device=DEV, dtype=DTYPE).to(cache_dtype)
+    vc = torch.randn(num_blocks, HKV, BS, D, device=DEV, dtype=DTYPE).to(cache_dtype)
+    fp8 = cache_dtype != DTYPE
+    scales = dict(k_scale=torch.tensor([0.5], device=DEV), v_scale=torch.tensor([0.5], device=DEV)) if fp8 else {}
     ids = torch.arange(num_blocks, device=DEV) if sequential else torch.randperm(num_blocks, device=DEV)
     perm = ids.to(torch.int32).view(nsets, batch, blocks_per_seq)
     bts = perm
@@ -117,15 +127,15 @@ def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=Non
 
     def ours(i):
         j = i % nsets
-        return lambda: ops.paged_attention(outs[j], qs[j], kc, vc, bts[j], seq_lens, scale, split_k=split_k)
+        return lambda: ops.paged_attention(outs[j], qs[j], kc, vc, bts[j], seq_lens, scale, split_k=split_k, **scales)
 
     t_ours = graph_time_us([ours(i) for i in range(reps)])
     t_ours_eager = eager_time_us(ours(0))
 
     # SDPA on contiguous K/V holding the same values as set 0 (for the check), other sets random.
-    def contiguous(cache, j):
+    def contiguous(cache, j):  # (an FP8 cache dequantized: code * 0.5)
         ids = perm[j].long()  # [B, nb]
-        x = cache[ids]  # [B, nb, Hkv, BS, D]
+        x = cache[ids].to(DTYPE) * (0.5 if fp8 else 1.0)  # [B, nb, Hkv, BS, D]
         return x.permute(0, 2, 1, 3, 4).reshape(batch, HKV, blocks_per_seq * BS, D)[:, :, :ctx].contiguous()
 
     ksets = [contiguous(kc, 0)] + [torch.randn(batch, HKV, ctx, D, device=DEV, dtype=DTYPE) for _ in range(nsets - 1)]
@@ -143,7 +153,8 @@ def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=Non
     t_sdpa = graph_time_us([sdpa(i) for i in range(reps)])
     t_sdpa_eager = eager_time_us(sdpa(0))
     # same function: ours vs SDPA on set 0
-    ops.paged_attention(outs[0], qs[0], kc, vc, bts[0], seq_lens, scale, split_k=split_k)
+    ops.paged_attention(outs[0], qs[0], kc, vc, bts[0], seq_lens, scale, split_k=split_k, **scales)
+    plan = ops.last_cuda_decode_plan()
     ref = F.scaled_dot_product_attention(qs[0].unsqueeze(2).float(), ksets[0].float(), vsets[0].float(),
                                          scale=scale, enable_gqa=True).squeeze(2)
     err = ((outs[0].float() - ref).norm() / ref.norm()).item()
@@ -151,6 +162,7 @@ def bench_decode(batch: int, ctx: int, split_k=None, sequential=False, width=Non
     torch.cuda.empty_cache()
     return {
         "batch": batch, "context": ctx, "split_k": "auto" if split_k is None else split_k,
+        "kv_cache_dtype": str(cache_dtype).removeprefix("torch."), "plan": plan,
         "block_table_width": bts.shape[2], "block_size": BS,
         "block_ids": "sequential" if sequential else "shuffled",
         "kv_bytes": kv_bytes, "buffer_sets": nsets,
@@ -217,6 +229,19 @@ def bench_prefill(seq: int) -> dict:
     }
 
 
+def run_case(doc: dict, kv_cache_dtypes: list[str], **kw) -> None:
+    """bench_decode of one case for each KV-cache dtype, appended to doc["decode"] (and printed)."""
+    first = None
+    for kv in kv_cache_dtypes:
+        r = bench_decode(kv_cache_dtype=kv, **kw)
+        if first is None:
+            first = r
+        else:
+            r[f"speed_vs_{kv_cache_dtypes[0]}"] = round(first["ours_us"] / r["ours_us"], 3)
+        doc["decode"].append(r)
+        print(json.dumps(r), file=sys.stderr, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -224,6 +249,9 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (e.g. a variant)")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(KV_DTYPES),
+                    help="decode: run every case with each KV-cache dtype (auto = bf16); the later ones get "
+                         "speed_vs_<first> (time of the first / their time) on the same case")
     ap.add_argument("--cases", default="",
                     help="decode cases instead of the default grid: BxCTX[:sSPLIT][:seq][:wWIDTH][:bBLOCK], "
                          "comma-separated (e.g. 1x4096,1x4096:s16,64x4096:s2,1x300:w32,64x4096:b32); wWIDTH: "
@@ -253,20 +281,17 @@ def main() -> None:
                     kw["split_k"] = int(extra[1:])
                 elif extra.startswith("w"):
                     kw["width"] = int(extra[1:])
-            doc["decode"].append(bench_decode(**kw))
-            print(json.dumps(doc["decode"][-1]), file=sys.stderr, flush=True)
+            run_case(doc, args.kv_cache_dtype, **kw)
     elif not args.prefill_only:
         grid = [(1, 4096), (64, 4096)] if args.quick else \
             [(1, 4096), (1, 32768), (8, 4096), (16, 1024), (64, 4096), (256, 1024), (128, 2048)]
         for batch, ctx in grid:
-            doc["decode"].append(bench_decode(batch, ctx))
-            print(json.dumps(doc["decode"][-1]), file=sys.stderr, flush=True)
+            run_case(doc, args.kv_cache_dtype, batch=batch, ctx=ctx)
         extra = [] if args.quick else \
             [dict(batch=1, ctx=4096, split_k=k) for k in (0, 16, 32, 64, 128)] + \
             [dict(batch=64, ctx=4096, sequential=True), dict(batch=1, ctx=4096, sequential=True)]
         for kw in extra:
-            doc["decode"].append(bench_decode(**kw))
-            print(json.dumps(doc["decode"][-1]), file=sys.stderr, flush=True)
+            run_case(doc, args.kv_cache_dtype, **kw)
     if not args.no_prefill:
         doc["prefill"].append(bench_prefill(4096))
         print(json.dumps(doc["prefill"][-1]), file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ from_config under torch.device("cuda")):
 - a torch.profiler summary of a few decode steps beside the JSON (<name>-<shape>-profile.txt).
 
     python3 bench/throughput_gpu.py [--shapes llama3-8b qwen2-0.5b] [--num-prompts 1000]
-        [--input-len 256 --output-len 256 --hf-batch 256] [--out DIR]
+        [--input-len 256 --output-len 256 --hf-batch 256] [--kv-cache-dtype auto fp8] [--out DIR]
 JSON: <out>/<date>-h200-throughput_gpu.json (--machine sets the middle part).
 """
 
@@ -139,14 +139,14 @@ def host_profile(engine, steps: int, rows: int) -> str:
     return text.getvalue()
 
 
-def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
+def bench_pagedllm(folder: Path, prompts, args, profile_path: Path, kv_cache_dtype: str = "auto") -> dict:
     from pagedllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              quantization=args.quantization,
+              quantization=args.quantization, kv_cache_dtype=kv_cache_dtype,
               async_scheduling={"auto": None, "true": True, "false": False}[args.async_scheduling])
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.runner
@@ -214,7 +214,8 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path) -> dict:
         "output_tokens": n_out, "seconds": seconds, "output_tok_s": n_out / seconds,
         "total_tok_s": (n_out + len(prompts) * args.input_len) / seconds, "startup_s": startup,
         "startup_phases_s": dict(runner.phase_seconds), "num_blocks": runner.num_blocks,
-        "weight_bytes": runner.weight_bytes,
+        "weight_bytes": runner.weight_bytes, "kv_cache_dtype": kv_cache_dtype,
+        "kv_cache_torch_dtype": str(runner.cache_dtype).removeprefix("torch."),
         "kv_tokens": runner.num_blocks * runner.block_size,
         "cuda_graph_replays": metrics.get("pagedllm:cuda_graph_replays"),
         "num_preemptions": metrics.get("pagedllm:num_preemptions"), "num_steps": metrics.get("pagedllm:num_steps"),
@@ -277,6 +278,9 @@ def main(argv=None) -> int:
                    help="schedule step N + 1 before step N's tokens are known (auto: on, CUDA)")
     p.add_argument("--quantization", default=None, choices=["fp8", "int4"],
                    help="pagedllm's weights quantized at load (LLM(quantization=...)); HF stays bf16")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV-cache dtypes to run, one after the other on the same prompts (the first is 'pagedllm', "
+                        "the others 'pagedllm_kv_<dtype>' with their ratio to the first)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--machine", default="h200")
     p.add_argument("--name", default="throughput_gpu")
@@ -298,7 +302,8 @@ def main(argv=None) -> int:
                            "hf_batch": args.hf_batch, "dtype": "bfloat16", "greedy": True, "ignore_eos": True,
                            "max_num_seqs": args.max_num_seqs, "enforce_eager": args.enforce_eager,
                            "tensor_parallel_size": args.tensor_parallel_size,
-                           "async_scheduling": args.async_scheduling, "quantization": args.quantization},
+                           "async_scheduling": args.async_scheduling, "quantization": args.quantization,
+                           "kv_cache_dtype": args.kv_cache_dtype},
               "shapes": {}}
     path = out_dir / f"{day}-{args.machine}-{args.name}.json"
     for shape in args.shapes:
@@ -309,14 +314,23 @@ def main(argv=None) -> int:
                                                              args.max_num_seqs, args.quantization)}
         with tempfile.TemporaryDirectory() as folder:
             (Path(folder) / "config.json").write_text(json.dumps(cfg))
-            try:
-                entry["pagedllm"] = bench_pagedllm(Path(folder), prompts, args,
-                                                   out_dir / f"{day}-{args.machine}-{args.name}-{shape}-profile.txt")
-            except Exception as exc:  # keep going: the other engine and shape still measure
-                import traceback
+            for i, kv in enumerate(args.kv_cache_dtype):
+                key = "pagedllm" if i == 0 else f"pagedllm_kv_{kv}"
+                suffix = "" if i == 0 else f"-kv-{kv}"
+                try:
+                    entry[key] = bench_pagedllm(Path(folder), prompts, args,
+                                                out_dir / f"{day}-{args.machine}-{args.name}-{shape}{suffix}-profile.txt",
+                                                kv)
+                except Exception as exc:  # keep going: the other engine and shape still measure
+                    import traceback
 
-                traceback.print_exc()
-                entry["pagedllm"] = {"error": repr(exc)}
+                    traceback.print_exc()
+                    entry[key] = {"error": repr(exc)}
+                first = entry["pagedllm"].get("output_tok_s")
+                if i > 0 and first and entry[key].get("output_tok_s"):
+                    entry[f"kv_{kv}_vs_{args.kv_cache_dtype[0]}"] = {
+                        "output_tok_s": entry[key]["output_tok_s"] / first,
+                        "kv_tokens": entry[key]["kv_tokens"] / entry["pagedllm"]["kv_tokens"]}
         if not args.skip_hf:
             try:
                 entry["hf_transformers"] = bench_hf(cfg, prompts, args)

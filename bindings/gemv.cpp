@@ -35,7 +35,8 @@ PAGEDLLM_BINDING(gemv, m) {
          const std::optional<TensorView>& bias, bool silu_and_mul, std::uintptr_t stream, int variant, int warps,
          int splits, int prefetch, const std::optional<TensorView>& norm_weight, float eps,
          const std::optional<TensorView>& residual, const std::optional<std::vector<TensorView>>& rope,
-         int rope_heads, int rope_kv_heads, bool rope_paired_rows, bool silu_paired_rows) {
+         int rope_heads, int rope_kv_heads, bool rope_paired_rows, bool silu_paired_rows,
+         const TensorView* rope_k_scale, const TensorView* rope_v_scale) {
         const auto config = make_config(variant, warps, splits, prefetch);
         pagedllm::GemvFusion fusion;
         fusion.silu_and_mul = silu_and_mul;
@@ -51,6 +52,8 @@ PAGEDLLM_BINDING(gemv, m) {
           const auto& t = *rope;
           r = {rope_heads, rope_kv_heads, &t[0], &t[1], &t[2], &t[3], &t[4], &t[5], &t[6],
                t.size() == 8 ? &t[7] : nullptr, rope_paired_rows};
+          if (rope_k_scale != nullptr) r.kv_scales.k_scale = *rope_k_scale;
+          if (rope_v_scale != nullptr) r.kv_scales.v_scale = *rope_v_scale;
           fusion.rope = &r;
         }
         pagedllm::gemv(out, input, weight, bias ? &*bias : nullptr, stream, &config, &fusion);
@@ -60,6 +63,7 @@ PAGEDLLM_BINDING(gemv, m) {
       py::arg("splits") = 0, py::arg("prefetch") = -1, py::arg("norm_weight") = py::none(), py::arg("eps") = 1e-6f,
       py::arg("residual") = py::none(), py::arg("rope") = py::none(), py::arg("rope_heads") = 0,
       py::arg("rope_kv_heads") = 0, py::arg("rope_paired_rows") = false, py::arg("silu_paired_rows") = false,
+      py::arg("rope_k_scale") = nullptr, py::arg("rope_v_scale") = nullptr,
       py::call_guard<py::gil_scoped_release>(),
       "out [M, N] = x [M, K] @ weight [N, K]^T (+ bias) (+ residual [M, N], may be out); x = input, "
       "or SiLU(input[:, :K]) * input[:, K:] (silu_and_mul, input [M, 2K]), or RMSNorm(input) * "

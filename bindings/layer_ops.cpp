@@ -9,6 +9,7 @@
 
 PAGEDLLM_BINDING(layer_ops, m) {
   namespace py = pybind11;
+  using pagedllm::TensorView;
   m.def("layer_ops_built_with_cuda", &pagedllm::layer_ops_built_with_cuda,
         "Whether this build has the CUDA layer kernels.");
   m.def("rms_norm", &pagedllm::rms_norm, py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("eps"),
@@ -29,12 +30,24 @@ PAGEDLLM_BINDING(layer_ops, m) {
   m.def("rotary_embedding", &pagedllm::rotary_embedding, py::arg("positions"), py::arg("query"), py::arg("key"),
         py::arg("cos_sin_cache"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
         "Rotate query [T, Hq, D] and key [T, Hkv, D] in place (NeoX layout) by positions int64 [T].");
-  m.def("rotary_embedding_and_cache", &pagedllm::rotary_embedding_and_cache, py::arg("positions"),
-        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cos_cache"), py::arg("sin_cache"),
-        py::arg("query_out"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
-        py::arg("stream") = 0, py::arg("paired_rows") = false, py::call_guard<py::gil_scoped_release>(),
-        "RoPE: rotated query -> query_out, rotated key and value -> the paged caches at slot_mapping; "
-        "paired_rows: query and key in the rotary_paired_row order.");
+  m.def(
+      "rotary_embedding_and_cache",
+      [](const TensorView& positions, const TensorView& query, const TensorView& key, const TensorView& value,
+         const TensorView& cos_cache, const TensorView& sin_cache, const TensorView& query_out,
+         const TensorView& key_cache, const TensorView& value_cache, const TensorView& slot_mapping,
+         std::uintptr_t stream, bool paired_rows, const TensorView* k_scale, const TensorView* v_scale) {
+        pagedllm::KVCacheScales scales;
+        if (k_scale != nullptr) scales.k_scale = *k_scale;
+        if (v_scale != nullptr) scales.v_scale = *v_scale;
+        pagedllm::rotary_embedding_and_cache(positions, query, key, value, cos_cache, sin_cache, query_out, key_cache,
+                                             value_cache, slot_mapping, stream, paired_rows, scales);
+      },
+      py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cos_cache"),
+      py::arg("sin_cache"), py::arg("query_out"), py::arg("key_cache"), py::arg("value_cache"),
+      py::arg("slot_mapping"), py::arg("stream") = 0, py::arg("paired_rows") = false, py::arg("k_scale") = nullptr,
+      py::arg("v_scale") = nullptr, py::call_guard<py::gil_scoped_release>(),
+      "RoPE: rotated query -> query_out, rotated key and value -> the paged caches at slot_mapping; "
+      "paired_rows: query and key in the rotary_paired_row order; k_scale / v_scale: an FP8 cache's scales.");
   m.def(
       "rotary_paired_row",
       [](int feature, int rot_half) {

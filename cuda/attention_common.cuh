@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace pagedllm::cuda::detail {
 
@@ -62,6 +63,12 @@ struct AttnParams {
   // Decode v2 only (AttentionOptions::early_context_loads): tiles wholly before each sequence's
   // last token may be loaded before pdl_wait.
   int early_context_loads = 0;
+  // FP8 caches (decode v2 and prefill): 1 = float8_e4m3fn, 2 = float8_e5m2 (0: the query's dtype).
+  // The kernels read the codes as float16 tiles (mma in float16), multiply the softmax scale by
+  // *k_scale and the output by *v_scale (nullptr: 1.0), read on the device at run time.
+  int kv_fp8 = 0;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 /// atom.add with acquire-release semantics at GPU scope (PTX ISA, "Memory Consistency Model"):
@@ -96,6 +103,18 @@ struct TypeTraits<__half> {
   __device__ static float to_float(__half v) { return __half2float(v); }
   __device__ static __half from_float(float v) { return __float2half(v); }
 };
+
+/// A query element pair (2 x bf16 or fp16 in one register) as the pair of MT (the mma operand type:
+/// float16 for FP8 caches), through float.
+template <typename T, typename MT>
+__device__ __forceinline__ uint32_t to_mma_pair(uint32_t v) {
+  if constexpr (std::is_same_v<T, MT>) {
+    return v;
+  } else {
+    const T* x = reinterpret_cast<const T*>(&v);
+    return TypeTraits<MT>::pack(TypeTraits<T>::to_float(x[0]), TypeTraits<T>::to_float(x[1]));
+  }
+}
 
 constexpr float kLog2e = 1.4426950408889634f;
 

@@ -23,16 +23,18 @@ void launch_decode_mma(DType dtype, int head_size, const AttnParams& p, cudaStre
 /// Grid sized to decode_v2_units().
 constexpr int kDecodeV2Warps = 4;
 bool decode_v2_supports(DType dtype, int head_size);
+/// (launch_decode_v2 and decode_v2_units read FP8 caches when p.kv_fp8 / kv_fp8 is set: then
+/// `dtype` is the query's, bf16 or fp16.)
 void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, int warps_per_item, cudaStream_t stream);
 
 /// Concurrent work units of each decode kernel on the current device (occupancy x SMs): teams of
 /// warps_per_item warps for v2 (`group` = Hq / Hkv sizes the merge buffers of shared items), CTAs
 /// for the CTA-per-item kernel and the float32 kernel.
-int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group);
+int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group, int kv_fp8 = 0);
 int decode_v1_units(DType dtype, int head_size);
 int attention_fp32_units(int head_size);
 
-/// Varlen causal prefill / mixed batch on tensor cores (bf16 / fp16).
+/// Varlen causal prefill / mixed batch on tensor cores (bf16 / fp16 queries; FP8 caches with p.kv_fp8).
 void launch_prefill_mma(DType dtype, int head_size, const AttnParams& p, cudaStream_t stream);
 
 /// float32 caches on CUDA cores, decode (query_start_loc == nullptr, split-K supported) or

@@ -1,7 +1,8 @@
 // cuda/cache_ops.cu — the KV-cache write and block-move kernels on CUDA: reshape_and_cache,
 // copy_blocks (copy-on-write), swap_blocks (CPU <-> GPU, cudaMemcpyAsync).
 //
-// All three move bytes, not values, so one kernel serves every dtype. Rows of head_size elements
+// All three move bytes, not values, so one kernel serves every dtype (an FP8 cache's
+// reshape_and_cache quantizes instead: fp8_kv.cuh). Rows of head_size elements
 // are 160..1024 bytes — always a multiple of 16 for the supported head sizes and dtypes — so the
 // kernels copy 16-byte vectors (uint4): consecutive threads take consecutive vectors of a row,
 // fully coalesced on both sides.
@@ -11,8 +12,12 @@
 #include <stdexcept>
 #include <string>
 
+#include <cuda_bf16.h>
+#include <type_traits>
+
 #include "cuda_check.h"
 #include "device_guard.h"
+#include "fp8_kv.cuh"
 #include "kernels.h"
 #include "pagedllm/errors.h"
 
@@ -38,6 +43,41 @@ __global__ void reshape_and_cache_kernel(const uint4* __restrict__ key, const ui
     const int64_t dst = ((block * num_kv_heads + head) * block_size + row) * row_vecs + c;
     key_cache[dst] = key[token * n + i];
     value_cache[dst] = value[token * n + i];
+  }
+}
+
+/// reshape_and_cache into an FP8 cache (fp8_kv.cuh): one CTA per token, each thread 8 elements
+/// (one 16-byte vector of T in, 8 codes out). row_vecs: 16-byte vectors of T per head row.
+template <typename T>
+__global__ void reshape_and_cache_fp8_kernel(const uint4* __restrict__ key, const uint4* __restrict__ value,
+                                             uint2* __restrict__ key_cache, uint2* __restrict__ value_cache,
+                                             const int64_t* __restrict__ slot_mapping, int num_kv_heads,
+                                             int block_size, int row_vecs, int64_t num_slots, const float* k_scale,
+                                             const float* v_scale, int kind) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = slot_mapping[token];
+  if (slot < 0 || slot >= num_slots) return;
+  const float ks = fp8::load_scale(k_scale), vs = fp8::load_scale(v_scale);
+  const int64_t block = slot / block_size;
+  const int64_t row = slot % block_size;
+  const int n = num_kv_heads * row_vecs;
+  auto convert = [&](const uint4& in, float scale) {
+    const T* x = reinterpret_cast<const T*>(&in);
+    uint8_t c[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float f;
+      if constexpr (std::is_same_v<T, __half>) f = __half2float(x[e]);
+      else f = __bfloat162float(x[e]);
+      c[e] = fp8::encode(f, scale, kind);
+    }
+    return *reinterpret_cast<const uint2*>(c);
+  };
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int head = i / row_vecs, c = i % row_vecs;
+    const int64_t dst = ((block * num_kv_heads + head) * block_size + row) * row_vecs + c;
+    key_cache[dst] = convert(key[token * n + i], ks);
+    value_cache[dst] = convert(value[token * n + i], vs);
   }
 }
 
@@ -71,7 +111,7 @@ int64_t row_bytes(const TensorView& t) {
 
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping,
-                       std::uintptr_t stream) {
+                       const KVCacheScales& scales, std::uintptr_t stream) {
   DeviceGuard guard(key_cache.device_index);
   const int64_t num_tokens = key.size(0);
   if (num_tokens == 0) return;
@@ -87,6 +127,18 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   const int block_size = static_cast<int>(key_cache.size(2));
   const int64_t num_slots = key_cache.size(0) * block_size;
   const int threads = std::clamp(num_kv_heads * row_vecs, 32, 256);
+  if (const int kind = fp8::kind_of(key_cache.dtype); kind != 0) {  // key: bfloat16 / float16 (checked)
+    auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(num_tokens), threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+          key.ptr<uint4>(), value.ptr<uint4>(), key_cache.ptr<uint2>(), value_cache.ptr<uint2>(),
+          slot_mapping.ptr<int64_t>(), num_kv_heads, block_size, row_vecs, num_slots,
+          fp8::scale_ptr(scales.k_scale), fp8::scale_ptr(scales.v_scale), kind);
+    };
+    if (key.dtype == DType::kFloat16) launch(reshape_and_cache_fp8_kernel<__half>);
+    else launch(reshape_and_cache_fp8_kernel<__nv_bfloat16>);
+    PAGEDLLM_CUDA_CHECK_LAUNCH();
+    return;
+  }
   reshape_and_cache_kernel<<<static_cast<unsigned>(num_tokens), threads, 0,
                              reinterpret_cast<cudaStream_t>(stream)>>>(
       key.ptr<uint4>(), value.ptr<uint4>(), key_cache.ptr<uint4>(), value_cache.ptr<uint4>(),

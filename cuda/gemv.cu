@@ -52,6 +52,7 @@
 #include <cstdint>
 
 #include "device_guard.h"
+#include "fp8_kv.cuh"
 #include "gemv_cuda.h"
 #include "layer_ops_common.cuh"
 #include "pagedllm/errors.h"
@@ -99,6 +100,9 @@ struct GemvParams {
   int64_t rope_num_slots;
   int rope_heads, rope_kv_heads, rope_head_size, rope_rot_half, rope_block_size;
   int rope_paired;       // 1: query / key rows in the rotary_paired_row order (no counters)
+  int rope_kv_fp8;       // 0, or an FP8 cache (fp8_kv.cuh's kind): codes of key / k_scale, value / v_scale
+  const float* rope_k_scale;  // nullptr: 1.0
+  const float* rope_v_scale;
   int out_f32;           // 1: y is float32, each element rounded to T first (no residual, no rope)
   int silu_paired;       // 1: w in the gate_up_paired_row order; y [M, N / 2] = SiLU(gate) * up
 };
@@ -284,18 +288,35 @@ __device__ __forceinline__ T load_cg(const T* p) {
   return *reinterpret_cast<const T*>(&bits);
 }
 
-/// Where head `head` (of the Hq + 2 Hkv heads of out) of token m goes: query_out, or its slot of the
-/// key or value cache; nullptr for a key / value head whose slot is < 0 or past the pool.
+/// A head row the rope epilogue writes: elements of T (query_out, or a 16-bit cache), or an FP8
+/// cache's codes of value / scale (fp8_kv.cuh). Null (`ptr == nullptr`) when nothing is written.
 template <typename T>
-__device__ __forceinline__ T* rope_dst(const GemvParams& p, int head, int m) {
+struct RopeDst {
+  void* ptr = nullptr;
+  int kind = 0;
+  float scale = 1.f;
+  __device__ __forceinline__ void put(int j, T v) const {
+    if (kind == 0) static_cast<T*>(ptr)[j] = v;
+    else static_cast<uint8_t*>(ptr)[j] = fp8::encode(to_float(v), scale, kind);
+  }
+};
+
+/// Where head `head` (of the Hq + 2 Hkv heads of out) of token m goes: query_out, or its slot of the
+/// key or value cache; a null RopeDst for a key / value head whose slot is < 0 or past the pool.
+template <typename T>
+__device__ __forceinline__ RopeDst<T> rope_dst(const GemvParams& p, int head, int m) {
   const int Hq = p.rope_heads, Hkv = p.rope_kv_heads, D = p.rope_head_size;
-  if (head < Hq) return static_cast<T*>(p.rope_query_out) + (static_cast<int64_t>(m) * Hq + head) * D;
+  if (head < Hq) return {static_cast<T*>(p.rope_query_out) + (static_cast<int64_t>(m) * Hq + head) * D, 0, 1.f};
   const int64_t slot = p.rope_slots[m];
-  if (slot < 0 || slot >= p.rope_num_slots) return nullptr;
-  const int kv = head < Hq + Hkv ? head - Hq : head - Hq - Hkv;
+  if (slot < 0 || slot >= p.rope_num_slots) return {};
+  const bool is_key = head < Hq + Hkv;
+  const int kv = is_key ? head - Hq : head - Hq - Hkv;
   const int64_t block = slot / p.rope_block_size, row = slot % p.rope_block_size;
-  void* cache = head < Hq + Hkv ? p.rope_key_cache : p.rope_value_cache;
-  return static_cast<T*>(cache) + ((block * Hkv + kv) * p.rope_block_size + row) * D;
+  const int64_t offset = ((block * Hkv + kv) * p.rope_block_size + row) * D;
+  void* cache = is_key ? p.rope_key_cache : p.rope_value_cache;
+  if (p.rope_kv_fp8 == 0) return {static_cast<T*>(cache) + offset, 0, 1.f};
+  return {static_cast<uint8_t*>(cache) + offset, p.rope_kv_fp8,
+          fp8::load_scale(is_key ? p.rope_k_scale : p.rope_v_scale)};
 }
 
 /// The rope epilogue (GemvRope) of one row tile [row0, row0 + rows): the CTA whose arrival completes
@@ -320,10 +341,10 @@ __device__ void rope_epilogue(const GemvParams& p, int row0, int rows, int* flag
   const T* y = static_cast<const T*>(p.y);
   for (int m = 0; m < p.M; ++m) {
     const T* x = y + static_cast<int64_t>(m) * p.N + static_cast<int64_t>(head) * D;
-    T* dst = rope_dst<T>(p, head, m);
-    if (dst == nullptr) continue;
+    const RopeDst<T> dst = rope_dst<T>(p, head, m);
+    if (dst.ptr == nullptr) continue;
     if (head >= Hq + Hkv) {  // a value head: copied
-      for (int j = threadIdx.x; j < D; j += blockDim.x) dst[j] = load_cg(x + j);
+      for (int j = threadIdx.x; j < D; j += blockDim.x) dst.put(j, load_cg(x + j));
       continue;
     }
     const int64_t pos = p.rope_positions[m];
@@ -332,10 +353,10 @@ __device__ void rope_epilogue(const GemvParams& p, int row0, int rows, int* flag
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
       T y1, y2;
       rotate_pair<T>(load_cg(x + j), load_cg(x + j + half), to_float(cos_row[j]), to_float(sin_row[j]), y1, y2);
-      dst[j] = y1;
-      dst[j + half] = y2;
+      dst.put(j, y1);
+      dst.put(j + half, y2);
     }
-    for (int j = 2 * half + threadIdx.x; j < D; j += blockDim.x) dst[j] = load_cg(x + j);
+    for (int j = 2 * half + threadIdx.x; j < D; j += blockDim.x) dst.put(j, load_cg(x + j));
   }
 }
 
@@ -362,12 +383,12 @@ __device__ void rope_paired_epilogue(const GemvParams& p, int row0, int rows, co
     const int row = row0 + (pair / 8) * 16 + pair % 8;  // the pair's first row; the second is row + 8
     if (m >= p.M || row >= p.N) continue;
     const int head = row / D, within = row % D;
-    T* dst = rope_dst<T>(p, head, m);
-    if (dst == nullptr) continue;
+    const RopeDst<T> dst = rope_dst<T>(p, head, m);
+    if (dst.ptr == nullptr) continue;
     const T x1 = element(row, m), x2 = element(row + 8, m);
     if (head >= Hq + Hkv) {  // a value head: its rows are in the standard order
-      dst[within] = x1;
-      dst[within + 8] = x2;
+      dst.put(within, x1);
+      dst.put(within + 8, x2);
       continue;
     }
     const int j = 8 * (within / 16) + within % 16;  // the pair's feature j < half (rotary_paired_row)
@@ -375,8 +396,8 @@ __device__ void rope_paired_epilogue(const GemvParams& p, int row0, int rows, co
     T y1, y2;
     rotate_pair<T>(x1, x2, to_float(static_cast<const T*>(p.rope_cos)[pos * half + j]),
                    to_float(static_cast<const T*>(p.rope_sin)[pos * half + j]), y1, y2);
-    dst[j] = y1;
-    dst[j + half] = y2;
+    dst.put(j, y1);
+    dst.put(j + half, y2);
   }
 }
 
@@ -754,6 +775,9 @@ void gemv(const TensorView& out, const TensorView& input, const TensorView& weig
   p.prefetch = config.prefetch >= 0 ? config.prefetch : 0;
   if (const GemvRope* r = fusion.rope; r != nullptr) {  // validated by the launcher (gemv.cpp)
     p.rope_paired = r->paired_rows ? 1 : 0;
+    p.rope_kv_fp8 = fp8::kind_of(r->key_cache->dtype);
+    p.rope_k_scale = fp8::scale_ptr(r->kv_scales.k_scale);
+    p.rope_v_scale = fp8::scale_ptr(r->kv_scales.v_scale);
     p.rope_counters = r->paired_rows ? nullptr : r->counters->ptr<int>();
     p.rope_positions = r->positions->ptr<const int64_t>();
     p.rope_cos = r->cos_cache->data;

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "pagedllm/attention.h"
 #include "pagedllm/tensor_view.h"
 
 namespace pagedllm::cuda {
@@ -32,6 +33,6 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
                       const TensorView* value, const TensorView& cos_cache, const TensorView& sin_cache,
                       const TensorView* query_out, const TensorView* key_cache,
                       const TensorView* value_cache, const TensorView* slot_mapping,
-                      std::uintptr_t stream, bool paired_rows = false);
+                      std::uintptr_t stream, bool paired_rows = false, const KVCacheScales* scales = nullptr);
 
 }  // namespace pagedllm::cuda

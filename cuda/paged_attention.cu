@@ -22,6 +22,7 @@
 #include "attention_launch.h"
 #include "cuda_check.h"
 #include "device_guard.h"
+#include "fp8_kv.cuh"
 #include "kernels.h"
 #include "pagedllm/errors.h"
 
@@ -66,6 +67,14 @@ AttnParams common_params(const TensorView& out, const TensorView& query, const T
   p.soft_cap = options.soft_cap;
   p.sliding_window = options.sliding_window;
   p.early_context_loads = options.early_context_loads ? 1 : 0;
+  p.kv_fp8 = fp8::kind_of(key_cache.dtype);
+  if (p.kv_fp8 != 0) {
+    p.k_scale = fp8::scale_ptr(options.kv_scales.k_scale);
+    p.v_scale = fp8::scale_ptr(options.kv_scales.v_scale);
+    if (query.size(2) > 128)
+      throw InvalidArgument("CUDA attention: FP8 KV caches support head sizes up to 128, got " +
+                            std::to_string(query.size(2)) + " (use kv_cache_dtype='auto')");
+  }
   return p;
 }
 
@@ -189,10 +198,11 @@ CostModel cost_model(DecodeKernel kind, DType dtype, int head_size, const AttnPa
   const int64_t items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * chunks;
   switch (kind) {
     // Shared items pay a merge (barriers, shared memory) and an uneven finish of their warps.
-    case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, 1, p.group), 16, 1, 64, true};
-    case DecodeKernel::kV2Pair: return {items, decode_v2_units(dtype, head_size, 2, p.group), 32, 3, 64, true};
+    case DecodeKernel::kV2: return {items, decode_v2_units(dtype, head_size, 1, p.group, p.kv_fp8), 16, 1, 64, true};
+    case DecodeKernel::kV2Pair:
+      return {items, decode_v2_units(dtype, head_size, 2, p.group, p.kv_fp8), 32, 3, 64, true};
     case DecodeKernel::kV2Cta:  // early context loads: partitions down to two tiles (see plan_decode)
-      return {items, decode_v2_units(dtype, head_size, kDecodeV2Warps, p.group), 16 * kDecodeV2Warps, 3,
+      return {items, decode_v2_units(dtype, head_size, kDecodeV2Warps, p.group, p.kv_fp8), 16 * kDecodeV2Warps, 3,
               p.early_context_loads ? 32 : 64, true, forced_combine() == 1 ? 0 : kInKernelCtaMaxSplits};
     case DecodeKernel::kV1: return {items, decode_v1_units(dtype, head_size), 64, 1, 128};
     default: return {static_cast<int64_t>(p.num_seqs) * p.num_heads, attention_fp32_units(head_size), 4, 1, 64};
@@ -323,7 +333,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 
   // Which decode kernel: v2 (persistent items on warps, warp pairs or CTAs) for bf16/fp16 up to d128, the
   // CTA-per-item kernel for d256 (or when PAGEDLLM_DECODE_KERNEL=v1), float32 on CUDA cores.
+  // FP8 caches: v2 only (the query is bf16 / fp16 and head_size <= 128, checked).
   const DecodeKernel family = dtype == DType::kFloat32                               ? DecodeKernel::kFp32
+                              : p.kv_fp8 != 0                                        ? DecodeKernel::kV2
                               : decode_v2_supports(dtype, head_size) && !force_v1() ? DecodeKernel::kV2
                                                                                     : DecodeKernel::kV1;
   // Flash-decoding split: partitions of whole blocks.

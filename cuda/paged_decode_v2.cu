@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "fp8_kv.cuh"
 #include "launch_utils.cuh"
 
 namespace pagedllm::cuda::detail {
@@ -44,18 +45,23 @@ struct TmaMaps {
   CUtensorMap v;
 };
 
-template <typename T, int D, int W, int NS, int LOAD>
+template <typename T, int D, int W, int NS, int LOAD, int KV = 0>
 struct DecodeV2Cfg {
   static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16;
   static constexpr int kStages = NS;
   static constexpr bool kSwizzled = LOAD == kLoadTma;
-  static constexpr int kRow = D + 8;  // padded layout: 16-byte pad, conflict-free ldmatrix
-  static constexpr int kChunks = D / 8;
+  static constexpr bool kFp8 = KV != 0;  // FP8 cache: ring rows of codes, decoded to float16 per tile
+  static constexpr int kRow = D + 8;  // padded layout (16-bit elements): 16-byte pad, conflict-free ldmatrix
+  static constexpr int kElem = kFp8 ? 1 : int(sizeof(T));              // bytes of a cache element
+  static constexpr int kRowBytes = kFp8 ? D + 16 : kRow * int(sizeof(T));  // a padded ring row
+  static constexpr int kChunkElems = 16 / kElem;                         // elements per 16-byte copy
+  static constexpr int kChunks = D / kChunkElems;
   static constexpr int kBoxes = D / 64;  // swizzled layout: 64-column boxes of 16 rows x 128 B
-  static constexpr int kStageBytes = kSwizzled ? 2 * kBoxes * 2048 : 2 * kTile * kRow * int(sizeof(T));
-  static constexpr int kWarpBytes = kStages * kStageBytes;
+  static constexpr int kStageBytes = kSwizzled ? 2 * kBoxes * 2048 : 2 * kTile * kRowBytes;
+  static constexpr int kConvBytes = kFp8 ? 2 * kTile * kRow * 2 : 0;  // FP8: the current K and V tiles in float16
+  static constexpr int kWarpBytes = kStages * kStageBytes + kConvBytes;
   static constexpr size_t kSmemBytes =
       kWarps * kWarpBytes + (kSwizzled ? 1024 + kWarps * kStages * sizeof(uint64_t) : 0);
   // Items shared by several warps: the warps' softmax states are merged through [kWarps][16]
@@ -64,6 +70,7 @@ struct DecodeV2Cfg {
   static constexpr size_t kMergeOffset = kWarps * kWarpBytes + (kSwizzled ? kWarps * kStages * sizeof(uint64_t) : 0);
   static constexpr size_t merge_bytes(int rows) { return (kWarps * 32 + size_t(kWarps) * rows * D) * sizeof(float); }
   static_assert(!kSwizzled || D % 64 == 0, "TMA boxes need head_size % 64 == 0");
+  static_assert(!kSwizzled || !kFp8, "FP8 caches load by cp.async");
 };
 
 struct DecodeItem {
@@ -188,11 +195,15 @@ __device__ __forceinline__ void combine_splits(const AttnParams& p, const Decode
 /// takes the item's tiles w, w + WPI, ... through its own ring, and the team's states are merged
 /// in shared memory at the end of each item (a barrier pair of the team per item; no split-K
 /// reduction needed for a single partition). merge_rows = min(16, group) (WPI > 1 only).
-template <typename T, int D, int W_, int NS, int PF, int LOAD, int WPI>
+template <typename T, int D, int W_, int NS, int PF, int LOAD, int WPI, int KV>
 __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnParams p, int num_items,
                                                                   int head_chunks, int merge_rows,
                                                                   const __grid_constant__ TmaMaps maps) {
-  using C = DecodeV2Cfg<T, D, W_, NS, LOAD>;
+  using C = DecodeV2Cfg<T, D, W_, NS, LOAD, KV>;
+  // T: the query / output dtype. An FP8 cache (KV = 1 E4M3, 2 E5M2) is read as float16 tiles, so
+  // the mma operands (MT) are float16; CT: the cache's element type.
+  using MT = std::conditional_t<KV == 0, T, __half>;
+  using CT = std::conditional_t<KV == 0, T, uint8_t>;
   constexpr int KSTEPS = D / 16;
   constexpr int S = C::kStages;
   constexpr bool kTma = LOAD == kLoadTma && PAGEDLLM_HAS_TMA;
@@ -228,16 +239,21 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     mbarrier_init_fence();
     __syncwarp();
   }
-  // Shared-memory address of row r, columns c..c+7 (c % 8 == 0) of the K (kv = 0) or V (kv = 1)
-  // tile in ring slot `slot`.
-  auto tile_at = [&](int slot, int kv, int r, int c) -> T* {
+  // Shared-memory address of row r, column c (the first of a 16-byte chunk) of the K (kv = 0) or
+  // V (kv = 1) tile in ring slot `slot`, in cache elements (ring_at: what the loads fill) and in
+  // mma elements (mma_at: what ldmatrix reads; for an FP8 cache the slot's decoded float16 copy).
+  auto ring_at = [&](int slot, int kv, int r, int c) -> CT* {
     if constexpr (C::kSwizzled) {
       const int box = c / 64, chunk = (c % 64) / 8;
-      return reinterpret_cast<T*>(ring + slot * C::kStageBytes + (kv * C::kBoxes + box) * 2048 + r * 128 +
-                                  ((chunk ^ (r & 7)) << 4));
+      return reinterpret_cast<CT*>(ring + slot * C::kStageBytes + (kv * C::kBoxes + box) * 2048 + r * 128 +
+                                   ((chunk ^ (r & 7)) << 4));
     } else {
-      return reinterpret_cast<T*>(ring + slot * C::kStageBytes) + (kv * C::kTile + r) * C::kRow + c;
+      return reinterpret_cast<CT*>(ring + slot * C::kStageBytes + (kv * C::kTile + r) * C::kRowBytes) + c;
     }
+  };
+  auto mma_at = [&](int slot, int kv, int r, int c) -> MT* {
+    if constexpr (C::kFp8) return reinterpret_cast<MT*>(ring + S * C::kStageBytes) + (kv * C::kTile + r) * C::kRow + c;
+    else return ring_at(slot, kv, r, c);
   };
   // Items first, first + istride, ...; within an item this warp takes tiles k0, k0 + kstep, ...
   static_assert(W_ % WPI == 0, "teams must divide the CTA");
@@ -247,8 +263,8 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   const int first = blockIdx.x * kTeams + team;
   const int k0 = warp % WPI;
   constexpr int kstep = WPI;
-  const T* kc = static_cast<const T*>(p.key_cache);
-  const T* vc = static_cast<const T*>(p.value_cache);
+  const CT* kc = static_cast<const CT*>(p.key_cache);
+  const CT* vc = static_cast<const CT*>(p.value_cache);
 
   // ---- issue cursor: the next (item, tile) whose K/V go into the ring
   int ii = first, ik = k0, slot_issue = 0;
@@ -279,19 +295,20 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
             mbarrier_arrive_expect_tx(bar, C::kStageBytes);
 #pragma unroll
             for (int b = 0; b < C::kBoxes; ++b) {
-              tma_load_2d(tile_at(slot_issue, 0, 0, 64 * b), &maps.k, 64 * b, y, bar);
-              tma_load_2d(tile_at(slot_issue, 1, 0, 64 * b), &maps.v, 64 * b, y, bar);
+              tma_load_2d(ring_at(slot_issue, 0, 0, 64 * b), &maps.k, 64 * b, y, bar);
+              tma_load_2d(ring_at(slot_issue, 1, 0, 64 * b), &maps.v, 64 * b, y, bar);
             }
           }
           tma_slots |= 1u << slot_issue;
         } else {
-          const T* kb = kc + off;
-          const T* vb = vc + off;
+          const CT* kb = kc + off;
+          const CT* vb = vc + off;
+          constexpr int E = C::kChunkElems;
 #pragma unroll
           for (int c = lane; c < C::kTile * C::kChunks; c += 32) {
             const int r = c / C::kChunks, col = c % C::kChunks;
-            cp_async_16<PF>(tile_at(slot_issue, 0, r, col * 8), kb + r * D + col * 8, true);
-            cp_async_16<PF>(tile_at(slot_issue, 1, r, col * 8), vb + r * D + col * 8, true);
+            cp_async_16<PF>(ring_at(slot_issue, 0, r, col * E), kb + r * D + col * E, true);
+            cp_async_16<PF>(ring_at(slot_issue, 1, r, col * E), vb + r * D + col * E, true);
           }
         }
       } else {
@@ -301,9 +318,9 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
           const int r = c / C::kChunks, col = c % C::kChunks;
           const int pos = t0 + r;
           const bool valid = pos < iitem.end;
-          const int64_t off = valid ? kv_row_offset(iitem.bt, pos, iitem.kv_head, p, D) + col * 8 : 0;
-          cp_async_16<PF>(tile_at(slot_issue, 0, r, col * 8), kc + off, valid);
-          cp_async_16<PF>(tile_at(slot_issue, 1, r, col * 8), vc + off, valid);
+          const int64_t off = valid ? kv_row_offset(iitem.bt, pos, iitem.kv_head, p, D) + col * C::kChunkElems : 0;
+          cp_async_16<PF>(ring_at(slot_issue, 0, r, col * C::kChunkElems), kc + off, valid);
+          cp_async_16<PF>(ring_at(slot_issue, 1, r, col * C::kChunkElems), vc + off, valid);
         }
       }
       slot_issue = slot_issue + 1 == S ? 0 : slot_issue + 1;
@@ -324,6 +341,16 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     pdl_wait();
   }
   for (; issued < S - 1; ++issued) issue_next();
+
+  // An FP8 cache's scales (after pdl_wait above: a previous kernel may have written them):
+  // k_scale joins the softmax scale, v_scale the output.
+  float sc = p.scale, sc_log2 = p.scale_log2, out_scale = 1.f;
+  if constexpr (KV != 0) {
+    const float ks = fp8::load_scale(p.k_scale);
+    sc *= ks;
+    sc_log2 *= ks;
+    out_scale = fp8::load_scale(p.v_scale);
+  }
 
   // Shared items: merge the team's (max, sum, accumulator) states of rows 0 .. nrows-1 (as
   // paged_decode.cu) and write the output or the partition's partials. Team barrier: the whole
@@ -374,6 +401,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
       const int64_t row = row0 + r;
+      if constexpr (KV != 0) o *= out_scale;  // an FP8 cache's v_scale (the partials carry it too)
       if (p.num_splits == 1) {
         static_cast<T*>(p.out)[row * D + d] = TypeTraits<T>::from_float(lsum > 0.f ? o / lsum : 0.f);
       } else {
@@ -415,10 +443,10 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
         const int c0 = kk * 16 + 2 * t;
-        qf[kk][0] = lo ? *reinterpret_cast<const uint32_t*>(q + g * D + c0) : 0u;
-        qf[kk][1] = hi ? *reinterpret_cast<const uint32_t*>(q + (g + 8) * D + c0) : 0u;
-        qf[kk][2] = lo ? *reinterpret_cast<const uint32_t*>(q + g * D + c0 + 8) : 0u;
-        qf[kk][3] = hi ? *reinterpret_cast<const uint32_t*>(q + (g + 8) * D + c0 + 8) : 0u;
+        qf[kk][0] = lo ? to_mma_pair<T, MT>(*reinterpret_cast<const uint32_t*>(q + g * D + c0)) : 0u;
+        qf[kk][1] = hi ? to_mma_pair<T, MT>(*reinterpret_cast<const uint32_t*>(q + (g + 8) * D + c0)) : 0u;
+        qf[kk][2] = lo ? to_mma_pair<T, MT>(*reinterpret_cast<const uint32_t*>(q + g * D + c0 + 8)) : 0u;
+        qf[kk][3] = hi ? to_mma_pair<T, MT>(*reinterpret_cast<const uint32_t*>(q + (g + 8) * D + c0 + 8)) : 0u;
       }
     }
 
@@ -438,24 +466,37 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
       __syncwarp();
+      if constexpr (C::kFp8) {  // the slot's codes -> float16 tiles (exact), for ldmatrix
+#pragma unroll
+        for (int c = lane; c < 2 * C::kTile * C::kChunks; c += 32) {
+          const int kv = c / (C::kTile * C::kChunks), rc = c % (C::kTile * C::kChunks);
+          const int r = rc / C::kChunks, col = rc % C::kChunks;
+          uint4 lo, hi;
+          fp8::decode16_half<KV>(*reinterpret_cast<const uint4*>(ring_at(slot, kv, r, col * 16)), lo, hi);
+          uint4* dst = reinterpret_cast<uint4*>(mma_at(slot, kv, r, col * 16));
+          dst[0] = lo;
+          dst[1] = hi;
+        }
+        __syncwarp();
+      }
       const int t0 = it.start + (k0 + k * kstep) * C::kTile;
 
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      mma_qk<T, KSTEPS, 2>(
+      mma_qk<MT, KSTEPS, 2>(
           s,
           [&](int kk, uint32_t(&a)[4]) {
             a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
           },
-          [&](int kk, int) { return tile_at(slot, 0, b_row, kk * 16 + b_col); });
+          [&](int kk, int) { return mma_at(slot, 0, b_row, kk * 16 + b_col); });
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int pos = t0 + 8 * j + 2 * t + (e & 1);
-          s[j][e] = pos < it.end ? score_log2(s[j][e], p.scale, p.scale_log2, p.soft_cap) : neg_inf();
+          s[j][e] = pos < it.end ? score_log2(s[j][e], sc, sc_log2, p.soft_cap) : neg_inf();
         }
       online_softmax_update(s, m, l, acc);
-      mma_pv<T, D>(acc, s, 0, [&](int np) { return tile_at(slot, 1, v_row, np * 16 + v_col); });
+      mma_pv<MT, D>(acc, s, 0, [&](int np) { return mma_at(slot, 1, v_row, np * 16 + v_col); });
       slot = slot + 1 == S ? 0 : slot + 1;
       __syncwarp();
     }
@@ -469,7 +510,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
       for (int r = 0; r < 2; ++r) {
         const int row = g + 8 * r;
         if (row >= it.nrows) continue;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const float inv = l[r] > 0.f ? out_scale / l[r] : 0.f;  // out_scale: 1, or an FP8 cache's v_scale
         const int64_t grow = static_cast<int64_t>(it.seq) * p.num_heads + it.h0 + row;
         if (p.num_splits == 1) {
           T* dst = static_cast<T*>(p.out) + grow * D + 2 * t;
@@ -550,12 +591,12 @@ CUtensorMap cache_map(const void* cache, int64_t rows) {
 /// 64 x 4096 against 274-286 us for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row
 /// copies); 4 x 5 and cp.async without the zero-fill operand lost in run 4. With TMA tiles, 4 x 2
 /// beat 4 x 3 in run 8d (253.5-253.8 against 255.7 us at 64 x 4,096; see bench/cuda_kernels_notes.md).
-template <typename T, int D, int W = kDecodeV2Warps, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync>
+template <typename T, int D, int W = kDecodeV2Warps, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync, int KV = 0>
 struct V2 {
-  using C = DecodeV2Cfg<T, D, W, NS, LOAD>;
+  using C = DecodeV2Cfg<T, D, W, NS, LOAD, KV>;
   static_assert(W == 4, "teams of 1, 2 and 4 warps are instantiated");
   template <int WPI>
-  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD, WPI>; }
+  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD, WPI, KV>; }
   static constexpr size_t kMaxSmem = C::kSmemBytes + C::merge_bytes(16);
 
   static size_t smem_bytes(int wpi, int merge_rows) { return C::kSmemBytes + (wpi > 1 ? C::merge_bytes(merge_rows) : 0); }
@@ -631,9 +672,18 @@ bool use_tma(const AttnParams* p) {
   return enabled && (p == nullptr || (p->cache_rows > 0 && p->cache_rows < (int64_t{1} << 31)));
 }
 
-/// Calls f(V2<...>{}) with the configuration of (T, head_size) and the parameters.
+/// Calls f(V2<...>{}) with the configuration of (T, head_size, FP8 kind) and the parameters.
 template <typename T, typename F>
-auto with_config(int head_size, const AttnParams* p, F&& f) {
+auto with_config(int head_size, int kv_fp8, const AttnParams* p, F&& f) {
+  // FP8 caches: cp.async rings 4 deep (a stage holds half the bytes of a 16-bit one).
+  if (kv_fp8 == 1)
+    return dispatch_head_size<128>(head_size, "CUDA decode v2 (fp8)", [&](auto d) {
+      return f(V2<T, decltype(d)::value, kDecodeV2Warps, 4, 128, kLoadCpAsync, 1>{});
+    });
+  if (kv_fp8 == 2)
+    return dispatch_head_size<128>(head_size, "CUDA decode v2 (fp8)", [&](auto d) {
+      return f(V2<T, decltype(d)::value, kDecodeV2Warps, 4, 128, kLoadCpAsync, 2>{});
+    });
   // 2-deep TMA rings: 0.8% faster than 3-deep at 64 x 4,096 and 1-2% at batch 1 (run 8d).
   if (head_size == 128 && use_tma(p)) return f(V2<T, 128, 4, 2, 128, kLoadTma>{});
   return dispatch_head_size<128>(head_size, "CUDA decode v2", [&](auto d) { return f(V2<T, decltype(d)::value>{}); });
@@ -645,10 +695,10 @@ bool decode_v2_supports(DType dtype, int head_size) {
   return (dtype == DType::kBFloat16 || dtype == DType::kFloat16) && head_size <= 128;
 }
 
-int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group) {
+int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group, int kv_fp8) {
   return dispatch_mma_dtype(dtype, "CUDA decode v2", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return with_config<T>(head_size, nullptr,
+    return with_config<T>(head_size, kv_fp8, nullptr,
                           [&](auto cfg) { return decltype(cfg)::units(warps_per_item, std::min(16, group)); });
   });
 }
@@ -656,7 +706,7 @@ int decode_v2_units(DType dtype, int head_size, int warps_per_item, int group) {
 void launch_decode_v2(DType dtype, int head_size, const AttnParams& p, int warps_per_item, cudaStream_t stream) {
   dispatch_mma_dtype(dtype, "CUDA decode v2", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    with_config<T>(head_size, &p, [&](auto cfg) { decltype(cfg)::launch(p, warps_per_item, stream); });
+    with_config<T>(head_size, p.kv_fp8, &p, [&](auto cfg) { decltype(cfg)::launch(p, warps_per_item, stream); });
   });
 }
 

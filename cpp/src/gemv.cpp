@@ -63,6 +63,7 @@ void check_rope(const char* op, const TensorView& out, const GemvRope& r, bool r
                    v = part(r.num_heads + r.num_kv_heads, r.num_kv_heads);
   detail::check_rotary_and_cache_args(op, *r.positions, q, k, v, *r.cos_cache, *r.sin_cache, *r.query_out,
                                       *r.key_cache, *r.value_cache, *r.slot_mapping);
+  detail::check_kv_scales(op, r.kv_scales, *r.key_cache);
   PAGEDLLM_CHECK(!overlaps(*r.query_out, out), op, ": query_out overlaps out");
   if (r.paired_rows) {
     detail::check_rotary_paired_rows(op, D, r.cos_cache->size(1));

@@ -316,7 +316,7 @@ void check_rotary_and_cache_args(const char* op, const TensorView& positions, co
     PAGEDLLM_CHECK(query_out.size(d) == query.size(d), op, ": query_out shape ", query_out.describe(),
                    " differs from query shape ", query.describe());
   detail::check_kv_caches(op, key_cache, value_cache);
-  check_dtype(op, "key_cache", key_cache, query.dtype);
+  detail::check_compute_dtype(op, "query", query, key_cache);
   check_same_device(op, "key_cache", key_cache, "query", query);
   check_dim(op, "key", key, 1, key_cache.size(1), "num_kv_heads, must match key_cache");
   check_dim(op, "key", key, 2, key_cache.size(3), "head_size, must match key_cache");
@@ -346,7 +346,8 @@ void rotary_embedding_and_cache(const TensorView& positions, const TensorView& q
                                 const TensorView& value, const TensorView& cos_cache,
                                 const TensorView& sin_cache, const TensorView& query_out,
                                 const TensorView& key_cache, const TensorView& value_cache,
-                                const TensorView& slot_mapping, std::uintptr_t stream, bool paired_rows) {
+                                const TensorView& slot_mapping, std::uintptr_t stream, bool paired_rows,
+                                const KVCacheScales& scales) {
   const char* op = "rotary_embedding_and_cache";
   PAGEDLLM_CHECK(query.device == DeviceType::kCUDA, op, ": query is on ", detail::device_str(query),
                  "; this op has a CUDA kernel only so far (on the cpu use rotary_embedding, then "
@@ -354,10 +355,11 @@ void rotary_embedding_and_cache(const TensorView& positions, const TensorView& q
   detail::check_rotary_and_cache_args(op, positions, query, key, value, cos_cache, sin_cache, query_out, key_cache,
                                       value_cache, slot_mapping);
   if (paired_rows) detail::check_rotary_paired_rows(op, query.size(2), cos_cache.size(1));
+  detail::check_kv_scales(op, scales, key_cache);
   if (query.size(0) == 0) return;
 #ifdef PAGEDLLM_LAYER_OPS_CUDA
   cuda::rotary_embedding(positions, query, key, &value, cos_cache, sin_cache, &query_out, &key_cache,
-                         &value_cache, &slot_mapping, stream, paired_rows);
+                         &value_cache, &slot_mapping, stream, paired_rows, &scales);
 #else
   (void)stream;
   no_layer_ops_cuda(op);

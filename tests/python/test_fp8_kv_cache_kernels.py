@@ -249,3 +249,102 @@ def test_prefill_gqa_long_prompt_and_window(device, kv_dtype, q_dtype, num_heads
     check_prefill(device, kv_dtype, q_dtype, [(600, 600), (300, 150), (9, 1)], num_heads, num_kv_heads, 128, 16,
                   gen)
     check_prefill(device, kv_dtype, q_dtype, MIXED, num_heads, num_kv_heads, 64, 16, gen, sliding_window=33)
+
+
+# ----------------------------------------------------------------------------- CUDA's fused writers
+
+
+def _rope_tables(max_pos, rot_half, dtype):
+    inv = 1.0 / 10000.0 ** (torch.arange(rot_half, dtype=torch.float64) / rot_half)
+    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return freqs.cos().to(dtype).cuda(), freqs.sin().to(dtype).cuda()
+
+
+def _rope_torch(x, positions, cos, sin):
+    """The rotation in x's dtype (each product rounded, then the sum), as the kernels round it."""
+    r = cos.shape[1]
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    out = x.clone()
+    x1, x2 = x[..., :r], x[..., r:2 * r]
+    out[..., :r] = torch.sub(x1 * c, x2 * s)
+    out[..., r:2 * r] = torch.add(x2 * c, x1 * s)
+    return out
+
+
+def _slots_and_caches(tokens, hkv, d, bs, kv_dtype, gen):
+    num_blocks = tokens // bs + 3
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:tokens]
+    slots[tokens // 2] = -1  # padding: nothing written
+    kc = torch.full((num_blocks, hkv, bs, d), 0x7F, dtype=torch.uint8, device="cuda").view(kv_dtype)
+    return slots, kc, kc.clone()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_dtype", list(FP8), ids=lambda d: FP8_IDS[d])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("paired", [False, True], ids=["standard", "paired-rows"])
+def test_rotary_embedding_and_cache_writes_fp8_codes(kv_dtype, q_dtype, paired, gen):
+    """The fused rotary + cache kernel stores the codes of (the key rotated in the query's dtype) /
+    k_scale and value / v_scale, bit-equal to torch's saturating conversion; padding writes nothing."""
+    tokens, hq, hkv, d, bs = 37, 8, 2, 128, 16
+    cos, sin = _rope_tables(300, d // 2, q_dtype)
+    qkv = (torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen) * 3).to(q_dtype).cuda()
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    positions = torch.randint(0, 300, (tokens,), generator=gen).cuda()
+    slots, kc, vc = _slots_and_caches(tokens, hkv, d, bs, kv_dtype, gen)
+    k_scale, v_scale = torch.tensor([0.031], device="cuda"), torch.tensor([0.017], device="cuda")
+    order = ops.rotary_paired_order(d).cuda() if paired else None
+    qi = q[..., order] if paired else q
+    ki = k[..., order] if paired else k
+    query_out = torch.empty(tokens, hq, d, dtype=q_dtype, device="cuda")
+    ops.rotary_embedding_and_cache(positions, qi, ki, v, cos, sin, query_out, kc, vc, slots.cuda(), paired_rows=paired,
+                                   k_scale=k_scale, v_scale=v_scale)
+    torch.cuda.synchronize()
+    k_rot = _rope_torch(k, positions, cos, sin).cpu()
+    keep = slots >= 0
+    blk, row = slots[keep] // bs, slots[keep] % bs
+    assert torch.equal(kc.cpu().view(torch.uint8)[blk, :, row], reference_codes(k_rot[keep], 0.031, kv_dtype))
+    assert torch.equal(vc.cpu().view(torch.uint8)[blk, :, row], reference_codes(v.cpu()[keep], 0.017, kv_dtype))
+    assert int((kc.cpu().view(torch.uint8) != 0x7F).sum()) <= int(keep.sum()) * hkv * d  # nothing else written
+    assert torch.equal(query_out, _rope_torch(q, positions, cos, sin))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_dtype", list(FP8), ids=lambda d: FP8_IDS[d])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("paired", [False, True], ids=["counters", "paired-rows"])
+def test_gemv_rope_epilogue_writes_the_same_fp8_codes(kv_dtype, m, paired, gen):
+    """The qkv GEMV's rope epilogue into FP8 caches equals gemv then rotary_embedding_and_cache into
+    FP8 caches, byte for byte (the same roundings, then the same conversion)."""
+    hq, hkv, d, bs, hidden = 8, 2, 128, 16, 256
+    dtype = torch.bfloat16
+    n = (hq + 2 * hkv) * d
+    x = torch.randn(m, hidden, generator=gen).to(dtype).cuda()
+    w = (torch.randn(n, hidden, generator=gen) * 0.1).to(dtype).cuda()
+    cos, sin = _rope_tables(64, d // 2, dtype)
+    positions = torch.randint(0, 64, (m,), generator=gen).cuda()
+    slots, kc, vc = _slots_and_caches(m, hkv, d, bs, kv_dtype, gen)
+    slots = slots.cuda()
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    k_scale, v_scale = torch.tensor([0.05], device="cuda"), torch.tensor([0.02], device="cuda")
+    if paired:
+        rows = torch.arange(n)
+        order = ops.rotary_paired_order(d)
+        for h in range(hq + hkv):
+            rows[h * d:(h + 1) * d] = h * d + order
+        w_run = w[rows.cuda()].contiguous()
+    else:
+        w_run = w
+    y = ops.gemv(x, w)
+    q, k, v = (t.reshape(m, -1, d) for t in y.split([hq * d, hkv * d, hkv * d], dim=-1))
+    ref_qo = torch.empty(m, hq, d, dtype=dtype, device="cuda")
+    ops.rotary_embedding_and_cache(positions, q, k, v, cos, sin, ref_qo, ref_kc, ref_vc, slots, k_scale=k_scale,
+                                   v_scale=v_scale)
+    qo = torch.empty_like(ref_qo)
+    counters = None if paired else torch.zeros(hq + 2 * hkv, dtype=torch.int32, device="cuda")
+    ops.gemv(x, w_run, rope=ops.GemvRope(hq, hkv, positions, cos, sin, qo, kc, vc, slots, counters, paired,
+                                         k_scale=k_scale, v_scale=v_scale))
+    torch.cuda.synchronize()
+    assert torch.equal(qo, ref_qo)
+    assert torch.equal(kc.view(torch.uint8), ref_kc.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), ref_vc.view(torch.uint8))

@@ -77,6 +77,7 @@
 
 #include <cstdint>
 
+#include "pagedllm/attention.h"
 #include "pagedllm/tensor_view.h"
 
 namespace pagedllm {
@@ -111,6 +112,7 @@ struct GemvRope {
                                                ///< (unused with paired_rows: may be nullptr)
   bool paired_rows = false;                    ///< weight rows of the query and key heads permuted
                                                ///< to layer_ops.h's rotary_paired_row order
+  KVCacheScales kv_scales;                     ///< FP8 caches: key / k_scale, value / v_scale stored
 };
 
 /// What the GEMV does around the product (see the header comment); the defaults do nothing.

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 
+#include "pagedllm/attention.h"
 #include "pagedllm/tensor_view.h"
 
 namespace pagedllm {
@@ -86,7 +87,8 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
 ///   cos_cache, sin_cache  [max_position, R/2] each, contiguous, the query's dtype (the two
 ///              halves of rotary_embedding's cos_sin_cache as separate tables)
 ///   query_out  [T, Hq, D], contiguous, not overlapping query
-///   key_cache, value_cache  [num_blocks, Hkv, block_size, D] (pagedllm/cache_ops.h)
+///   key_cache, value_cache  [num_blocks, Hkv, block_size, D] (pagedllm/cache_ops.h): the query's
+///              dtype, or FP8 (attention.h), storing key / k_scale and value / v_scale of `scales`
 ///   slot_mapping  int64 [T]: a slot < 0 or >= num_blocks * block_size writes nothing to the
 ///              caches for that token (its query is still rotated)
 ///   paired_rows  false: query and key heads in the standard order; true: in the paired-rows
@@ -99,7 +101,8 @@ void rotary_embedding_and_cache(const TensorView& positions, const TensorView& q
                                 const TensorView& cos_cache, const TensorView& sin_cache,
                                 const TensorView& query_out, const TensorView& key_cache,
                                 const TensorView& value_cache, const TensorView& slot_mapping,
-                                std::uintptr_t stream = 0, bool paired_rows = false);
+                                std::uintptr_t stream = 0, bool paired_rows = false,
+                                const KVCacheScales& scales = {});
 
 #if defined(__CUDACC__)
 #define PAGEDLLM_HOST_DEVICE __host__ __device__

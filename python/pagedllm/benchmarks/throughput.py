@@ -46,6 +46,10 @@ requests). Every pagedllm entry reports its engine steps' wall time ("step_ms_me
 forward pass, waiting for it) and applying the token bitmask, advancing the matchers) and the schema's compile time
 ("grammar_compile_ms", uncached).
 
+KV cache: --kv-cache-dtype auto fp8 runs an engine per dtype ("pagedllm", "pagedllm_kv_fp8"), each
+with the pool's capacity ("kv_blocks", "kv_tokens": the same --kv-bytes hold twice the tokens in
+fp8 as in bfloat16) and "ratio_pagedllm_kv_fp8_vs_pagedllm".
+
 Speculative decoding: --speculative-config takes "none" and/or speculative_config JSON texts (vLLM's
 dict, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'); each is its own pagedllm engine:
 "pagedllm" for none, "pagedllm_spec" for one config ("pagedllm_spec1", ... for several), each with
@@ -131,7 +135,7 @@ class PagedllmRunner:
     round i's prompts."""
 
     def __init__(self, args, prompts: list[list[list[int]]], quantization: Optional[str] = None,
-                 structured: Optional[str] = None, speculative: Optional[str] = None):
+                 structured: Optional[str] = None, speculative: Optional[str] = None, kv_cache_dtype: str = "auto"):
         from pagedllm import LLM, SamplingParams
         from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -139,13 +143,16 @@ class PagedllmRunner:
         self.llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
                        max_model_len=args.max_model_len, seed=0, tensor_parallel_size=args.tensor_parallel_size,
                        quantization=quantization, load_format=args.load_format, speculative_config=speculative,
-                       async_scheduling=None if args.async_scheduling == "auto" else args.async_scheduling == "true")
+                       async_scheduling=None if args.async_scheduling == "auto" else args.async_scheduling == "true",
+                       kv_cache_dtype=kv_cache_dtype)
         construct = time.perf_counter() - t0
         warm = [t + 1 for t in prompts[0][0][:16]]  # not a prefix of any prompt
         self.llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=1), use_tqdm=False)
         first_token = time.perf_counter() - t0
         self.startup = {"quantization": quantization, "startup_construct_s": construct,
                         **({"speculative_config": json.loads(speculative)} if speculative else {}),
+                        "kv_cache_dtype": kv_cache_dtype, "kv_blocks": self.llm.llm_engine.runner.num_blocks,
+                        "kv_tokens": self.llm.llm_engine.runner.num_blocks * self.llm.llm_engine.runner.block_size,
                         "startup_to_first_token_s": first_token,
                         "process_start_to_first_token_s": t0 - PROCESS_START + first_token}
         so = None
@@ -525,15 +532,18 @@ QUANTIZATION_MODES = ["none", "int8", "int4", "gguf"]
 
 
 def pagedllm_key(mode: Optional[str], modes: list, structured: Optional[str] = None, so_modes: tuple = (None,),
-                 spec: Optional[str] = None, spec_modes: tuple = (None,)) -> str:
-    """The result entry of pagedllm in quantization `mode` (and structured-outputs mode, and
-    speculative config): "pagedllm" when it is the only mode or none, else "pagedllm_<mode>" (then
-    "_json" with --structured-outputs none json, "_spec" / "_spec<i>" with --speculative-config)."""
+                 spec: Optional[str] = None, spec_modes: tuple = (None,), kv: str = "auto",
+                 kv_modes: tuple = ("auto",)) -> str:
+    """The result entry of pagedllm in quantization `mode` (and structured-outputs mode, speculative
+    config, KV-cache dtype): "pagedllm" when it is the only mode or none, else "pagedllm_<mode>"
+    (then "_json" with --structured-outputs none json, "_spec" / "_spec<i>" with
+    --speculative-config, "_kv_<dtype>" with --kv-cache-dtype auto fp8)."""
     key = "pagedllm" if len(modes) == 1 or mode is None else f"pagedllm_{mode}"
     key += f"_{structured}" if structured is not None and len(so_modes) > 1 else ""
     if spec is not None and len(spec_modes) > 1:
         configs = [s for s in spec_modes if s is not None]
         key += "_spec" + (str(configs.index(spec) + 1) if len(configs) > 1 else "")
+    key += f"_kv_{kv}" if kv != "auto" and len(kv_modes) > 1 else ""
     return key
 
 
@@ -582,6 +592,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "each its own engine in the same run; docs/structured_output.md")
     p.add_argument("--speculative-config", nargs="+", default=["none"], metavar="CONFIG",
                    help="pagedllm engines with these speculative_config JSON texts, or none (default: none)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   metavar="DTYPE", help="pagedllm engines with these KV-cache dtypes (default: auto); each reports "
+                                         "kv_tokens, the pool's capacity")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "true", "false"],
                    help="pagedllm's async scheduling (default auto: on CUDA); false makes each engine step one "
                         "whole step, so step_ms_median compares step costs directly")
@@ -622,7 +635,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     modes = [None if m == "none" else m for m in dict.fromkeys(args.quantization)]  # order kept, once each
     so_modes = tuple(None if m == "none" else m for m in dict.fromkeys(args.structured_outputs))
     spec_modes = tuple(None if m == "none" else m for m in dict.fromkeys(args.speculative_config))
-    variants = [(m, so, spec) for m in modes for so in so_modes for spec in spec_modes]
+    kv_modes = tuple(dict.fromkeys(args.kv_cache_dtype))
+    variants = [(m, so, spec, kv) for m in modes for so in so_modes for spec in spec_modes for kv in kv_modes]
     if args.ignore_eos is None:
         args.ignore_eos = args.dataset == "random"
     import torch
@@ -669,10 +683,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     runners: dict = {}
     errors: dict = {}
     if not args.skip_pagedllm:
-        for mode, so, spec in variants:
-            key = pagedllm_key(mode, modes, so, so_modes, spec, spec_modes)
+        for mode, so, spec, kv in variants:
+            key = pagedllm_key(mode, modes, so, so_modes, spec, spec_modes, kv, kv_modes)
             try:
-                runners[key] = PagedllmRunner(args, prompts, mode, so, spec)
+                runners[key] = PagedllmRunner(args, prompts, mode, so, spec, kv)
             except (ValueError, RuntimeError, OSError) as e:
                 if len(variants) == 1:
                     raise
@@ -717,7 +731,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result.update(errors)
     result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
 
-    ours = [pagedllm_key(m, modes, so, so_modes, spec, spec_modes) for m, so, spec in variants]
+    ours = [pagedllm_key(m, modes, so, so_modes, spec, spec_modes, kv, kv_modes) for m, so, spec, kv in variants]
     peers = [("hf_transformers", "hf"), ("vllm_cpu", "vllm_cpu"), ("llama_cpp", "llama_cpp")]
     peers += [(k, k) for k in ours if k == "pagedllm" and len(ours) > 1]  # quantized (speculating...) vs not
     for mine in ours:

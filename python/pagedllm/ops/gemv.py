@@ -50,7 +50,8 @@ class GemvRope:
     order of :func:`pagedllm.ops.rotary_paired_order`; each CTA then rotates its own rows (no
     counters needed) and query_out / the caches still get the standard order, bit for bit as
     without it on the unpermuted weight; the output's q and k parts stay in the paired order.
-    Needs full rotary (rotary_dim == head_size)."""
+    Needs full rotary (rotary_dim == head_size). ``k_scale`` / ``v_scale``: an FP8 cache's scales
+    (as for :func:`pagedllm.ops.reshape_and_cache`)."""
 
     num_heads: int
     num_kv_heads: int
@@ -63,6 +64,9 @@ class GemvRope:
     slot_mapping: torch.Tensor
     counters: torch.Tensor | None = None
     paired_rows: bool = False
+    #: FP8 caches: float32 [1] scales on the device (the caches store key / k_scale, value / v_scale)
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 def gemv_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -119,7 +123,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             None if residual is None else _view(residual),
             rope_views,
             0 if rope is None else int(rope.num_heads), 0 if rope is None else int(rope.num_kv_heads),
-            rope is not None and bool(rope.paired_rows), bool(silu_paired_rows))
+            rope is not None and bool(rope.paired_rows), bool(silu_paired_rows),
+            None if rope is None or rope.k_scale is None else _view(rope.k_scale),
+            None if rope is None or rope.v_scale is None else _view(rope.v_scale))
     return out
 
 

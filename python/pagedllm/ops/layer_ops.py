@@ -101,7 +101,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                                query_out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                               slot_mapping: torch.Tensor, paired_rows: bool = False) -> None:
+                               slot_mapping: torch.Tensor, paired_rows: bool = False, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> None:
     """:func:`rotary_embedding`'s rotation fused with ``reshape_and_cache``: the rotated query goes
     to ``query_out [T, Hq, D]`` (contiguous), the rotated key and ``value`` go into the paged
     caches at ``slot_mapping`` (int64 ``[T]``; a slot < 0 writes nothing). ``query``, ``key``,
@@ -110,10 +111,13 @@ def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key
     separate tables. ``paired_rows``: each query and key head comes in the order of
     :func:`rotary_paired_order` (the output of a qkv weight permuted for the GEMV's rope
     epilogue; needs R == D, D % 16 == 0); ``query_out`` and the caches get the standard order.
-    CUDA only so far."""
+    FP8 caches store ``key / k_scale`` and ``value / v_scale`` (float32 ``[1]`` tensors on the
+    device; None = 1.0), as :func:`pagedllm.ops.reshape_and_cache`. CUDA only so far."""
     _C.rotary_embedding_and_cache(_view(positions), _view(query), _view(key), _view(value), _view(cos_cache),
                                   _view(sin_cache), _view(query_out), _view(key_cache), _view(value_cache),
-                                  _view(slot_mapping), _stream(query), bool(paired_rows))
+                                  _view(slot_mapping), _stream(query), bool(paired_rows),
+                                  None if k_scale is None else _view(k_scale),
+                                  None if v_scale is None else _view(v_scale))
 
 
 def rotary_paired_order(head_size: int) -> torch.Tensor:
