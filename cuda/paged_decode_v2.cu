@@ -52,7 +52,7 @@ struct DecodeV2Cfg {
   static constexpr int kTile = 16;
   static constexpr int kStages = NS;
   static constexpr bool kSwizzled = LOAD == kLoadTma;
-  static constexpr bool kFp8 = KV != 0;  // FP8 cache: ring rows of codes, decoded to float16 per tile
+  static constexpr bool kFp8 = KV != 0;  // FP8 cache: ring rows of codes (fp8_fragments below)
   static constexpr int kRow = D + 8;  // padded layout (16-bit elements): 16-byte pad, conflict-free ldmatrix
   static constexpr int kElem = kFp8 ? 1 : int(sizeof(T));              // bytes of a cache element
   static constexpr int kRowBytes = kFp8 ? D + 16 : kRow * int(sizeof(T));  // a padded ring row
@@ -60,8 +60,7 @@ struct DecodeV2Cfg {
   static constexpr int kChunks = D / kChunkElems;
   static constexpr int kBoxes = D / 64;  // swizzled layout: 64-column boxes of 16 rows x 128 B
   static constexpr int kStageBytes = kSwizzled ? 2 * kBoxes * 2048 : 2 * kTile * kRowBytes;
-  static constexpr int kConvBytes = kFp8 ? 2 * kTile * kRow * 2 : 0;  // FP8: the current K and V tiles in float16
-  static constexpr int kWarpBytes = kStages * kStageBytes + kConvBytes;
+  static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr size_t kSmemBytes =
       kWarps * kWarpBytes + (kSwizzled ? 1024 + kWarps * kStages * sizeof(uint64_t) : 0);
   // Items shared by several warps: the warps' softmax states are merged through [kWarps][16]
@@ -189,6 +188,24 @@ __device__ __forceinline__ void combine_splits(const AttnParams& p, const Decode
   }
 }
 
+/// f(d, a, b) for the pairs of adjacent output dims (d, d + 1) that this lane's accumulator holds
+/// for its row r (0: row g, 1: row g + 8): tile n's columns 2t, 2t + 1 = dims 8n + 2t, + 1, or
+/// with an FP8 cache (fp8_pv's tiles 2c + o = dims 16c + 2g + o) the columns j = 2t, 2t + 1 of
+/// tiles 2c and 2c + 1 = dims 16c + 2j and 16c + 2j + 1.
+template <bool kFp8, int D, typename F>
+__device__ __forceinline__ void acc_pairs(const float (&acc)[D / 8][4], int r, F&& f) {
+  const int t = (threadIdx.x % 32) % 4;
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) f(16 * c + 4 * t + 2 * e, acc[2 * c][2 * r + e], acc[2 * c + 1][2 * r + e]);
+  } else {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) f(8 * n + 2 * t, acc[n][2 * r], acc[n][2 * r + 1]);
+  }
+}
+
 /// WPI warps per work item. WPI == 1: a work item per warp (items first, first + W, ... for W
 /// warps in the grid). WPI > 1 (2, or W_ for a whole CTA): the CTA's warps form W_ / WPI teams,
 /// team j of CTA b takes items b * (W_ / WPI) + j, + gridDim.x * (W_ / WPI), ...; warp w of a team
@@ -240,8 +257,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     __syncwarp();
   }
   // Shared-memory address of row r, column c (the first of a 16-byte chunk) of the K (kv = 0) or
-  // V (kv = 1) tile in ring slot `slot`, in cache elements (ring_at: what the loads fill) and in
-  // mma elements (mma_at: what ldmatrix reads; for an FP8 cache the slot's decoded float16 copy).
+  // V (kv = 1) tile in ring slot `slot`, in cache elements.
   auto ring_at = [&](int slot, int kv, int r, int c) -> CT* {
     if constexpr (C::kSwizzled) {
       const int box = c / 64, chunk = (c % 64) / 8;
@@ -251,10 +267,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
       return reinterpret_cast<CT*>(ring + slot * C::kStageBytes + (kv * C::kTile + r) * C::kRowBytes) + c;
     }
   };
-  auto mma_at = [&](int slot, int kv, int r, int c) -> MT* {
-    if constexpr (C::kFp8) return reinterpret_cast<MT*>(ring + S * C::kStageBytes) + (kv * C::kTile + r) * C::kRow + c;
-    else return ring_at(slot, kv, r, c);
-  };
+
   // Items first, first + istride, ...; within an item this warp takes tiles k0, k0 + kstep, ...
   static_assert(W_ % WPI == 0, "teams must divide the CTA");
   constexpr int kTeams = W_ / WPI;
@@ -342,6 +355,72 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   }
   for (; issued < S - 1; ++issued) issue_next();
 
+  // ---- FP8 caches: mma fragments straight from the ring of codes (no float16 copy of the tile).
+  // ldmatrix of a tile of codes read as 16-bit pairs gives lane (g, t), per 8 x 16-code matrix:
+  //   K (non-trans): the codes of key g, dims 16c + 4t .. 4t+3 of 16-dim chunk c. The head dim is
+  //     taken in that order on both sides of Q K^T (the query fragments too, as loaded above): k
+  //     indices {2t, 2t+1} of an m16n8k16 step are dims 4t, 4t+1 (b0) and {2t+8, 2t+9} are 4t+2,
+  //     4t+3 (b1) — a dot product does not depend on the order of its terms.
+  //   V (trans): codes (keys 2t, 2t+1) x (dims 16c + 2g, 16c + 2g + 1); one byte permute splits
+  //     them into the (key 2t, key 2t+1) pairs of dim 2g (the B fragment of an "even" n8 tile) and
+  //     of dim 2g + 1 ("odd"). So acc tile 2c + o holds the dims {16c + 2g + o}; acc_pairs walks
+  //     the output in pairs of adjacent dims either way.
+  // Each pair of codes becomes a float16 pair by one cvt (fp8_kv.cuh).
+  auto fp8_qk = [&](float(&s)[2][4], const uint32_t(&qf)[KSTEPS][4], int slot_) {
+    const int key = (lane % 8) + 8 * ((lane / 8) % 2);  // this lane's ldmatrix row: matrices (keys 0-7 | 8-15)
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; kk += 2) {
+      if (kk + 1 < KSTEPS) {  // x4: (keys 0-7, 8-15) x (k-steps kk, kk + 1)
+        uint32_t r[4];
+        ldmatrix_x4(r, ring_at(slot_, 0, key, 16 * (kk + lane / 16)));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint32_t a[4] = {qf[kk + i / 2][0], qf[kk + i / 2][1], qf[kk + i / 2][2], qf[kk + i / 2][3]};
+          mma_16816<MT>(s[i % 2], a, fp8::decode2_half<KV>(static_cast<uint16_t>(r[i])),
+                        fp8::decode2_half<KV>(static_cast<uint16_t>(r[i] >> 16)));
+        }
+      } else {  // x2: (keys 0-7, 8-15) x k-step kk (head size 80)
+        uint32_t r[2];
+        ldmatrix_x2(r, ring_at(slot_, 0, key, 16 * kk));
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          uint32_t a[4] = {qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]};
+          mma_16816<MT>(s[i], a, fp8::decode2_half<KV>(static_cast<uint16_t>(r[i])),
+                        fp8::decode2_half<KV>(static_cast<uint16_t>(r[i] >> 16)));
+        }
+      }
+    }
+  };
+  auto fp8_pv = [&](float(&acc_)[D / 8][4], const float(&s)[2][4], int slot_) {
+    uint32_t pa[4];
+    pa[0] = TypeTraits<MT>::pack(s[0][0], s[0][1]);
+    pa[1] = TypeTraits<MT>::pack(s[0][2], s[0][3]);
+    pa[2] = TypeTraits<MT>::pack(s[1][0], s[1][1]);
+    pa[3] = TypeTraits<MT>::pack(s[1][2], s[1][3]);
+    const int key = (lane % 8) + 8 * ((lane / 8) % 2);
+    // (keys 2t, 2t+1) x (dims 2g, 2g+1) of one chunk -> the (b0 or b1) of chunk tiles even, odd
+    auto pv_chunk = [&](int c, uint32_t lo_keys, uint32_t hi_keys) {
+      const uint32_t x = __byte_perm(lo_keys, 0, 0x3120), y = __byte_perm(hi_keys, 0, 0x3120);
+      mma_16816<MT>(acc_[2 * c], pa, fp8::decode2_half<KV>(static_cast<uint16_t>(x)),
+                    fp8::decode2_half<KV>(static_cast<uint16_t>(y)));
+      mma_16816<MT>(acc_[2 * c + 1], pa, fp8::decode2_half<KV>(static_cast<uint16_t>(x >> 16)),
+                    fp8::decode2_half<KV>(static_cast<uint16_t>(y >> 16)));
+    };
+#pragma unroll
+    for (int c = 0; c < D / 16; c += 2) {
+      if (c + 1 < D / 16) {  // x4.trans: (keys 0-7, 8-15) x (chunks c, c + 1)
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, ring_at(slot_, 1, key, 16 * (c + lane / 16)));
+        pv_chunk(c, r[0], r[1]);
+        pv_chunk(c + 1, r[2], r[3]);
+      } else {  // x2.trans: chunk c alone (head size 80)
+        uint32_t r[2];
+        ldmatrix_x2_trans(r, ring_at(slot_, 1, key, 16 * c));
+        pv_chunk(c, r[0], r[1]);
+      }
+    }
+  };
+
   // An FP8 cache's scales (after pdl_wait above: a previous kernel may have written them):
   // k_scale joins the softmax scale, v_scale the output.
   float sc = p.scale, sc_log2 = p.scale_log2, out_scale = 1.f;
@@ -375,9 +454,8 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     for (int r = 0; r < 2; ++r) {
       const int row = g + 8 * r;
       if (row >= it.nrows) continue;
-      float* o = s_o + (warp * mrows + row) * D + 2 * t;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) *reinterpret_cast<float2*>(o + 8 * n) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+      float* o = s_o + (warp * mrows + row) * D;
+      acc_pairs<C::kFp8, D>(acc, r, [&](int d, float a, float b) { *reinterpret_cast<float2*>(o + d) = make_float2(a, b); });
       if (t == 0) {
         s_m[warp * 16 + row] = m[r];
         s_l[warp * 16 + row] = l[r];
@@ -442,11 +520,21 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
       const bool lo = g < it.nrows, hi = g + 8 < it.nrows;
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
-        const int c0 = kk * 16 + 2 * t;
-        qf[kk][0] = lo ? to_mma_pair<T, MT>(*reinterpret_cast<const uint32_t*>(q + g * D + c0)) : 0u;
-        qf[kk][1] = hi ? to_mma_pair<T, MT>(*reinterpret_cast<const uint32_t*>(q + (g + 8) * D + c0)) : 0u;
-        qf[kk][2] = lo ? to_mma_pair<T, MT>(*reinterpret_cast<const uint32_t*>(q + g * D + c0 + 8)) : 0u;
-        qf[kk][3] = hi ? to_mma_pair<T, MT>(*reinterpret_cast<const uint32_t*>(q + (g + 8) * D + c0 + 8)) : 0u;
+        if constexpr (C::kFp8) {  // the head dim in fp8_qk's order: k {2t, 2t+1, 2t+8, 2t+9} = dims 4t .. 4t+3
+          const int c0 = kk * 16 + 4 * t;
+          const uint2 a = lo ? *reinterpret_cast<const uint2*>(q + g * D + c0) : make_uint2(0u, 0u);
+          const uint2 b = hi ? *reinterpret_cast<const uint2*>(q + (g + 8) * D + c0) : make_uint2(0u, 0u);
+          qf[kk][0] = to_mma_pair<T, MT>(a.x);
+          qf[kk][1] = to_mma_pair<T, MT>(b.x);
+          qf[kk][2] = to_mma_pair<T, MT>(a.y);
+          qf[kk][3] = to_mma_pair<T, MT>(b.y);
+        } else {
+          const int c0 = kk * 16 + 2 * t;
+          qf[kk][0] = lo ? *reinterpret_cast<const uint32_t*>(q + g * D + c0) : 0u;
+          qf[kk][1] = hi ? *reinterpret_cast<const uint32_t*>(q + (g + 8) * D + c0) : 0u;
+          qf[kk][2] = lo ? *reinterpret_cast<const uint32_t*>(q + g * D + c0 + 8) : 0u;
+          qf[kk][3] = hi ? *reinterpret_cast<const uint32_t*>(q + (g + 8) * D + c0 + 8) : 0u;
+        }
       }
     }
 
@@ -466,28 +554,19 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         }
       }
       __syncwarp();
-      if constexpr (C::kFp8) {  // the slot's codes -> float16 tiles (exact), for ldmatrix
-#pragma unroll
-        for (int c = lane; c < 2 * C::kTile * C::kChunks; c += 32) {
-          const int kv = c / (C::kTile * C::kChunks), rc = c % (C::kTile * C::kChunks);
-          const int r = rc / C::kChunks, col = rc % C::kChunks;
-          uint4 lo, hi;
-          fp8::decode16_half<KV>(*reinterpret_cast<const uint4*>(ring_at(slot, kv, r, col * 16)), lo, hi);
-          uint4* dst = reinterpret_cast<uint4*>(mma_at(slot, kv, r, col * 16));
-          dst[0] = lo;
-          dst[1] = hi;
-        }
-        __syncwarp();
-      }
       const int t0 = it.start + (k0 + k * kstep) * C::kTile;
 
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      mma_qk<MT, KSTEPS, 2>(
-          s,
-          [&](int kk, uint32_t(&a)[4]) {
-            a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
-          },
-          [&](int kk, int) { return mma_at(slot, 0, b_row, kk * 16 + b_col); });
+      if constexpr (C::kFp8) {
+        fp8_qk(s, qf, slot);
+      } else {
+        mma_qk<MT, KSTEPS, 2>(
+            s,
+            [&](int kk, uint32_t(&a)[4]) {
+              a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
+            },
+            [&](int kk, int) { return ring_at(slot, 0, b_row, kk * 16 + b_col); });
+      }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -496,7 +575,8 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
           s[j][e] = pos < it.end ? score_log2(s[j][e], sc, sc_log2, p.soft_cap) : neg_inf();
         }
       online_softmax_update(s, m, l, acc);
-      mma_pv<MT, D>(acc, s, 0, [&](int np) { return mma_at(slot, 1, v_row, np * 16 + v_col); });
+      if constexpr (C::kFp8) fp8_pv(acc, s, slot);
+      else mma_pv<MT, D>(acc, s, 0, [&](int np) { return ring_at(slot, 1, v_row, np * 16 + v_col); });
       slot = slot + 1 == S ? 0 : slot + 1;
       __syncwarp();
     }
@@ -513,17 +593,16 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
         const float inv = l[r] > 0.f ? out_scale / l[r] : 0.f;  // out_scale: 1, or an FP8 cache's v_scale
         const int64_t grow = static_cast<int64_t>(it.seq) * p.num_heads + it.h0 + row;
         if (p.num_splits == 1) {
-          T* dst = static_cast<T*>(p.out) + grow * D + 2 * t;
-#pragma unroll
-          for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<uint32_t*>(dst + 8 * n) =
-                TypeTraits<T>::pack(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+          T* dst = static_cast<T*>(p.out) + grow * D;
+          acc_pairs<C::kFp8, D>(acc, r, [&](int d, float a, float b) {
+            *reinterpret_cast<uint32_t*>(dst + d) = TypeTraits<T>::pack(a * inv, b * inv);
+          });
         } else {
           const int64_t prow = grow * p.num_splits + it.split;
-          float* dst = p.partial_out + prow * D + 2 * t;
-#pragma unroll
-          for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+          float* dst = p.partial_out + prow * D;
+          acc_pairs<C::kFp8, D>(acc, r, [&](int d, float a, float b) {
+            *reinterpret_cast<float2*>(dst + d) = make_float2(a * inv, b * inv);
+          });
           if (t == 0) {
             p.partial_max[prow] = m[r];
             p.partial_sum[prow] = l[r];

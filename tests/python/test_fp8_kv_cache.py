@@ -210,5 +210,7 @@ def test_bad_kv_cache_dtype_and_combinations_are_errors():
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' on cuda needs the model in 'bfloat16' or "
                                          r"'float16', got dtype='float32'"):
         resolve_kv_cache_dtype("fp8", torch.float32, "cuda")
-    assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, "cpu") is torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' on cuda supports head_dim up to 128, the model has 256"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, "cuda", head_dim=256)
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, "cpu", head_dim=256) is torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, "cpu") is torch.bfloat16

@@ -211,6 +211,10 @@ def test_copy_blocks_and_swap_blocks_move_fp8_bytes(device, gen):
 @pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_dequantized_reference(device, kv_dtype, q_dtype, head_size, block_size, gen):
+    if device == "cuda" and head_size > 128:  # CUDA's FP8 kernels stop at 128 (attention.h)
+        with pytest.raises(ValueError, match="FP8 KV caches support head sizes up to 128, got 256"):
+            check_decode(device, kv_dtype, q_dtype, [17], 8, 2, head_size, block_size, gen)
+        return
     check_decode(device, kv_dtype, q_dtype, [1, 17, 64, 150, 333], 8, 2, head_size, block_size, gen)
 
 
@@ -240,6 +244,10 @@ MIXED = [(37, 37), (100, 23), (50, 1), (1, 1), (64, 64), (20, 0), (129, 1)]
 @pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_mixed_batch_matches_dequantized_reference(device, kv_dtype, q_dtype, head_size, block_size, gen):
+    if device == "cuda" and head_size > 128:
+        with pytest.raises(ValueError, match="FP8 KV caches support head sizes up to 128, got 256"):
+            check_prefill(device, kv_dtype, q_dtype, MIXED, 8, 2, head_size, block_size, gen)
+        return
     check_prefill(device, kv_dtype, q_dtype, MIXED, 8, 2, head_size, block_size, gen)
 
 

@@ -157,7 +157,7 @@ class LLMEngine:
         get_quantization_config(args.quantization, cfg.quantization, self.device, self.gguf_file,
                                 cfg.quantization_config, self.dtype)  # ValueError before any load
         #: the KV caches' torch dtype (ValueError before any load)
-        self.cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
+        self.cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device, cfg.head_dim)
         if args.calculate_kv_scales and self.cache_dtype == self.dtype:
             raise ValueError("calculate_kv_scales=True needs an FP8 KV cache: pass kv_cache_dtype='fp8' (or "
                              "'fp8_e5m2'), or leave calculate_kv_scales off")

@@ -42,12 +42,18 @@ K_SCALE_CONSTANT = 200.0
 V_SCALE_CONSTANT = 100.0
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The cache's torch dtype for vLLM's ``kv_cache_dtype`` name with a model of `dtype` on `device`.
+#: the largest head size of CUDA's FP8 attention kernels (pagedllm/attention.h)
+CUDA_FP8_MAX_HEAD_DIM = 128
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device | str,
+                           head_dim: int | None = None) -> torch.dtype:
+    """The cache's torch dtype for vLLM's ``kv_cache_dtype`` name with a model of `dtype` (and
+    head size `head_dim`) on `device`.
 
     ValueError naming the value for an unknown name, or for FP8 with a model dtype the device's
-    kernels do not pair with an FP8 cache (CUDA: bfloat16 / float16; CPU: float32 / bfloat16),
-    saying what to pass instead."""
+    kernels do not pair with an FP8 cache (CUDA: bfloat16 / float16; CPU: float32 / bfloat16) or,
+    on CUDA, a head size above 128, saying what to pass instead."""
     from pagedllm import ops
 
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -62,6 +68,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torc
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} on {device.type} needs the model in {names}, got "
                          f"dtype={str(dtype).removeprefix('torch.')!r}: pass dtype={names.split(' or ')[0]} or "
                          "kv_cache_dtype='auto'")
+    if device.type == "cuda" and head_dim is not None and head_dim > CUDA_FP8_MAX_HEAD_DIM:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} on cuda supports head_dim up to {CUDA_FP8_MAX_HEAD_DIM}, "
+                         f"the model has {head_dim}: use kv_cache_dtype='auto'")
     return cache
 
 
