@@ -212,8 +212,8 @@ __device__ __forceinline__ void acc_pairs(const float (&acc)[D / 8][4], int r, F
 /// takes the item's tiles w, w + WPI, ... through its own ring, and the team's states are merged
 /// in shared memory at the end of each item (a barrier pair of the team per item; no split-K
 /// reduction needed for a single partition). merge_rows = min(16, group) (WPI > 1 only).
-template <typename T, int D, int W_, int NS, int PF, int LOAD, int WPI, int KV>
-__global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnParams p, int num_items,
+template <typename T, int D, int W_, int NS, int PF, int LOAD, int WPI, int KV, int MINB = 1>
+__global__ void __launch_bounds__(32 * W_, MINB) paged_decode_v2_kernel(const AttnParams p, int num_items,
                                                                   int head_chunks, int merge_rows,
                                                                   const __grid_constant__ TmaMaps maps) {
   using C = DecodeV2Cfg<T, D, W_, NS, LOAD, KV>;
@@ -361,11 +361,12 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
   //     taken in that order on both sides of Q K^T (the query fragments too, as loaded above): k
   //     indices {2t, 2t+1} of an m16n8k16 step are dims 4t, 4t+1 (b0) and {2t+8, 2t+9} are 4t+2,
   //     4t+3 (b1) — a dot product does not depend on the order of its terms.
-  //   V (trans): codes (keys 2t, 2t+1) x (dims 16c + 2g, 16c + 2g + 1); one byte permute splits
+  //   V (trans): codes (keys 2t, 2t+1) x (dims 16c + 2g, 16c + 2g + 1); byte permutes split
   //     them into the (key 2t, key 2t+1) pairs of dim 2g (the B fragment of an "even" n8 tile) and
   //     of dim 2g + 1 ("odd"). So acc tile 2c + o holds the dims {16c + 2g + o}; acc_pairs walks
   //     the output in pairs of adjacent dims either way.
-  // Each pair of codes becomes a float16 pair by one cvt (fp8_kv.cuh).
+  // Each pair of codes becomes a float16 pair by a byte permute and, for E4M3, one cvt
+  // (fp8_kv.cuh's codes_to_half2_exact).
   auto fp8_qk = [&](float(&s)[2][4], const uint32_t(&qf)[KSTEPS][4], int slot_) {
     const int key = (lane % 8) + 8 * ((lane / 8) % 2);  // this lane's ldmatrix row: matrices (keys 0-7 | 8-15)
 #pragma unroll
@@ -376,8 +377,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           uint32_t a[4] = {qf[kk + i / 2][0], qf[kk + i / 2][1], qf[kk + i / 2][2], qf[kk + i / 2][3]};
-          mma_16816<MT>(s[i % 2], a, fp8::decode2_half<KV>(static_cast<uint16_t>(r[i])),
-                        fp8::decode2_half<KV>(static_cast<uint16_t>(r[i] >> 16)));
+          mma_16816<MT>(s[i % 2], a, fp8::codes_to_half2_exact<KV>(r[i], 0x1404), fp8::codes_to_half2_exact<KV>(r[i], 0x3424));
         }
       } else {  // x2: (keys 0-7, 8-15) x k-step kk (head size 80)
         uint32_t r[2];
@@ -385,8 +385,7 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           uint32_t a[4] = {qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]};
-          mma_16816<MT>(s[i], a, fp8::decode2_half<KV>(static_cast<uint16_t>(r[i])),
-                        fp8::decode2_half<KV>(static_cast<uint16_t>(r[i] >> 16)));
+          mma_16816<MT>(s[i], a, fp8::codes_to_half2_exact<KV>(r[i], 0x1404), fp8::codes_to_half2_exact<KV>(r[i], 0x3424));
         }
       }
     }
@@ -399,12 +398,11 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     pa[3] = TypeTraits<MT>::pack(s[1][2], s[1][3]);
     const int key = (lane % 8) + 8 * ((lane / 8) % 2);
     // (keys 2t, 2t+1) x (dims 2g, 2g+1) of one chunk -> the (b0 or b1) of chunk tiles even, odd
+    // bytes 0, 2 (dim 2g of keys 2t, 2t+1) and 1, 3 (dim 2g + 1)
     auto pv_chunk = [&](int c, uint32_t lo_keys, uint32_t hi_keys) {
-      const uint32_t x = __byte_perm(lo_keys, 0, 0x3120), y = __byte_perm(hi_keys, 0, 0x3120);
-      mma_16816<MT>(acc_[2 * c], pa, fp8::decode2_half<KV>(static_cast<uint16_t>(x)),
-                    fp8::decode2_half<KV>(static_cast<uint16_t>(y)));
-      mma_16816<MT>(acc_[2 * c + 1], pa, fp8::decode2_half<KV>(static_cast<uint16_t>(x >> 16)),
-                    fp8::decode2_half<KV>(static_cast<uint16_t>(y >> 16)));
+      mma_16816<MT>(acc_[2 * c], pa, fp8::codes_to_half2_exact<KV>(lo_keys, 0x2404), fp8::codes_to_half2_exact<KV>(hi_keys, 0x2404));
+      mma_16816<MT>(acc_[2 * c + 1], pa, fp8::codes_to_half2_exact<KV>(lo_keys, 0x3414),
+                    fp8::codes_to_half2_exact<KV>(hi_keys, 0x3414));
     };
 #pragma unroll
     for (int c = 0; c < D / 16; c += 2) {
@@ -670,12 +668,13 @@ CUtensorMap cache_map(const void* cache, int64_t rows) {
 /// 64 x 4096 against 274-286 us for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row
 /// copies); 4 x 5 and cp.async without the zero-fill operand lost in run 4. With TMA tiles, 4 x 2
 /// beat 4 x 3 in run 8d (253.5-253.8 against 255.7 us at 64 x 4,096; see bench/cuda_kernels_notes.md).
-template <typename T, int D, int W = kDecodeV2Warps, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync, int KV = 0>
+template <typename T, int D, int W = kDecodeV2Warps, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync, int KV = 0,
+          int MINB = 1>
 struct V2 {
   using C = DecodeV2Cfg<T, D, W, NS, LOAD, KV>;
   static_assert(W == 4, "teams of 1, 2 and 4 warps are instantiated");
   template <int WPI>
-  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD, WPI, KV>; }
+  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD, WPI, KV, MINB>; }
   static constexpr size_t kMaxSmem = C::kSmemBytes + C::merge_bytes(16);
 
   static size_t smem_bytes(int wpi, int merge_rows) { return C::kSmemBytes + (wpi > 1 ? C::merge_bytes(merge_rows) : 0); }
@@ -751,14 +750,42 @@ bool use_tma(const AttnParams* p) {
   return enabled && (p == nullptr || (p->cache_rows > 0 && p->cache_rows < (int64_t{1} << 31)));
 }
 
+/// PAGEDLLM_DECODE_FP8_STAGES (2, 3 or 4 = the default; read once).
+int fp8_stages() {
+  static const int n = [] {
+    const char* v = std::getenv("PAGEDLLM_DECODE_FP8_STAGES");
+    return v != nullptr && (std::string(v) == "2" || std::string(v) == "3") ? std::stoi(v) : 4;
+  }();
+  return n;
+}
+
+/// PAGEDLLM_DECODE_FP8_MIN_CTAS (3, or 1 = the default; read once).
+int fp8_min_ctas() {
+  static const int n = [] {
+    const char* v = std::getenv("PAGEDLLM_DECODE_FP8_MIN_CTAS");
+    return v != nullptr && std::string(v) == "3" ? 3 : 1;
+  }();
+  return n;
+}
+
 /// Calls f(V2<...>{}) with the configuration of (T, head_size, FP8 kind) and the parameters.
 template <typename T, typename F>
 auto with_config(int head_size, int kv_fp8, const AttnParams* p, F&& f) {
-  // FP8 caches: cp.async rings 4 deep (a stage holds half the bytes of a 16-bit one).
-  if (kv_fp8 == 1)
+  // FP8 caches: cp.async rings 4 deep (a stage holds half the bytes of a 16-bit one);
+  // PAGEDLLM_DECODE_FP8_STAGES=2 or 3 picks another depth for bf16 queries of head size 128, and
+  // PAGEDLLM_DECODE_FP8_MIN_CTAS=3 compiles that kernel for 3 CTAs per SM (168 registers, some
+  // spilled; 2 otherwise at ~210 registers) — A/B runs.
+  if (kv_fp8 == 1) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (head_size == 128 && fp8_min_ctas() == 3)
+        return f(V2<T, 128, kDecodeV2Warps, 4, 128, kLoadCpAsync, 1, 3>{});
+      if (head_size == 128 && fp8_stages() == 2) return f(V2<T, 128, kDecodeV2Warps, 2, 128, kLoadCpAsync, 1>{});
+      if (head_size == 128 && fp8_stages() == 3) return f(V2<T, 128, kDecodeV2Warps, 3, 128, kLoadCpAsync, 1>{});
+    }
     return dispatch_head_size<128>(head_size, "CUDA decode v2 (fp8)", [&](auto d) {
       return f(V2<T, decltype(d)::value, kDecodeV2Warps, 4, 128, kLoadCpAsync, 1>{});
     });
+  }
   if (kv_fp8 == 2)
     return dispatch_head_size<128>(head_size, "CUDA decode v2 (fp8)", [&](auto d) {
       return f(V2<T, decltype(d)::value, kDecodeV2Warps, 4, 128, kLoadCpAsync, 2>{});
