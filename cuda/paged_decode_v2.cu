@@ -212,8 +212,8 @@ __device__ __forceinline__ void acc_pairs(const float (&acc)[D / 8][4], int r, F
 /// takes the item's tiles w, w + WPI, ... through its own ring, and the team's states are merged
 /// in shared memory at the end of each item (a barrier pair of the team per item; no split-K
 /// reduction needed for a single partition). merge_rows = min(16, group) (WPI > 1 only).
-template <typename T, int D, int W_, int NS, int PF, int LOAD, int WPI, int KV, int MINB = 1>
-__global__ void __launch_bounds__(32 * W_, MINB) paged_decode_v2_kernel(const AttnParams p, int num_items,
+template <typename T, int D, int W_, int NS, int PF, int LOAD, int WPI, int KV>
+__global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnParams p, int num_items,
                                                                   int head_chunks, int merge_rows,
                                                                   const __grid_constant__ TmaMaps maps) {
   using C = DecodeV2Cfg<T, D, W_, NS, LOAD, KV>;
@@ -668,13 +668,12 @@ CUtensorMap cache_map(const void* cache, int64_t rows) {
 /// 64 x 4096 against 274-286 us for 2 x 6, 3 x 4, a 256-byte or no hint, and cp.async.bulk row
 /// copies); 4 x 5 and cp.async without the zero-fill operand lost in run 4. With TMA tiles, 4 x 2
 /// beat 4 x 3 in run 8d (253.5-253.8 against 255.7 us at 64 x 4,096; see bench/cuda_kernels_notes.md).
-template <typename T, int D, int W = kDecodeV2Warps, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync, int KV = 0,
-          int MINB = 1>
+template <typename T, int D, int W = kDecodeV2Warps, int NS = 3, int PF = 128, int LOAD = kLoadCpAsync, int KV = 0>
 struct V2 {
   using C = DecodeV2Cfg<T, D, W, NS, LOAD, KV>;
   static_assert(W == 4, "teams of 1, 2 and 4 warps are instantiated");
   template <int WPI>
-  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD, WPI, KV, MINB>; }
+  static constexpr auto kernel() { return paged_decode_v2_kernel<T, D, W, NS, PF, LOAD, WPI, KV>; }
   static constexpr size_t kMaxSmem = C::kSmemBytes + C::merge_bytes(16);
 
   static size_t smem_bytes(int wpi, int merge_rows) { return C::kSmemBytes + (wpi > 1 ? C::merge_bytes(merge_rows) : 0); }
@@ -759,26 +758,15 @@ int fp8_stages() {
   return n;
 }
 
-/// PAGEDLLM_DECODE_FP8_MIN_CTAS (3, or 1 = the default; read once).
-int fp8_min_ctas() {
-  static const int n = [] {
-    const char* v = std::getenv("PAGEDLLM_DECODE_FP8_MIN_CTAS");
-    return v != nullptr && std::string(v) == "3" ? 3 : 1;
-  }();
-  return n;
-}
-
 /// Calls f(V2<...>{}) with the configuration of (T, head_size, FP8 kind) and the parameters.
 template <typename T, typename F>
 auto with_config(int head_size, int kv_fp8, const AttnParams* p, F&& f) {
   // FP8 caches: cp.async rings 4 deep (a stage holds half the bytes of a 16-bit one);
-  // PAGEDLLM_DECODE_FP8_STAGES=2 or 3 picks another depth for bf16 queries of head size 128, and
-  // PAGEDLLM_DECODE_FP8_MIN_CTAS=3 compiles that kernel for 3 CTAs per SM (168 registers, some
-  // spilled; 2 otherwise at ~210 registers) — A/B runs.
+  // PAGEDLLM_DECODE_FP8_STAGES=2 or 3 picks another depth for bf16 queries of head size 128 (A/B
+  // runs: 2 was 2-3% faster at 64 x 4,096 on the H200, within the runs' spread; bench/
+  // cuda_kernels_notes.md "FP8 KV cache").
   if (kv_fp8 == 1) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      if (head_size == 128 && fp8_min_ctas() == 3)
-        return f(V2<T, 128, kDecodeV2Warps, 4, 128, kLoadCpAsync, 1, 3>{});
       if (head_size == 128 && fp8_stages() == 2) return f(V2<T, 128, kDecodeV2Warps, 2, 128, kLoadCpAsync, 1>{});
       if (head_size == 128 && fp8_stages() == 3) return f(V2<T, 128, kDecodeV2Warps, 3, 128, kLoadCpAsync, 1>{});
     }
