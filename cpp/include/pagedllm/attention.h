@@ -34,7 +34,8 @@
 // (both formats are exact in bfloat16 / float16 / float32), fold k_scale into the softmax scale and
 // v_scale into the output, and keep the softmax and every sum in float32: the result is attention
 // over the dequantized cache. query / out are then float32 or bfloat16 on the CPU, bfloat16 or
-// float16 on CUDA (fp8_query_dtypes()).
+// float16 on CUDA (fp8_query_dtypes()); CUDA's FP8 kernels take head sizes up to 128 (a larger one
+// is an InvalidArgument). docs/fp8_kv_cache.md describes both devices' kernels.
 // ---------------------------------------------------------------------------------------------
 #pragma once
 
