@@ -71,6 +71,22 @@ struct AttnParams {
   const float* v_scale = nullptr;
 };
 
+/// The softmax scales and the output factor of a kernel over a cache of FP8 kind KV (0: none): an
+/// FP8 cache's *k_scale joins the softmax scale and *v_scale the output (read from the device:
+/// call after the kernel's pdl_wait, as a previous kernel may have written them).
+struct KernelScales {
+  float scale, scale_log2, out;
+};
+template <int KV>
+__device__ __forceinline__ KernelScales kernel_scales(const AttnParams& p) {
+  if constexpr (KV == 0) {
+    return {p.scale, p.scale_log2, 1.f};
+  } else {
+    const float ks = p.k_scale == nullptr ? 1.f : __ldg(p.k_scale);
+    return {p.scale * ks, p.scale_log2 * ks, p.v_scale == nullptr ? 1.f : __ldg(p.v_scale)};
+  }
+}
+
 /// atom.add with acquire-release semantics at GPU scope (PTX ISA, "Memory Consistency Model"):
 /// returns the old value. After a CTA (or warp) barrier, one thread's release covers the stores
 /// of every thread before the barrier (cumulativity); its acquire covers the loads that other

@@ -419,15 +419,9 @@ __global__ void __launch_bounds__(32 * W_) paged_decode_v2_kernel(const AttnPara
     }
   };
 
-  // An FP8 cache's scales (after pdl_wait above: a previous kernel may have written them):
-  // k_scale joins the softmax scale, v_scale the output.
-  float sc = p.scale, sc_log2 = p.scale_log2, out_scale = 1.f;
-  if constexpr (KV != 0) {
-    const float ks = fp8::load_scale(p.k_scale);
-    sc *= ks;
-    sc_log2 *= ks;
-    out_scale = fp8::load_scale(p.v_scale);
-  }
+  // An FP8 cache's scales (after pdl_wait above)
+  const KernelScales scales = kernel_scales<KV>(p);
+  const float sc = scales.scale, sc_log2 = scales.scale_log2, out_scale = scales.out;
 
   // Shared items: merge the team's (max, sum, accumulator) states of rows 0 .. nrows-1 (as
   // paged_decode.cu) and write the output or the partition's partials. Team barrier: the whole

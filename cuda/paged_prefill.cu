@@ -166,14 +166,8 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_mma_kernel(const AttnPar
     for (int i = threadIdx.x; i < C::kRows * C::kRow / 2; i += C::kThreads) q32[i] = to_mma_pair<T, MT>(q32[i]);
     __syncthreads();
   }
-  // An FP8 cache's scales: k_scale joins the softmax scale, v_scale the output.
-  float sc = p.scale, sc_log2 = p.scale_log2, out_scale = 1.f;
-  if constexpr (KV != 0) {
-    const float ks = fp8::load_scale(p.k_scale);
-    sc *= ks;
-    sc_log2 *= ks;
-    out_scale = fp8::load_scale(p.v_scale);
-  }
+  const KernelScales scales = kernel_scales<KV>(p);  // an FP8 cache's scales
+  const float sc = scales.scale, sc_log2 = scales.scale_log2, out_scale = scales.out;
 
   const int a_row = (lane % 8) + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;
   const MT* sQw = reinterpret_cast<const MT*>(sQ) + warp * 16 * C::kRow;

@@ -98,7 +98,7 @@ void decode(const TensorView& out, const TensorView& query, const TensorView& ke
   [[maybe_unused]] const bool amx_decode = use_amx<T, D>() && G <= 16 && !c.fp8;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, items)))
   {
-    Workspace w(G, D, c.block_size);
+    Workspace w(G, D, c.block_size, c.fp8 != 0);
 #if PAGEDLLM_HAVE_AMX
     AmxThread amx(amx_decode);
 #endif
@@ -220,7 +220,7 @@ void prefill(const TensorView& out, const TensorView& query, const TensorView& k
   [[maybe_unused]] const bool amx_prefill = use_amx<T, D>() && !c.fp8;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(nt, std::max<int64_t>(items, 1))))
   {
-    Workspace w(R, D, c.block_size);
+    Workspace w(R, D, c.block_size, c.fp8 != 0);
 #if PAGEDLLM_HAVE_AMX
     AmxThread amx(amx_prefill);
 #endif

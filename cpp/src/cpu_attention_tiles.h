@@ -68,10 +68,10 @@ inline void prefetch_tile(const Context<T>& c, int64_t tile, int D) {
 /// prefill path, whose transposed query qt, probabilities pt and fp32 K chunk kf live here too).
 struct Workspace {
   std::vector<float> q, acc, m, l, corr, s, vf, qt, pt, kf, acct;
-  std::vector<float> conv;  // FP8 caches: one decoded K and one V tile (as float, or bf16 in the first half)
+  std::vector<float> conv;  // FP8 caches only: one decoded K and one V tile (float, or bf16 in the first half)
   std::vector<bf16> qb;
   std::vector<int32_t> pos;
-  Workspace(int rows, int head_size, int block_size) {
+  Workspace(int rows, int head_size, int block_size, bool fp8 = false) {
     const size_t r16 = (size_t(rows) + 15) / 16 * 16, d = head_size;
     q.resize(r16 * d);
     acc.resize(r16 * d);
@@ -82,7 +82,7 @@ struct Workspace {
     vf.resize(size_t(block_size) * d);
     qb.resize(r16 * d);
     pos.resize(r16);
-    conv.resize(2 * size_t(block_size) * d);
+    if (fp8) conv.resize(2 * size_t(block_size) * d);
     if (rows >= 16) {
       qt.resize(r16 * d);
       pt.resize(16 * 16);

@@ -19,6 +19,7 @@ import torch
 
 import pagedllm.ops as ops
 from kernel_reference import assert_close_to_reference, build_paged_cache, poisoned, reference_attention
+from test_layer_ops_cuda import rope_tables, rope_torch
 
 torch.set_num_threads(2)
 
@@ -262,23 +263,6 @@ def test_prefill_gqa_long_prompt_and_window(device, kv_dtype, q_dtype, num_heads
 # ----------------------------------------------------------------------------- CUDA's fused writers
 
 
-def _rope_tables(max_pos, rot_half, dtype):
-    inv = 1.0 / 10000.0 ** (torch.arange(rot_half, dtype=torch.float64) / rot_half)
-    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
-    return freqs.cos().to(dtype).cuda(), freqs.sin().to(dtype).cuda()
-
-
-def _rope_torch(x, positions, cos, sin):
-    """The rotation in x's dtype (each product rounded, then the sum), as the kernels round it."""
-    r = cos.shape[1]
-    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    out = x.clone()
-    x1, x2 = x[..., :r], x[..., r:2 * r]
-    out[..., :r] = torch.sub(x1 * c, x2 * s)
-    out[..., r:2 * r] = torch.add(x2 * c, x1 * s)
-    return out
-
-
 def _slots_and_caches(tokens, hkv, d, bs, kv_dtype, gen):
     num_blocks = tokens // bs + 3
     slots = torch.randperm(num_blocks * bs, generator=gen)[:tokens]
@@ -295,7 +279,7 @@ def test_rotary_embedding_and_cache_writes_fp8_codes(kv_dtype, q_dtype, paired, 
     """The fused rotary + cache kernel stores the codes of (the key rotated in the query's dtype) /
     k_scale and value / v_scale, bit-equal to torch's saturating conversion; padding writes nothing."""
     tokens, hq, hkv, d, bs = 37, 8, 2, 128, 16
-    cos, sin = _rope_tables(300, d // 2, q_dtype)
+    cos, sin = rope_tables(300, d // 2, q_dtype)
     qkv = (torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen) * 3).to(q_dtype).cuda()
     q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
     positions = torch.randint(0, 300, (tokens,), generator=gen).cuda()
@@ -308,13 +292,13 @@ def test_rotary_embedding_and_cache_writes_fp8_codes(kv_dtype, q_dtype, paired, 
     ops.rotary_embedding_and_cache(positions, qi, ki, v, cos, sin, query_out, kc, vc, slots.cuda(), paired_rows=paired,
                                    k_scale=k_scale, v_scale=v_scale)
     torch.cuda.synchronize()
-    k_rot = _rope_torch(k, positions, cos, sin).cpu()
+    k_rot = rope_torch(k, positions, cos, sin).cpu()
     keep = slots >= 0
     blk, row = slots[keep] // bs, slots[keep] % bs
     assert torch.equal(kc.cpu().view(torch.uint8)[blk, :, row], reference_codes(k_rot[keep], 0.031, kv_dtype))
     assert torch.equal(vc.cpu().view(torch.uint8)[blk, :, row], reference_codes(v.cpu()[keep], 0.017, kv_dtype))
     assert int((kc.cpu().view(torch.uint8) != 0x7F).sum()) <= int(keep.sum()) * hkv * d  # nothing else written
-    assert torch.equal(query_out, _rope_torch(q, positions, cos, sin))
+    assert torch.equal(query_out, rope_torch(q, positions, cos, sin))
 
 
 @pytest.mark.cuda
@@ -329,7 +313,7 @@ def test_gemv_rope_epilogue_writes_the_same_fp8_codes(kv_dtype, m, paired, gen):
     n = (hq + 2 * hkv) * d
     x = torch.randn(m, hidden, generator=gen).to(dtype).cuda()
     w = (torch.randn(n, hidden, generator=gen) * 0.1).to(dtype).cuda()
-    cos, sin = _rope_tables(64, d // 2, dtype)
+    cos, sin = rope_tables(64, d // 2, dtype)
     positions = torch.randint(0, 64, (m,), generator=gen).cuda()
     slots, kc, vc = _slots_and_caches(m, hkv, d, bs, kv_dtype, gen)
     slots = slots.cuda()
