@@ -239,14 +239,16 @@ def test_constructor_errors_name_the_argument(tiny_folder):
         (dict(scheduling_policy="lifo"), "lifo"),
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=64), "max_num_batched_tokens=16"),
         (dict(kv_cache_memory_bytes=100), "0 KV blocks"),
+        (dict(kv_cache_dtype="int8"), r"kv_cache_dtype='int8' is not supported: use one of \['auto', 'fp8'"),
+        (dict(calculate_kv_scales=True), "calculate_kv_scales=True needs an FP8 KV cache"),
     ]:
         with pytest.raises(ValueError, match=pattern):
             LLM(folder, **kwargs)
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(folder, no_such_option=1)
     # vLLM arguments that would change what runs are refused by name until implemented (a user
-    # asking for an fp8 KV cache or two pipeline stages must not silently get neither)
-    for kwargs in (dict(kv_cache_dtype="fp8"), dict(pipeline_parallel_size=2), dict(enable_lora=True),
+    # asking for two pipeline stages must not silently get one)
+    for kwargs in (dict(pipeline_parallel_size=2), dict(enable_lora=True),
                    dict(cpu_offload_gb=4), dict(hf_overrides={"num_hidden_layers": 1}), dict(max_logprobs=100)):
         name = next(iter(kwargs))
         with pytest.raises(ValueError, match=f"{name}=.* is not supported"):
@@ -261,7 +263,7 @@ def test_vllm_arguments_without_effect_are_accepted_and_logged(caplog):
     from pagedllm.entrypoints.llm import check_vllm_args
 
     with caplog.at_level(logging.INFO, logger="pagedllm"):
-        check_vllm_args(dict(revision="main", download_dir="/tmp", swap_space=4, kv_cache_dtype="auto",
+        check_vllm_args(dict(revision="main", download_dir="/tmp", swap_space=4,
                              pipeline_parallel_size=1, enable_lora=False, hf_overrides=None))
     assert "swap_space=" in caplog.text and "revision=" in caplog.text
 

@@ -32,7 +32,7 @@ _NO_EFFECT_ARGS = {
 }
 # vLLM arguments that would change what runs, not implemented here: accepted only at the value
 # that asks for nothing (vLLM's default), else a ValueError naming the argument — a user who asks
-# for fp8 KV or two pipeline stages must not silently get neither.
+# for two pipeline stages must not silently get one.
 _UNIMPLEMENTED_ARGS = {
     "pipeline_parallel_size": 1, "enable_lora": False,
     "cpu_offload_gb": 0, "max_logprobs": 20, "hf_overrides": None, "tokenizer_mode": "auto",
