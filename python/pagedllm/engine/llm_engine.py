@@ -157,10 +157,8 @@ class LLMEngine:
         get_quantization_config(args.quantization, cfg.quantization, self.device, self.gguf_file,
                                 cfg.quantization_config, self.dtype)  # ValueError before any load
         #: the KV caches' torch dtype (ValueError before any load)
-        self.cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device, cfg.head_dim)
-        if args.calculate_kv_scales and self.cache_dtype == self.dtype:
-            raise ValueError("calculate_kv_scales=True needs an FP8 KV cache: pass kv_cache_dtype='fp8' (or "
-                             "'fp8_e5m2'), or leave calculate_kv_scales off")
+        self.cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device, cfg.head_dim,
+                                                  bool(args.calculate_kv_scales))
         self.max_model_len = _max_model_len(args.max_model_len, cfg)
         self.max_num_batched_tokens = _batched_tokens(args, self.max_model_len)
         self.draft = _DraftSpec.check(self.speculative_config, cfg, self.dtype, self.device, self.max_model_len,

@@ -107,10 +107,8 @@ class ModelRunner:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not supported: use one of {list(LOAD_FORMATS)}")
         #: the KV caches' torch dtype (the model's, or FP8: model_executor/quantization/kv_cache.py)
-        self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device, model_config.head_dim)
-        if calculate_kv_scales and self.cache_dtype == dtype:
-            raise ValueError("calculate_kv_scales=True needs an FP8 KV cache: pass kv_cache_dtype='fp8' (or "
-                             "'fp8_e5m2'), or leave calculate_kv_scales off")
+        self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device, model_config.head_dim,
+                                                  calculate_kv_scales)
         self.config = model_config
         self.async_scheduling = async_scheduling
         self.dtype = dtype

@@ -318,6 +318,8 @@ class LlamaForCausalLM(nn.Module):
         self._quantized = False  # set by quantize_weights(): a projection has a quantized method
         self._native: _C.CpuDecoderStack | None = None
         self._native_key: tuple | None = None
+        #: FP8 KV-cache scales the checkpoint holds: (layer, "k" | "v") -> scale (load_weights)
+        self.checkpoint_kv_scales: dict[tuple[int, str], float] = {}
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype, device
         )
@@ -432,7 +434,7 @@ class LlamaForCausalLM(nn.Module):
         layer's scales from the checkpoint (load_weights; this rank's heads: a per-head scale vector
         becomes its largest entry) or 1.0. Returns where the scales came from, for the start-up log."""
         fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        found = getattr(self, "checkpoint_kv_scales", {})
+        found = self.checkpoint_kv_scales
         for i, layer in enumerate(self.layers):
             layer.attn.set_kv_cache_dtype(dtype if fp8 else None, self.device, found.get((i, "k"), 1.0),
                                           found.get((i, "v"), 1.0))

@@ -47,19 +47,23 @@ CUDA_FP8_MAX_HEAD_DIM = 128
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device | str,
-                           head_dim: int | None = None) -> torch.dtype:
+                           head_dim: int | None = None, calculate_kv_scales: bool = False) -> torch.dtype:
     """The cache's torch dtype for vLLM's ``kv_cache_dtype`` name with a model of `dtype` (and
     head size `head_dim`) on `device`.
 
-    ValueError naming the value for an unknown name, or for FP8 with a model dtype the device's
-    kernels do not pair with an FP8 cache (CUDA: bfloat16 / float16; CPU: float32 / bfloat16) or,
-    on CUDA, a head size above 128, saying what to pass instead."""
+    ValueError naming the value for an unknown name, for calculate_kv_scales without an FP8 cache,
+    or for FP8 with a model dtype the device's kernels do not pair with an FP8 cache (CUDA:
+    bfloat16 / float16; CPU: float32 / bfloat16) or, on CUDA, a head size above 128, saying what
+    to pass instead."""
     from pagedllm import ops
 
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported: use one of {list(KV_CACHE_DTYPES)}")
     cache = KV_CACHE_DTYPES[kv_cache_dtype]
     if cache is None:
+        if calculate_kv_scales:
+            raise ValueError("calculate_kv_scales=True needs an FP8 KV cache: pass kv_cache_dtype='fp8' (or "
+                             "'fp8_e5m2'), or leave calculate_kv_scales off")
         return dtype
     device = torch.device(device)
     allowed = ops.fp8_query_dtypes(device)
