@@ -75,8 +75,8 @@ inline void check_kv_scales(const char* op, const KVCacheScales& scales, const T
                    " must be a one-element float32 tensor, got ", t->describe());
     const bool same = t->device == cache.device &&
                       (t->device == DeviceType::kCPU || t->device_index == cache.device_index);
-    PAGEDLLM_CHECK(same, op, ": ", name, " is on ", device_name(t->device), " but the cache is on ",
-                   device_name(cache.device), "; the scale must be on the cache's device");
+    PAGEDLLM_CHECK(same, op, ": ", name, " is on ", device_str(*t), " but the cache is on ", device_str(cache),
+                   "; the scale must be on the cache's device");
     if (t->device == DeviceType::kCPU) {
       const float v = *static_cast<const float*>(t->data);
       PAGEDLLM_CHECK(v > 0.0f && v < std::numeric_limits<float>::infinity(), op, ": ", name,

@@ -178,3 +178,17 @@ def test_fp8_prefix_caching_and_preemption(small_model):
             if t is not None:
                 best = sorted((lp.logprob for lp in b.outputs[0].logprobs[t].values()), reverse=True)
                 assert best[0] - best[1] <= 0.25, (name, t, best[:2])
+
+
+def test_calculate_kv_scales_with_a_one_token_first_batch(small_model):
+    """calculate_kv_scales: a first batch of one-token rows would fit a decode CUDA graph, which
+    writes the cache at the initial scales; it runs eagerly instead and sets every layer's scales,
+    and the later decode steps run in graphs."""
+    llm = _llm(small_model, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    attn = [layer.attn for layer in llm.llm_engine.runner.model.layers]
+    llm.generate([{"prompt_token_ids": [7]}], _greedy(1), use_tqdm=False)  # one 1-token step
+    assert not any(a.calculate_kv_scales for a in attn)
+    assert all(float(a.k_scale) != 1.0 and float(a.v_scale) != 1.0 for a in attn)
+    llm.generate([{"prompt_token_ids": [7, 8, 9]}], _greedy(8), use_tqdm=False)
+    assert {m.name: m for m in llm.get_metrics()}["pagedllm:cuda_graph_replays"].value > 0
+    llm.shutdown()

@@ -215,6 +215,9 @@ class ModelRunner:
                 logger.info("captured %d CUDA graphs for speculative verification (queries of <= %d tokens) of "
                             "batches %s in %.1f s", len(self.verify_graphs.sizes), self.verify_query_len,
                             self.verify_graphs.sizes, time.perf_counter() - start)
+        #: calculate_kv_scales: the first batch with tokens runs eagerly (not in a CUDA graph, which
+        #: would write the cache at the initial scales) and sets the layers' scales
+        self._kv_scales_pending = bool(calculate_kv_scales)
         if calculate_kv_scales:  # after the profile run and the captures: the first real batch sets them
             self.model.enable_kv_scale_calculation()
 
@@ -339,11 +342,14 @@ class ModelRunner:
             ops.copy_blocks(keys, values, self._tensor(np.ascontiguousarray(copy_orders)))
         num_sampled = int(sched.num_sampled)
         prompt_rows = list(getattr(sched, "prompt_logprob_rows", None) or [])
-        if (self.graphs is not None and sched.num_tokens > 0 and int(sched.max_query_len) == 1
+        if self._kv_scales_pending:  # calculate_kv_scales: the layers calibrate in the eager forward
+            self._kv_scales_pending = any(layer.attn.calculate_kv_scales for layer in self.model.layers)
+        if (self.graphs is not None and not self._kv_scales_pending and sched.num_tokens > 0
+                and int(sched.max_query_len) == 1
                 and not prompt_rows and self.graphs.can_run(int(sched.num_seqs))):
             return ModelRunnerOutput(self.graphs.run(sched, prev_sampled if num_placeholders else None), {})
-        if (self.verify_graphs is not None and sched.num_tokens > 0 and not prompt_rows
-                and self.verify_graphs.can_run(sched)):
+        if (self.verify_graphs is not None and not self._kv_scales_pending and sched.num_tokens > 0
+                and not prompt_rows and self.verify_graphs.can_run(sched)):
             return ModelRunnerOutput(self.verify_graphs.run(sched), {})
         rows = [self._tensor(sched.logits_indices)]
         for _, first_row, num_rows, _ in prompt_rows:

@@ -431,8 +431,8 @@ class LlamaForCausalLM(nn.Module):
 
     def set_kv_cache_dtype(self, dtype: torch.dtype) -> str:
         """The KV caches' dtype: the model's, or FP8 (torch.float8_e4m3fn / float8_e5m2) with each
-        layer's scales from the checkpoint (load_weights; this rank's heads: a per-head scale vector
-        becomes its largest entry) or 1.0. Returns where the scales came from, for the start-up log."""
+        layer's scales from the checkpoint (load_weights; a per-head scale vector becomes its largest
+        entry over all heads, which never saturates more) or 1.0. Returns where the scales came from, for the start-up log."""
         fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         found = self.checkpoint_kv_scales
         for i, layer in enumerate(self.layers):
