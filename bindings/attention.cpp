@@ -13,30 +13,21 @@ PAGEDLLM_BINDING(attention, m) {
         "Head sizes the attention kernels support.");
   m.def("supported_block_sizes", &pagedllm::supported_block_sizes,
         "Block sizes (tokens per KV block) the kernels support.");
-  m.def(
-      "supported_cache_dtypes",
-      [](const std::string& device) {
-        PAGEDLLM_CHECK(device == "cpu" || device == "cuda", "supported_cache_dtypes: device '",
-                       device, "' is not supported; expected 'cpu' or 'cuda'");
-        std::vector<std::string> names;
-        for (auto d : pagedllm::supported_cache_dtypes(device == "cpu" ? pagedllm::DeviceType::kCPU
-                                                                       : pagedllm::DeviceType::kCUDA))
-          names.emplace_back(pagedllm::dtype_name(d));
-        return names;
-      },
-      py::arg("device"), "Cache dtype names the kernels of 'cpu' or 'cuda' implement.");
-  m.def(
-      "fp8_query_dtypes",
-      [](const std::string& device) {
-        PAGEDLLM_CHECK(device == "cpu" || device == "cuda", "fp8_query_dtypes: device '", device,
-                       "' is not supported; expected 'cpu' or 'cuda'");
-        std::vector<std::string> names;
-        for (auto d : pagedllm::fp8_query_dtypes(device == "cpu" ? pagedllm::DeviceType::kCPU
-                                                                 : pagedllm::DeviceType::kCUDA))
-          names.emplace_back(pagedllm::dtype_name(d));
-        return names;
-      },
-      py::arg("device"), "Query / out dtype names the kernels of 'cpu' or 'cuda' take with an FP8 KV cache.");
+  // The dtype names that `list` (supported_cache_dtypes, fp8_query_dtypes) gives for "cpu" or "cuda".
+  auto dtype_names = [](const char* op, auto list) {
+    return [op, list](const std::string& device) {
+      PAGEDLLM_CHECK(device == "cpu" || device == "cuda", op, ": device '", device,
+                     "' is not supported; expected 'cpu' or 'cuda'");
+      std::vector<std::string> names;
+      for (auto d : list(device == "cpu" ? pagedllm::DeviceType::kCPU : pagedllm::DeviceType::kCUDA))
+        names.emplace_back(pagedllm::dtype_name(d));
+      return names;
+    };
+  };
+  m.def("supported_cache_dtypes", dtype_names("supported_cache_dtypes", &pagedllm::supported_cache_dtypes),
+        py::arg("device"), "Cache dtype names the kernels of 'cpu' or 'cuda' implement.");
+  m.def("fp8_query_dtypes", dtype_names("fp8_query_dtypes", &pagedllm::fp8_query_dtypes), py::arg("device"),
+        "Query / out dtype names the kernels of 'cpu' or 'cuda' take with an FP8 KV cache.");
   m.def("set_num_threads", &pagedllm::set_num_threads, py::arg("n"),
         "Threads of the CPU kernels; n <= 0 = all cores.");
   m.def("get_num_threads", &pagedllm::get_num_threads, "Threads of the CPU kernels.");

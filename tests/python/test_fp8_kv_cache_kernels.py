@@ -12,7 +12,6 @@ first, so a wrong gather or an unwritten row shows. CUDA cases carry the `cuda` 
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -33,14 +32,6 @@ CASES = [pytest.param("cpu", kv, q, id=f"cpu-{FP8_IDS[kv]}-{str(q)[6:]}")
     pytest.param("cuda", kv, q, id=f"cuda-{FP8_IDS[kv]}-{str(q)[6:]}", marks=pytest.mark.cuda)
     for kv in FP8 for q in (torch.bfloat16, torch.float16)]
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
-
-
-@pytest.fixture
-def gen(request):
-    seed = random.SystemRandom().randrange(2**31)
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 @pytest.fixture(autouse=True)
