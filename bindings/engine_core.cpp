@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <limits>
+#include <optional>
 
 #include "registry.h"
 
@@ -126,14 +127,31 @@ PAGEDLLM_BINDING(engine_core, m) {
       .def("schedule", &EngineCore::schedule, py::return_value_policy::reference_internal)
       .def("update_from_output",
            [](EngineCore& core, SchedulerOutput& out,
-              py::array_t<int32_t, py::array::c_style | py::array::forcecast> sampled) {
+              py::array_t<int32_t, py::array::c_style | py::array::forcecast> sampled,
+              std::optional<py::array_t<int64_t, py::array::c_style | py::array::forcecast>> topk_ids,
+              std::optional<py::array_t<float, py::array::c_style | py::array::forcecast>> topk_logprobs) {
              if (sampled.ndim() != 1)
                throw InvalidArgument("sampled_token_ids must be 1-D, got ndim " +
                                      std::to_string(sampled.ndim()));
+             SampledTopK topk;
+             if (topk_ids.has_value() != topk_logprobs.has_value())
+               throw InvalidArgument("topk_token_ids and topk_logprobs go together");
+             if (topk_ids) {
+               if (topk_ids->ndim() != 2 || topk_logprobs->ndim() != 2 ||
+                   topk_ids->shape(0) != topk_logprobs->shape(0) || topk_ids->shape(1) != topk_logprobs->shape(1))
+                 throw InvalidArgument("topk_token_ids and topk_logprobs must be 2-D [num_sampled, k] of one shape");
+               topk.k = static_cast<int32_t>(topk_ids->shape(1));
+               topk.token_ids = std::span<const int64_t>(topk_ids->data(), static_cast<size_t>(topk_ids->size()));
+               topk.logprobs = std::span<const float>(topk_logprobs->data(), static_cast<size_t>(topk_logprobs->size()));
+             }
              return core.update_from_output(
-                 out, std::span<const int32_t>(sampled.data(), static_cast<size_t>(sampled.size())));
+                 out, std::span<const int32_t>(sampled.data(), static_cast<size_t>(sampled.size())), topk);
            },
-           py::arg("out"), py::arg("sampled_token_ids"))
+           py::arg("out"), py::arg("sampled_token_ids"), py::arg("topk_token_ids") = py::none(),
+           py::arg("topk_logprobs") = py::none(),
+           "Apply a step's sampled ids. topk_token_ids int64 / topk_logprobs float32 [num_sampled, k]: "
+           "each row's top-k logprobs, descending (a step with beam-search groups needs k >= "
+           "max(2, 1 + #eos) x beam width).")
       .def("release", &EngineCore::release, py::arg("out"))
       .def("has_unfinished_requests", &EngineCore::has_unfinished_requests)
       .def("stats", &EngineCore::stats)

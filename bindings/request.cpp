@@ -34,6 +34,10 @@ PAGEDLLM_BINDING(request, m) {
       .def_readwrite("prompt_logprobs", &RequestParams::prompt_logprobs)
       .def_readwrite("allow_speculation", &RequestParams::allow_speculation,
                      "speculative decoding may propose drafts for this request")
+      .def_readwrite("use_beam_search", &RequestParams::use_beam_search,
+                     "beam search with n beams (UpdateResult.beam_results)")
+      .def_readwrite("length_penalty", &RequestParams::length_penalty,
+                     "beam search: score = cum_logprob / num_generated ** length_penalty")
       .def("__repr__", [](const RequestParams& p) {
         return "RequestParams(max_tokens=" + std::to_string(p.max_tokens) +
                ", min_tokens=" + std::to_string(p.min_tokens) + ", n=" + std::to_string(p.n) +

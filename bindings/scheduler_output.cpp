@@ -108,5 +108,17 @@ PAGEDLLM_BINDING(scheduler_output, m) {
         return l;
       }, "[(request_id, seq_id, index, finish_reason, stop_reason)]")
       .def_readonly("request_finished", &UpdateResult::request_finished,
-                    "request ids whose every sequence finished");
+                    "request ids whose every sequence finished")
+      .def_property_readonly("beam_results", [](const UpdateResult& r) {
+        py::list l;
+        for (auto& b : r.beam_results) {
+          py::list hyps;
+          for (auto& h : b.hypotheses)
+            hyps.append(py::make_tuple(h.token_ids, h.cum_logprob, h.score,
+                                       pagedllm::finish_reason_name(h.finish_reason)));
+          l.append(py::make_tuple(b.request_id, hyps));
+        }
+        return l;
+      }, "[(request_id, [(token_ids, cum_logprob, score, finish_reason)])]: beam-search requests that "
+         "finished, hypotheses best first");
 }

@@ -1,6 +1,7 @@
 #include "pagedllm/engine_core.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 #include "pagedllm/errors.h"
@@ -68,6 +69,21 @@ SeqId EngineCore::add_request(const std::string& request_id,
                  "\": min_tokens (", p.min_tokens, ") must be <= max_tokens (", p.max_tokens, ")");
   PAGEDLLM_CHECK(p.n >= 1 && p.n <= config_.max_num_seqs, "request \"", request_id,
                  "\": n must be in [1, max_num_seqs = ", config_.max_num_seqs, "], got ", p.n);
+  if (p.use_beam_search) {
+    PAGEDLLM_CHECK(p.max_tokens >= 1, "request \"", request_id,
+                   "\": beam search needs max_tokens >= 1, got ", p.max_tokens);
+    PAGEDLLM_CHECK(std::isfinite(p.length_penalty), "request \"", request_id,
+                   "\": length_penalty must be finite, got ", p.length_penalty);
+    PAGEDLLM_CHECK(!p.prompt_logprobs, "request \"", request_id,
+                   "\": beam search does not return prompt logprobs");
+    // the group at its largest: the prompt's blocks shared, each beam's own generated blocks + 1
+    const int64_t bs = config_.block_size;
+    const int64_t group_blocks = (prompt_len + bs - 1) / bs + p.n * ((p.max_tokens + bs - 1) / bs + 1);
+    PAGEDLLM_CHECK(group_blocks <= config_.num_blocks, "request \"", request_id, "\": beam search with ",
+                   p.n, " beams over ", prompt_len, " prompt + ", p.max_tokens, " tokens may hold ",
+                   group_blocks, " KV blocks but the pool has only num_blocks = ", config_.num_blocks,
+                   "; it could never run");
+  }
   const int64_t max_tokens_total = p.max_tokens < 0 ? max_len : prompt_len + p.max_tokens;
   const int64_t blocks = (max_tokens_total + config_.block_size - 1) / config_.block_size;
   PAGEDLLM_CHECK(blocks <= config_.num_blocks, "request \"", request_id, "\": up to ",
@@ -108,7 +124,8 @@ SchedulerOutput& EngineCore::schedule() {
 }
 
 std::shared_ptr<UpdateResult> EngineCore::update_from_output(SchedulerOutput& out,
-                                                             std::span<const int32_t> sampled) {
+                                                             std::span<const int32_t> sampled,
+                                                             const SampledTopK& topk) {
   PAGEDLLM_CHECK(std::any_of(buffers_.begin(), buffers_.end(), [&](auto& b) { return b.get() == &out; }),
                  "update_from_output: this SchedulerOutput belongs to another EngineCore");
   std::shared_ptr<UpdateResult> result;
@@ -121,7 +138,7 @@ std::shared_ptr<UpdateResult> EngineCore::update_from_output(SchedulerOutput& ou
     result = std::make_shared<UpdateResult>();
     if (results_.size() < 8) results_.push_back(result);
   }
-  scheduler_->update_from_output(out, sampled, *result);
+  scheduler_->update_from_output(out, sampled, *result, topk);
   return result;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "pagedllm/beam_search.h"
 #include "pagedllm/errors.h"
 
 namespace pagedllm {
@@ -90,6 +91,14 @@ SeqId Scheduler::add_request(std::string request_id, std::vector<int32_t> prompt
   req->prompt_token_ids = std::move(prompt);
   req->params = params;
   req->extra_key = cache_salt_key(params.cache_salt);
+  if (params.use_beam_search) {
+    req->params.allow_speculation = false;  // one token per beam and step
+    std::vector<int32_t> eos(params.eos_token_ids);
+    std::sort(eos.begin(), eos.end());
+    const int32_t num_eos =
+        params.ignore_eos ? 0 : static_cast<int32_t>(std::unique(eos.begin(), eos.end()) - eos.begin());
+    req->beam = std::make_shared<BeamSearch>(params.n, params.length_penalty, num_eos);
+  }
   req->seqs.assign(static_cast<size_t>(params.n), nullptr);
   Sequence* seq = new_sequence(req.get(), 0);
   seq->token_ids.reserve(static_cast<size_t>(max_seq_tokens(*req)));  // no growth while decoding
@@ -154,6 +163,8 @@ bool Scheduler::finish_sequence(SeqId seq_id, StopReason stop_reason) {
   PAGEDLLM_CHECK(it != live_seqs_.end(), "finish_sequence: no live sequence with seq_id ", seq_id);
   Sequence* seq = it->second;
   Request* req = seq->request;
+  PAGEDLLM_CHECK(!req->beam, "finish_sequence: seq_id ", seq_id, " is a beam of beam-search request \"",
+                 req->request_id, "\" (its beams end together; abort the request instead)");
   if (seq->status == SequenceStatus::kRunning) remove_running(seq);
   finish(seq, FinishReason::kStop, std::move(stop_reason));
   release_sequence(seq);
@@ -286,6 +297,40 @@ void Scheduler::schedule(SchedulerOutput& out) {
       if (budget <= 0) break;
       Sequence* seq = running_snapshot_[i];
       if (seq->status != SequenceStatus::kRunning) continue;
+      if (seq->request->beam && seq->in_flight > 0) continue;  // beams: no placeholders
+      if (in_beam_group(seq)) {
+        Request* req = seq->request;
+        const int32_t pending = seq->num_tokens() - seq->num_computed_tokens;
+        if (pending == 1) {  // at its last token: the group decodes together
+          if (decode_pass && req->beam_scheduled_step != out.step_id) {
+            req->beam_scheduled_step = out.step_id;
+            schedule_beam_decodes(req, out, budget, preempted);
+          }
+          continue;
+        }
+        // a replay after preemption: up to its last token but one (then it waits for the group)
+        int32_t num_new = pending - 1;
+        if (decode_pass || num_new <= 0 || (!chunked && num_new > budget)) continue;
+        num_new = std::min(num_new, budget);
+        bool allocated = false;
+        for (;;) {
+          copies_.clear();
+          if (kv_.allocate_slots(seq->seq_id, num_new, nullptr, &copies_)) {
+            allocated = true;
+            break;
+          }
+          collect_victims();
+          Sequence* victim = select_victim(policy, candidates_);
+          preempt_victim(victim);
+          preempted = true;
+          if (victim->request == req) break;
+        }
+        if (!allocated) continue;
+        append_copies(out);
+        record(seq, num_new, out);
+        budget -= num_new;
+        continue;
+      }
       if (seq->in_flight > 0) {
         // Async scheduling, only where the slots are free to take (no preemption for these):
         if (!config_.async_scheduling || seq->in_flight != 1) continue;
@@ -325,11 +370,9 @@ void Scheduler::schedule(SchedulerOutput& out) {
           break;
         }
         // Victim: among running sequences not scheduled this step (nor in flight), seq included.
-        candidates_.clear();
-        for (Sequence* r : running_)
-          if (!r->in_flight) candidates_.push_back(r);
+        collect_victims();
         Sequence* victim = select_victim(policy, candidates_);
-        preempt(victim);
+        preempt_victim(victim);
         preempted = true;
         if (victim == seq) break;
       }
@@ -346,6 +389,10 @@ void Scheduler::schedule(SchedulerOutput& out) {
   while (!preempted && budget > 0 && !waiting_.empty()) {
     Sequence* seq = waiting_.front();
     Request* req = seq->request;
+    if (in_beam_group(seq)) {
+      if (!admit_beam_group(req, out, budget)) break;
+      continue;
+    }
     const int32_t slots = slots_of(seq);
     if (num_running_slots_ + slots > config_.max_num_seqs) break;
     hit_.blocks.clear();
@@ -451,7 +498,7 @@ void Scheduler::fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& o
     const int64_t logits_row = t0 + s.num_new - 1;
     // Where the next step finds this row's token before the host does (no fork: a child's KV
     // exists only after update_from_output).
-    seq->pending_row = s.fork_begin == s.fork_end ? out.num_sampled : -1;
+    seq->pending_row = s.fork_begin == s.fork_end && !seq->request->beam ? out.num_sampled : -1;
     seq->pending_step = out.step_id;
     out.logits_indices[out.num_sampled] = logits_row;
     out.draft_token_ids[out.num_sampled] = -1;
@@ -477,10 +524,196 @@ void Scheduler::fill_row(const SchedulerOutput::Scheduled& s, SchedulerOutput& o
   }
 }
 
+// ------------------------------------------------------------------ beam search
+
+bool Scheduler::in_beam_group(const Sequence* seq) {
+  return seq->request->beam != nullptr && seq->request->forked;
+}
+
+bool Scheduler::group_idle(const Request* req) {
+  for (const Sequence* m : req->seqs)
+    if (!m || m->status != SequenceStatus::kRunning || m->in_flight > 0) return false;
+  return true;
+}
+
+void Scheduler::preempt_group(Request* req) {
+  for (auto it = req->seqs.rbegin(); it != req->seqs.rend(); ++it)  // front of the queue: index order
+    if (*it && (*it)->status == SequenceStatus::kRunning) preempt(*it);
+}
+
+void Scheduler::preempt_victim(Sequence* victim) {
+  if (in_beam_group(victim))
+    preempt_group(victim->request);
+  else
+    preempt(victim);
+}
+
+void Scheduler::collect_victims() {
+  candidates_.clear();
+  for (Sequence* r : running_)
+    if (!r->in_flight && (!in_beam_group(r) || group_idle(r->request))) candidates_.push_back(r);
+}
+
+void Scheduler::schedule_beam_decodes(Request* req, SchedulerOutput& out, int32_t& budget,
+                                      bool& preempted) {
+  const int32_t width = req->params.n;
+  for (const Sequence* m : req->seqs)  // every beam at its last token, none in flight
+    if (!m || m->status != SequenceStatus::kRunning || m->in_flight > 0 ||
+        m->num_tokens() - m->num_computed_tokens != 1)
+      return;
+  if (budget < width) return;  // all W or none: the group waits for a step with room
+  for (;;) {
+    int32_t need = 0;  // an upper bound: a shared last block is copied by all but its last holder
+    for (const Sequence* m : req->seqs) need += kv_.num_blocks_needed(m->seq_id, 1);
+    if (need <= kv_.num_free_blocks()) break;
+    collect_victims();
+    Sequence* victim = select_victim(config_.policy, candidates_);
+    preempt_victim(victim);
+    preempted = true;
+    if (victim->request == req) return;
+  }
+  for (Sequence* m : req->seqs) {
+    copies_.clear();
+    PAGEDLLM_CHECK(kv_.allocate_slots(m->seq_id, 1, nullptr, &copies_),
+                   "internal: a beam's slot did not allocate after the group's blocks were counted");
+    append_copies(out);
+    record(m, 1, out);
+  }
+  budget -= width;
+}
+
+bool Scheduler::admit_beam_group(Request* req, SchedulerOutput& out, int32_t& budget) {
+  const int32_t width = req->params.n;
+  if (num_running_slots_ + width > config_.max_num_seqs || budget < width) return false;
+  for (const Sequence* m : req->seqs)
+    if (!m || m->status != SequenceStatus::kWaiting) return false;  // (never: groups move whole)
+  const bool use_cache = kv_.prefix_caching_enabled();
+  // Each beam replays up to its last token but one; the budget is shared so that each gets >= 1.
+  beam_admitted_.clear();
+  std::vector<int32_t> num_new(static_cast<size_t>(width), 0);
+  std::vector<int32_t> num_hit(static_cast<size_t>(width), 0);
+  int32_t left = budget;
+  bool ok = true;
+  for (int32_t b = 0; b < width && ok; ++b) {
+    Sequence* m = req->seqs[static_cast<size_t>(b)];
+    hit_.blocks.clear();
+    hit_.num_tokens = 0;
+    if (use_cache) kv_.find_cached_prefix(m->token_ids, req->extra_key, &hit_, false);
+    while (hit_.num_tokens > m->num_tokens() - 2 && !hit_.blocks.empty()) {  // leave >= 1 to replay
+      hit_.blocks.pop_back();
+      hit_.num_tokens -= block_size_;
+    }
+    int32_t n = m->num_tokens() - 1 - hit_.num_tokens;
+    const int32_t cap = left - (width - 1 - b);
+    if (n > cap) {
+      if (!config_.enable_chunked_prefill) { ok = false; break; }
+      n = cap;
+    }
+    if (n > 0) {  // (0: a one-token sequence, nothing to replay; its decode creates its table)
+      copies_.clear();
+      if (!kv_.allocate_slots(m->seq_id, n, use_cache ? &hit_ : nullptr, &copies_)) { ok = false; break; }
+      append_copies(out);  // (none: a new table starts with full hit blocks)
+      beam_admitted_.push_back(m);
+    }
+    num_new[static_cast<size_t>(b)] = n;
+    num_hit[static_cast<size_t>(b)] = hit_.num_tokens;
+    left -= n;
+  }
+  if (!ok) {  // all or nothing: give back what the beams before took
+    for (Sequence* m : beam_admitted_) kv_.free(m->seq_id);
+    return false;
+  }
+  for (int32_t b = 0; b < width; ++b) {
+    Sequence* m = req->seqs[static_cast<size_t>(b)];
+    waiting_.remove(m);
+    if (use_cache) {
+      counters_.prefix_cache_queries += m->num_tokens();
+      counters_.prefix_cache_hits += num_hit[static_cast<size_t>(b)];
+    }
+    m->num_computed_tokens = num_hit[static_cast<size_t>(b)];
+    m->status = SequenceStatus::kRunning;
+    running_.push_back(m);
+    num_running_slots_ += 1;
+    if (num_new[static_cast<size_t>(b)] > 0) record(m, num_new[static_cast<size_t>(b)], out);
+  }
+  budget = left;
+  return true;
+}
+
+void Scheduler::apply_beam_step(Request* req, std::span<const int32_t> rows, const SampledTopK& topk,
+                                UpdateResult& result) {
+  BeamSearch& beam = *req->beam;
+  const int32_t width = beam.beam_width();
+  const int32_t k = topk.k;
+  const int32_t num_rows = k > 0 ? static_cast<int32_t>(topk.token_ids.size() / static_cast<size_t>(k)) : 0;
+  PAGEDLLM_CHECK(k >= beam.beams_to_keep() && topk.logprobs.size() == topk.token_ids.size(),
+                 "update_from_output: beam-search request \"", req->request_id, "\" needs the top ",
+                 beam.beams_to_keep(), " logprobs of each of its sampled rows, got k = ", k);
+  beam_tokens_.resize(static_cast<size_t>(width) * static_cast<size_t>(k));
+  beam_logprobs_.resize(beam_tokens_.size());
+  for (int32_t b = 0; b < width; ++b) {
+    const int32_t r = rows[static_cast<size_t>(b)];
+    PAGEDLLM_CHECK(r < num_rows, "update_from_output: the top-k logprobs have ", num_rows,
+                   " rows, sampled row ", r, " is missing");
+    std::copy_n(topk.token_ids.data() + static_cast<size_t>(r) * k, k, beam_tokens_.data() + static_cast<size_t>(b) * k);
+    std::copy_n(topk.logprobs.data() + static_cast<size_t>(r) * k, k, beam_logprobs_.data() + static_cast<size_t>(b) * k);
+  }
+  const RequestParams& p = req->params;
+  const int32_t prompt_len = req->prompt_len();
+  const bool at_length = req->seqs[0]->num_tokens() + 1 >= max_seq_tokens(*req);
+  auto is_eos = [&](int32_t t) {
+    return !p.ignore_eos && std::find(p.eos_token_ids.begin(), p.eos_token_ids.end(), t) != p.eos_token_ids.end();
+  };
+  auto generated = [&](int32_t b) {
+    const std::vector<int32_t>& ids = req->seqs[static_cast<size_t>(b)]->token_ids;
+    return std::span<const int32_t>(ids.data() + prompt_len, ids.size() - static_cast<size_t>(prompt_len));
+  };
+  const bool done = beam.step(beam_tokens_, beam_logprobs_, k, at_length, is_eos, generated, &beam_choices_);
+  counters_.num_generation_tokens += width;
+  if (done) {
+    for (Sequence* m : req->seqs) {
+      finish(m, at_length ? FinishReason::kLength : FinishReason::kStop, std::monostate{});
+      finished_scratch_.push_back(m);
+    }
+    result.beam_results.push_back({req->request_id, std::move(beam.finished())});
+    return;
+  }
+  // A beam stays in its parent's sequence when it is the parent's first continuation; the others
+  // take the sequences of dropped beams, which fork the parent (before any parent appends).
+  beam_place_.assign(static_cast<size_t>(width), -1);
+  beam_claimed_.assign(static_cast<size_t>(width), 0);
+  for (int32_t j = 0; j < width; ++j) {
+    const int32_t parent = beam_choices_[static_cast<size_t>(j)].parent;
+    if (!beam_claimed_[static_cast<size_t>(parent)]) {
+      beam_claimed_[static_cast<size_t>(parent)] = 1;
+      beam_place_[static_cast<size_t>(j)] = parent;
+    }
+  }
+  int32_t next_free = 0;
+  for (int32_t j = 0; j < width; ++j) {
+    if (beam_place_[static_cast<size_t>(j)] >= 0) continue;
+    while (beam_claimed_[static_cast<size_t>(next_free)]) ++next_free;
+    beam_claimed_[static_cast<size_t>(next_free)] = 1;
+    beam_place_[static_cast<size_t>(j)] = next_free;
+    Sequence* child = req->seqs[static_cast<size_t>(next_free)];
+    const Sequence* parent = req->seqs[static_cast<size_t>(beam_choices_[static_cast<size_t>(j)].parent)];
+    kv_.free(child->seq_id);
+    kv_.fork(parent->seq_id, child->seq_id);
+    child->token_ids.assign(parent->token_ids.begin(), parent->token_ids.end());
+    child->num_computed_tokens = parent->num_computed_tokens;
+    child->max_computed_tokens = parent->num_computed_tokens;
+    ++counters_.num_forks;
+  }
+  for (int32_t j = 0; j < width; ++j)
+    req->seqs[static_cast<size_t>(beam_place_[static_cast<size_t>(j)])]->token_ids.push_back(
+        beam_choices_[static_cast<size_t>(j)].token);
+  beam.place_running(beam_place_);
+}
+
 // ------------------------------------------------------------------ update
 
 void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t> sampled,
-                                   UpdateResult& result) {
+                                   UpdateResult& result, const SampledTopK& topk) {
   PAGEDLLM_CHECK(out.state == SchedulerOutput::State::kScheduled,
                  "update_from_output: step ", out.step_id,
                  out.state == SchedulerOutput::State::kUpdated ? " was already updated"
@@ -534,7 +767,8 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     else
       candidates_.push_back(child.seq);
   }
-  // 3. Sampled tokens and the stop rules.
+  // 3. Sampled tokens and the stop rules (beam groups: their rows are gathered for step 3b).
+  beam_rows_.clear();
   for (int32_t r = 0; r < out.num_sampled; ++r) {
     if (out.draft_token_ids[r] >= 0) {  // the first of a speculative run's k + 1 rows
       int32_t num_draft = 1;
@@ -547,7 +781,23 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     if (!ref.valid() || ref.seq->status == SequenceStatus::kFinished) continue;
     Sequence* seq = ref.seq;
     if (seq->pending_step == out.step_id) seq->pending_row = -1;  // the token is known now
+    if (seq->request->beam) {
+      Request* req = seq->request;
+      auto it = std::find_if(beam_rows_.begin(), beam_rows_.end(), [&](auto& e) { return e.first == req; });
+      if (it == beam_rows_.end()) {
+        beam_rows_.emplace_back(req, std::vector<int32_t>(static_cast<size_t>(req->params.n), -1));
+        it = beam_rows_.end() - 1;
+      }
+      it->second[static_cast<size_t>(seq->index)] = r;
+      continue;
+    }
     append_token(seq, sampled[r], result);
+  }
+  // 3b. Beam steps: a group's W beams are sampled in the same step (they decode together).
+  for (auto& [req, rows] : beam_rows_) {
+    PAGEDLLM_CHECK(std::find(rows.begin(), rows.end(), -1) == rows.end(), "update_from_output: step ",
+                   out.step_id, " sampled only some beams of beam-search request \"", req->request_id, "\"");
+    apply_beam_step(req, rows, topk, result);
   }
   for (Sequence* orphan : candidates_)
     if (orphan->status == SequenceStatus::kRunning) preempt(orphan);
@@ -629,7 +879,9 @@ void Scheduler::cancel(SchedulerOutput& out) {
     for (const auto& [parent, child] : out.forks)
       if (child.valid() && child.seq->status == SequenceStatus::kRunning) preempt(child.seq);
     for (auto it = out.scheduled.rbegin(); it != out.scheduled.rend(); ++it)
-      if (it->ref.valid() && it->ref.seq->status == SequenceStatus::kRunning) preempt(it->ref.seq);
+      if (it->ref.valid() && it->ref.seq->status == SequenceStatus::kRunning) {
+        preempt_victim(it->ref.seq);
+      }
   }
   out.reset();
   out.state = SchedulerOutput::State::kFree;

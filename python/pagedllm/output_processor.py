@@ -76,6 +76,8 @@ class RequestState:
     metrics: Optional[RequestMetrics] = None
     tokens_timed: int = 0  # output tokens when metrics.last_token_time was set
     grammar: Optional[Future] = None  # structured outputs: the compiled grammar (StructuredOutputManager.submit)
+    #: beam search: the engine's hypotheses once the search ended [(token_ids, cum_logprob, score, finish_reason)]
+    beam_hypotheses: Optional[list] = None
 
     @property
     def finished(self) -> bool:
@@ -211,6 +213,10 @@ class OutputProcessor:
         seq_ids = np.asarray(result.seq_ids, dtype=np.int64)
         token_ids = np.asarray(result.token_ids)
         self.sampler.append_output_tokens(seq_ids, token_ids)
+        for request_id, hypotheses in result.beam_results:  # (its beams are in result.finished too)
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.beam_hypotheses = hypotheses
         finished_by_engine = {int(f[1]): f for f in result.finished}
         rows_of = None
         lp = sampler_output.logprobs if sampler_output is not None else None
@@ -332,6 +338,16 @@ class OutputProcessor:
             stop_reason=seq.stop_reason,
         )
 
+    def _beam_completion(self, params: SamplingParams, index: int, hypothesis) -> CompletionOutput:
+        token_ids, cum_logprob, _score, finish_reason = hypothesis
+        token_ids = [int(t) for t in token_ids]
+        shown = token_ids
+        if finish_reason == "stop" and not params.include_stop_str_in_output:
+            shown = token_ids[:-1]  # the EOS token's text is left out (vLLM's stop handling)
+        text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens) if params.detokenize else ""
+        return CompletionOutput(index=index, text=text, token_ids=token_ids, cumulative_logprob=float(cum_logprob),
+                                logprobs=None, finish_reason=finish_reason, stop_reason=None)
+
     def _make_output(self, state: RequestState, force: bool = False) -> Optional[RequestOutput]:
         kind = state.params.output_kind
         finished = state.finished
@@ -347,10 +363,15 @@ class OutputProcessor:
         if kind == RequestOutputKind.FINAL_ONLY and not finished and not force:
             return None
         delta = kind == RequestOutputKind.DELTA
-        seqs = [state.seqs[i] for i in sorted(state.seqs)]
-        if delta:
-            seqs = [s for s in seqs if s.changed]
-        completions = [self._completion(s, delta) for s in seqs]
+        if state.params.use_beam_search and not finished and not force:
+            return None  # beams change until the search ends: the hypotheses come at once
+        if state.beam_hypotheses is not None:
+            completions = [self._beam_completion(state.params, i, h) for i, h in enumerate(state.beam_hypotheses)]
+        else:
+            seqs = [state.seqs[i] for i in sorted(state.seqs)]
+            if delta:
+                seqs = [s for s in seqs if s.changed]
+            completions = [self._completion(s, delta) for s in seqs]
         prompt_logprobs = state.prompt_logprobs
         if delta and state.sent_prompt_logprobs:
             prompt_logprobs = None

@@ -151,6 +151,13 @@ class SamplingParams:
       truncate_prompt_tokens: keep only the prompt's last k tokens (left truncation, vLLM's); -1:
         the last max_model_len - 1; None: the whole prompt.
       output_kind: RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY).
+      use_beam_search: beam search with n beams (vLLM v0's field; LLM.beam_search and the server's
+        use_beam_search build it): the n completions are the n best hypotheses, best first, greedy
+        over the model's logprobs (temperature 0). Not with stop strings, stop_token_ids,
+        min_tokens, penalties, logit_bias, allowed_token_ids, logprobs, prompt_logprobs or
+        structured_outputs; max_tokens >= 1.
+      length_penalty: beam search: a hypothesis scores cum_logprob / num_generated ** length_penalty
+        (Hugging Face's; > 0 favours longer outputs).
     """
 
     n: int = 1
@@ -179,6 +186,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     #: output constrained to a JSON schema, a regex, a choice or a grammar (StructuredOutputsParams)
     structured_outputs: Optional[StructuredOutputsParams] = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Normalise the forms vLLM accepts.
@@ -302,12 +311,37 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}.")
+        need_number("length_penalty")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}.")
+        if self.use_beam_search:
+            self._verify_beam_search()
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                                  f"{type(self.structured_outputs).__name__}.")
+
+    def _verify_beam_search(self) -> None:
+        if self.temperature >= _SAMPLING_EPS:
+            raise ValueError(f"temperature must be 0 with use_beam_search (beam search is greedy over the "
+                             f"logprobs), got {self.temperature}.")
+        if self.max_tokens is None or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 with use_beam_search, got {self.max_tokens}.")
+        unsupported = {
+            "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids), "min_tokens": self.min_tokens != 0,
+            "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None, "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured_outputs": self.structured_outputs is not None,
+        }
+        bad = [name for name, set_ in unsupported.items() if set_]
+        if bad:
+            raise ValueError(f"use_beam_search does not support {', '.join(bad)} (leave them at their defaults).")
 
     def verify_for_vocab(self, vocab_size: int) -> None:
         """Check token ids against the model's vocabulary (ValueError naming the field).
@@ -381,6 +415,8 @@ class SamplingParams:
         p.arrival_time = float(time.time() if arrival_time is None else arrival_time)
         p.cache_salt = str(cache_salt)
         p.prompt_logprobs = self.prompt_logprobs is not None
+        p.use_beam_search = bool(self.use_beam_search)
+        p.length_penalty = float(self.length_penalty)
         return p
 
     def __repr__(self) -> str:
@@ -405,4 +441,39 @@ def truncate_prompt_ids(token_ids: list[int], keep: Optional[int], max_model_len
     return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
 
-__all__ = ["SamplingParams", "RequestOutputKind", "SamplingType", "_SAMPLING_EPS", "truncate_prompt_ids"]
+@dataclass
+class BeamSearchParams:
+    """Parameters of ``LLM.beam_search`` (vLLM's ``BeamSearchParams``).
+
+    beam_width: beams kept per step and hypotheses returned, in [1, max_num_seqs] (the engine
+      checks the upper bound). max_tokens: most tokens generated per hypothesis, >= 1.
+    ignore_eos: EOS does not end a hypothesis. temperature: 0 only (beam search is greedy over the
+      model's logprobs; > 0 is a ValueError). length_penalty: score = cum_logprob /
+      num_generated ** length_penalty (Hugging Face's). include_stop_str_in_output: keep the EOS
+      token's text in BeamSearchSequence.text. skip_special_tokens: as in SamplingParams.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an int >= 1, got {self.beam_width!r}.")
+        self.to_sampling_params()  # every other check
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The equivalent SamplingParams (n = beam_width, use_beam_search, FINAL_ONLY)."""
+        return SamplingParams(n=self.beam_width, use_beam_search=True, max_tokens=self.max_tokens,
+                              ignore_eos=self.ignore_eos, temperature=self.temperature,
+                              length_penalty=self.length_penalty, skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+__all__ = ["SamplingParams", "BeamSearchParams", "RequestOutputKind", "SamplingType", "_SAMPLING_EPS",
+           "truncate_prompt_ids"]

@@ -107,10 +107,12 @@ class EngineCore {
   /// Schedule the next step into a free buffer set. num_tokens == 0 when nothing can run.
   /// Throws std::runtime_error when every buffer set is held (release() outputs).
   SchedulerOutput& schedule();
-  /// Apply the step's sampled token ids (int32 [out.num_sampled]); see Scheduler. The result
-  /// object is reused by a later step only once the caller dropped every reference to it.
+  /// Apply the step's sampled token ids (int32 [out.num_sampled]); see Scheduler. topk: the
+  /// rows' top-k logprobs, which a step with beam-search groups needs (scheduler_output.h). The
+  /// result object is reused by a later step only once the caller dropped every reference to it.
   std::shared_ptr<UpdateResult> update_from_output(SchedulerOutput& out,
-                                                   std::span<const int32_t> sampled_token_ids);
+                                                   std::span<const int32_t> sampled_token_ids,
+                                                   const SampledTopK& topk = {});
   /// Hand a buffer set back. An output that was scheduled but never updated is cancelled: its
   /// sequences are preempted (recomputed later), nothing is leaked. Throws InvalidArgument for
   /// an output of another engine.

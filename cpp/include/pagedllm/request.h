@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <variant>
 #include <vector>
@@ -47,6 +48,12 @@ struct RequestParams {
   /// speculates at all: SpeculativeConfig). Off for requests whose sampling cannot verify drafts
   /// (e.g. structured outputs: the grammar advances one token at a time).
   bool allow_speculation = true;
+  /// Beam search (beam_search.h) with beam width n: the n sequences are the running beams, and the
+  /// request's result is UpdateResult::beam_results. Greedy over the model's logprobs; needs
+  /// max_tokens >= 1; min_tokens, stop_token_ids, prompt_logprobs and speculation do not apply.
+  bool use_beam_search = false;
+  /// Beam search: hypothesis score = cum_logprob / num_generated ^ length_penalty (HF's).
+  float length_penalty = 1.0f;
 };
 
 enum class FinishReason : int8_t { kNone, kStop, kLength, kAbort };
@@ -61,6 +68,7 @@ using StopReason = std::variant<std::monostate, int32_t, std::string>;
 enum class SequenceStatus : int8_t { kWaiting, kRunning, kFinished };
 
 struct Request;
+class BeamSearch;
 
 /// One output sequence: prompt + its own generated tokens, and how much of it has KV.
 struct Sequence {
@@ -130,6 +138,11 @@ struct Request {
   bool forked = false;  ///< the prompt has been computed once and the request forked into n
   int32_t num_finished_seqs = 0;
   bool done = false;  ///< every sequence finished; being removed (Scheduler bookkeeping)
+  /// Beam search state (RequestParams::use_beam_search), else null. shared_ptr: BeamSearch is
+  /// incomplete here.
+  std::shared_ptr<BeamSearch> beam;
+  /// Beam search: the step whose schedule() last scheduled the whole group's decodes.
+  int64_t beam_scheduled_step = -1;
   /// First prompt position whose prompt-logprob row has not been handed out yet.
   int32_t prompt_logprobs_next_pos = 0;
   int32_t prompt_len() const { return static_cast<int32_t>(prompt_token_ids.size()); }

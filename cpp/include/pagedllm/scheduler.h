@@ -60,6 +60,20 @@
 // steps after its n-gram found nothing, when it is pipelined as usual; steps above
 // disable_by_batch_size pipeline as without speculation.
 //
+// Beam search (RequestParams::use_beam_search, pagedllm/beam_search.h): the request's prompt is
+// computed once and forked into its W beams as for n > 1. From then on the W sequences form a
+// group that moves in lockstep: its decodes are scheduled all together or not at all (budget and
+// blocks for all W are found first, preempting others or the whole group), update_from_output
+// runs the beam step on the group's W top-k rows (SampledTopK) and re-forms the beams: a beam
+// that survives keeps its sequence and appends its token; a beam that continues a parent already
+// kept takes the sequence of a dropped beam, whose blocks are freed and which forks the parent's
+// table (KVCacheManager::fork: shared blocks, copy-on-write of the partial last block at the next
+// append). So a group holds at most ceil(prompt / block_size) + W x (ceil(generated / block_size)
+// + 1) blocks. Preemption takes the whole group; its members are admitted again together, replay
+// up to their last token but one (prefix-cache hits share the common blocks), and decode together
+// once all have. Beams never get placeholders (async scheduling) or drafts. When the search ends,
+// every member finishes and UpdateResult::beam_results holds the hypotheses.
+//
 // Not thread-safe: one thread drives a Scheduler (and its EngineCore).
 #pragma once
 
@@ -70,6 +84,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "pagedllm/beam_search.h"
 #include "pagedllm/kv_cache_manager.h"
 #include "pagedllm/request.h"
 #include "pagedllm/scheduler_output.h"
@@ -129,8 +144,10 @@ class Scheduler {
   /// step: append, stop rules, free finished sequences, cache full blocks, fork children.
   /// Rows of sequences aborted meanwhile are ignored. Throws InvalidArgument (changing
   /// nothing) on a wrong length, a negative token id, or an output that is not kScheduled.
+  /// topk: the step's top-k logprobs per sampled row; needed when a beam-search group decodes in
+  /// this step (k >= its beams_to_keep), ignored otherwise.
   void update_from_output(SchedulerOutput& out, std::span<const int32_t> sampled,
-                          UpdateResult& result);
+                          UpdateResult& result, const SampledTopK& topk = {});
   /// A scheduled step that will never be updated (the model failed): its sequences are
   /// preempted (recompute), so nothing is lost or leaked. out.state becomes kFree.
   void cancel(SchedulerOutput& out);
@@ -168,6 +185,27 @@ class Scheduler {
   /// Async scheduling: steps a sequence whose n-gram found nothing is pipelined before it waits
   /// for its token to try again.
   static constexpr int32_t kSpecRetrySteps = 4;
+  // ---- beam search (see above)
+  /// seq belongs to a beam-search request that has forked into its beams.
+  static bool in_beam_group(const Sequence* seq);
+  /// Every beam of the group is running and none is in flight.
+  static bool group_idle(const Request* req);
+  /// Preempt every beam of the group (index order kept at the front of the waiting queue).
+  void preempt_group(Request* req);
+  /// Preempt victim, with its whole group when it is a beam.
+  void preempt_victim(Sequence* victim);
+  /// candidates_ = the running sequences that may be preempted now (not in flight; a beam only
+  /// when no beam of its group is).
+  void collect_victims();
+  /// Decode pass: the group's W decodes, all or none (may preempt others or the group itself).
+  void schedule_beam_decodes(Request* req, SchedulerOutput& out, int32_t& budget, bool& preempted);
+  /// Admission of a preempted group: every beam (its replay up to its last token but one) or
+  /// none; false when it could not.
+  bool admit_beam_group(Request* req, SchedulerOutput& out, int32_t& budget);
+  /// update_from_output: the beam step of one group from its W sampled rows (rows[b]: beam b's).
+  void apply_beam_step(Request* req, std::span<const int32_t> rows, const SampledTopK& topk,
+                       UpdateResult& result);
+
   /// update_from_output: append one sampled token to running seq, report it in result, apply
   /// the stop rules; true when they finished it (then it is in finished_scratch_).
   bool append_token(Sequence* seq, int32_t token, UpdateResult& result);
@@ -202,6 +240,13 @@ class Scheduler {
   std::vector<Sequence*> finished_scratch_;
   std::vector<int32_t> spec_candidates_;  ///< indices into out.scheduled of this step's candidates
   std::vector<Request*> done_scratch_;
+  std::vector<std::pair<Request*, std::vector<int32_t>>> beam_rows_;  ///< group -> rows by beam
+  std::vector<int64_t> beam_tokens_;
+  std::vector<float> beam_logprobs_;
+  std::vector<BeamChoice> beam_choices_;
+  std::vector<int32_t> beam_place_;
+  std::vector<uint8_t> beam_claimed_;
+  std::vector<Sequence*> beam_admitted_;
 };
 
 }  // namespace pagedllm

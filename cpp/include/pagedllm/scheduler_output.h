@@ -39,9 +39,11 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "pagedllm/beam_search.h"
 #include "pagedllm/request.h"
 
 namespace pagedllm {
@@ -74,6 +76,21 @@ struct FinishedSequence {
   StopReason stop_reason;  ///< the stop token id for a stop_token_ids match, else none
 };
 
+/// A beam-search request that finished: its hypotheses, best score first (beam_search.h).
+struct BeamSearchResult {
+  std::string request_id;
+  std::vector<BeamHypothesis> hypotheses;
+};
+
+/// Top-k token ids and logprobs of each sampled row of a step (beam search reads them):
+/// token_ids int64 [R, k], logprobs float32 [R, k], row r descending by logprob. Empty when no
+/// row of the step belongs to a beam search.
+struct SampledTopK {
+  std::span<const int64_t> token_ids;
+  std::span<const float> logprobs;
+  int32_t k = 0;
+};
+
 /// What update_from_output returns: the tokens appended this step and what finished.
 struct UpdateResult {
   std::vector<SeqId> seq_ids;      ///< int64 [K]
@@ -81,8 +98,11 @@ struct UpdateResult {
   std::vector<FinishedSequence> finished;
   /// Requests whose every sequence has now finished (their state is freed).
   std::vector<std::string> request_finished;
+  /// Beam-search requests that finished this step (also listed in request_finished).
+  std::vector<BeamSearchResult> beam_results;
 
   void clear() {
+    beam_results.clear();
     seq_ids.clear();
     token_ids.clear();
     finished.clear();

@@ -401,7 +401,8 @@ class LLMEngine:
             self.executor.check_health()  # a rank that died during the step: its tokens are not used
             self._add_prompt_logprobs(run.prompt_logits)
             result = self.core.update_from_output(
-                sched, np.ascontiguousarray(sampled.sampled_token_ids, dtype=np.int32))
+                sched, np.ascontiguousarray(sampled.sampled_token_ids, dtype=np.int32),
+                *_topk_rows(sampled, len(sched.sample_seq_ids)))
             if self.async_output_processing and not proc.has_stop_strings:
                 self._pending = (result, np.array(sched.sample_seq_ids, dtype=np.int64), sampled)
             else:
@@ -492,7 +493,8 @@ class LLMEngine:
         sampled = step.sample.result()
         self.executor.check_health()  # a rank that died during the step: its tokens are not used
         self._add_prompt_logprobs(step.prompt_logits)
-        result = self.core.update_from_output(step.sched, np.ascontiguousarray(sampled.sampled_token_ids))
+        result = self.core.update_from_output(step.sched, np.ascontiguousarray(sampled.sampled_token_ids),
+                                              *_topk_rows(sampled, len(step.sched.sample_seq_ids), step.sample.rows))
         outputs, stops = self.output_processor.on_update(result, step.logprob_seq_ids, sampled)
         self._ready.extend(outputs)
         self.core.release(step.sched)
@@ -635,6 +637,23 @@ class _InFlight:
     sample: PendingSample
     logprob_seq_ids: np.ndarray  # the seq ids of sample's logprob rows (its sampled rows)
     prompt_logits: dict
+
+
+def _topk_rows(sampled, num_sampled: int, rows: Optional[np.ndarray] = None):
+    """(top-k token ids int64 [R, k], their logprobs float32 [R, k]) of a step's sampled rows for
+    EngineCore.update_from_output (beam search reads them), or (None, None) without logprobs. rows:
+    the sampled rows the logprobs cover when not all (async scheduling); the others get -inf."""
+    lp = sampled.logprobs
+    if lp is None or lp.token_ids.shape[1] < 2:
+        return None, None
+    ids = np.ascontiguousarray(lp.token_ids[:, 1:], dtype=np.int64)
+    vals = np.ascontiguousarray(lp.logprobs[:, 1:], dtype=np.float32)
+    if rows is not None and len(rows) != num_sampled:
+        full_ids = np.zeros((num_sampled, ids.shape[1]), dtype=np.int64)
+        full_vals = np.full((num_sampled, ids.shape[1]), -np.inf, dtype=np.float32)
+        full_ids[rows], full_vals[rows] = ids, vals
+        ids, vals = full_ids, full_vals
+    return ids, vals
 
 
 def _prepend_delta(out: RequestOutput, prev: RequestOutput) -> None:

@@ -19,7 +19,8 @@ from pagedllm.entrypoints.chat_templates import load_chat_template
 from pagedllm.entrypoints.chat_utils import chat_prompt_token_ids
 from pagedllm.metrics import Metric
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, truncate_prompt_ids
 
 logger = logging.getLogger("pagedllm")
 
@@ -189,6 +190,51 @@ class LLM:
                     engine.abort_request(request_id)
             raise
         return [finished[r] for r in ids_in_order]
+
+    def beam_search(
+        self,
+        prompts: Union[str, dict, Sequence[Union[str, dict]]],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: Optional[int] = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over `prompts` (as generate's): one BeamSearchOutput per prompt, in input
+        order, with params.beam_width hypotheses, best score first. Each prompt is one engine
+        request whose beams are copy-on-write forks (the native engine runs the search; Hugging
+        Face's algorithm, early_stopping=False). concurrency_limit: at most this many prompts at
+        once (None: all). ValueError (nothing queued): bad params, beam_width > max_num_seqs, a
+        prompt too long for max_model_len."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported by pagedllm")
+        max_num_seqs = self.llm_engine.args.max_num_seqs
+        if params.beam_width > max_num_seqs:
+            raise ValueError(f"beam_width must be in [1, max_num_seqs = {max_num_seqs}], got {params.beam_width}")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r}")
+        items = _as_list(prompts)
+        sp = params.to_sampling_params()
+        limit = concurrency_limit or max(1, len(items))
+        outputs: list[RequestOutput] = []
+        for start in range(0, len(items), limit):
+            outputs += self.generate(items[start:start + limit], sp, use_tqdm=use_tqdm)
+        return [self._beam_output(out, params) for out in outputs]
+
+    def _beam_output(self, out: RequestOutput, params: BeamSearchParams) -> BeamSearchOutput:
+        tok = self.llm_engine.tokenizer
+        prompt_ids = list(out.prompt_token_ids)
+        seqs = []
+        for c in out.outputs:
+            generated = list(c.token_ids)
+            shown = generated[:-1] if c.finish_reason == "stop" and not params.include_stop_str_in_output else generated
+            seqs.append(BeamSearchSequence(
+                tokens=prompt_ids + generated, cum_logprob=c.cumulative_logprob,
+                text=tok.decode(prompt_ids + shown, skip_special_tokens=params.skip_special_tokens),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                score=c.cumulative_logprob / max(1, len(generated)) ** params.length_penalty))
+        return BeamSearchOutput(sequences=seqs)
 
     def chat(
         self,

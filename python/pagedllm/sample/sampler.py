@@ -77,6 +77,8 @@ class PendingSample:
     def __init__(self, device_ids: torch.Tensor, logprobs=None, num_logprobs=None,
                  rows: Optional[np.ndarray] = None, num_rows: Optional[int] = None) -> None:
         device_ids = device_ids.to(torch.int64)
+        #: the rows (of num_rows) that the logprobs cover, or None: all of them
+        self.rows = None if rows is None else np.asarray(rows, dtype=np.int64)
         if rows is not None:
             full = torch.zeros(num_rows, dtype=torch.int64, device=device_ids.device)
             full[torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(device_ids.device)] = device_ids
@@ -264,6 +266,12 @@ class Sampler:
         self.presence_penalty[slot] = params.presence_penalty
         self.min_tokens[slot] = params.min_tokens
         lp = params.logprobs
+        if params.use_beam_search:  # the engine's beam step reads each beam's top max(2, 1 + #eos) x W
+            n_eos = 0 if params.ignore_eos else len({int(t) for t in eos_token_ids})
+            lp = max(2, 1 + n_eos) * params.n
+            if lp > self.vocab_size:
+                raise ValueError(f"beam search with n={params.n} needs the top {lp} tokens of each step, more "
+                                 f"than the vocabulary size {self.vocab_size}")
         self.num_logprobs[slot] = -1 if lp is None else (self.vocab_size if lp == -1 else lp)
         self.num_output_tokens[slot] = 0
         penalty = (
