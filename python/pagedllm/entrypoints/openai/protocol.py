@@ -117,7 +117,10 @@ class _SamplingFields(_Request):
     priority: Optional[int] = 0
     cache_salt: Optional[str] = None
     request_id: Optional[str] = None
-    use_beam_search: Optional[bool] = False
+    use_beam_search: Optional[bool] = Field(default=False, description="beam search with n beams: the n best "
+                                            "hypotheses, best first (temperature 0; docs/beam_search.md)")
+    length_penalty: Optional[float] = Field(default=1.0, description="beam search: score = cum_logprob / "
+                                            "num_generated ** length_penalty")
     return_token_ids: Optional[bool] = Field(default=False, description="add token_ids (and prompt_token_ids) "
                                              "to each choice, as vLLM's return_token_ids")
     allowed_token_ids: Optional[list[int]] = Field(default=None, description="only these token ids can be sampled")

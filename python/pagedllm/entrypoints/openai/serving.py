@@ -159,8 +159,6 @@ def check_unsupported(req: _SamplingFields, ctx: Optional["ServingContext"] = No
     check_unknown_fields(req)
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options: only allowed when stream is true", 400, "stream_options")
-    if req.use_beam_search:
-        raise OpenAIError("use_beam_search: beam search is not supported", 400, "use_beam_search")
     for name in ("logprobs", "prompt_logprobs", "top_logprobs"):
         value = getattr(req, name, None)
         if not isinstance(value, int) or isinstance(value, bool):
@@ -194,8 +192,12 @@ def sampling_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int, 
     structured = structured_outputs_params(fields, getattr(req, "response_format", None), tool_constraint)
     defaults = ctx.engine.generation_defaults
 
+    beam = bool(req.use_beam_search)
+
     def pick(name: str, fallback):
         value = getattr(req, name)
+        if beam:  # beam search is greedy and unpenalised: the checkpoint's sampling defaults do not apply
+            return value if value is not None else {"temperature": 0.0, "repetition_penalty": 1.0}.get(name, fallback)
         return value if value is not None else defaults.get(name, fallback)
 
     bias = None
@@ -231,6 +233,8 @@ def sampling_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int, 
             allowed_token_ids=req.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA,
             structured_outputs=structured,
+            use_beam_search=beam,
+            length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
         )
     except ValueError as exc:
         raise from_value_error(exc) from None
