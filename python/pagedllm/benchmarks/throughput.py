@@ -164,6 +164,13 @@ class PagedllmRunner:
             self.startup.update(structured_outputs="json", grammar_compile_ms=(time.perf_counter() - t) * 1e3)
         self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
                                      ignore_eos=args.ignore_eos, structured_outputs=so)
+        self.beam = None
+        if args.beam_width:
+            from pagedllm import BeamSearchParams
+
+            self.beam = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.output_len,
+                                         ignore_eos=args.ignore_eos)
+            self.startup["beam_width"] = args.beam_width
         self.prompts = [[{"prompt_token_ids": p} for p in round_prompts] for round_prompts in prompts]
 
     def run(self, i: int) -> dict:
@@ -174,16 +181,37 @@ class PagedllmRunner:
         if self.params.structured_outputs is not None:
             timers += [_Timer(engine.sampler, "_apply_grammar", grammar),
                        _Timer(engine.sampler, "append_output_tokens", grammar)]
+        core, peak = engine.core, [0]
+        if self.beam is not None:  # KV blocks held at the end of each step, the most of the round
+            step = engine.step
+
+            def step_and_count():
+                outs = step()
+                s = core.stats()
+                peak[0] = max(peak[0], s.num_blocks - s.num_free_blocks)
+                return outs
+
+            engine.step = step_and_count
         try:
             t1 = time.perf_counter()
-            outs = self.llm.generate(self.prompts[i], self.params, use_tqdm=False)
+            if self.beam is not None:
+                beams = self.llm.beam_search(self.prompts[i], self.beam)
+                n_out = sum(len(s.tokens) - len(p["prompt_token_ids"])
+                            for b, p in zip(beams, self.prompts[i]) for s in b.sequences)
+            else:
+                outs = self.llm.generate(self.prompts[i], self.params, use_tqdm=False)
+                n_out = sum(len(o.outputs[0].token_ids) for o in outs)
             seconds = time.perf_counter() - t1
         finally:
             for timer in timers:
                 timer.undo()
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            if self.beam is not None:
+                del engine.step
         out = {"output_tokens": n_out, "seconds": seconds, "steps": len(steps),
                "step_ms_median": statistics.median(steps) * 1e3 if steps else None}
+        if self.beam is not None:
+            runner = engine.runner
+            out.update(peak_kv_blocks=peak[0], peak_kv_tokens=peak[0] * runner.block_size)
         if self.params.structured_outputs is not None:
             out["grammar_ms_per_step"] = sum(grammar) * 1e3 / max(1, len(steps))
         return out
@@ -224,10 +252,13 @@ class HfRunner:
         self.kwargs = dict(do_sample=sample, temperature=args.temperature if sample else None, top_p=None,
                            top_k=None, pad_token_id=0)
         self.output_len = args.output_len
+        self.beam_width = args.beam_width
+        if self.beam_width:  # HF's beam search: every beam its own KV rows, (input + output) tokens each
+            self.kwargs.update(num_beams=self.beam_width, num_return_sequences=self.beam_width, early_stopping=False)
         with torch.inference_mode():
             t_first = time.perf_counter()
             warm = self.ids[0][:1, :16]
-            self.model.generate(input_ids=warm, attention_mask=torch.ones_like(warm), max_new_tokens=1, **self.kwargs)
+            self.model.generate(input_ids=warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, **self.kwargs)
         self.startup = {"startup_construct_s": startup,
                         "startup_to_first_token_s": startup + time.perf_counter() - t_first}
 
@@ -238,7 +269,11 @@ class HfRunner:
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                       max_new_tokens=self.output_len, min_new_tokens=self.output_len, **self.kwargs)
             seconds = time.perf_counter() - t1
-        return {"output_tokens": int((out.shape[1] - ids.shape[1]) * ids.shape[0]), "seconds": seconds}
+        rows = out.shape[0]  # batch x num_return_sequences
+        result = {"output_tokens": int((out.shape[1] - ids.shape[1]) * rows), "seconds": seconds}
+        if self.beam_width:
+            result["peak_kv_tokens"] = int(ids.shape[0] * self.beam_width * out.shape[1])
+        return result
 
     def close(self) -> dict:
         del self.model
@@ -262,15 +297,25 @@ if __name__ == "__main__":
     first = time.perf_counter() - t0
     print("READY " + json.dumps({"startup_construct_s": construct, "startup_to_first_token_s": first}), flush=True)
     params = SamplingParams(temperature=temperature, max_tokens=out_len, ignore_eos=True)
+    import os
+    beam_width = int(os.environ.get("PAGEDLLM_BENCH_BEAM_WIDTH", "0"))
+    if beam_width:
+        from vllm.sampling_params import BeamSearchParams
+        beam = BeamSearchParams(beam_width=beam_width, max_tokens=out_len, ignore_eos=True)
     for line in sys.stdin:
         words = line.split()
         if not words or words[0] != "run":
             break
         requests = [{"prompt_token_ids": p} for p in prompts[int(words[1])]]
         t1 = time.perf_counter()
-        outs = llm.generate(requests, params, use_tqdm=False)
-        seconds = time.perf_counter() - t1
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        if beam_width:
+            outs = llm.beam_search(requests, beam)
+            seconds = time.perf_counter() - t1
+            n = sum(len(s.tokens) - len(r["prompt_token_ids"]) for o, r in zip(outs, requests) for s in o.sequences)
+        else:
+            outs = llm.generate(requests, params, use_tqdm=False)
+            seconds = time.perf_counter() - t1
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
         print("RESULT " + json.dumps({"output_tokens": n, "seconds": seconds}), flush=True)
 """
 
@@ -354,6 +399,7 @@ class VllmRunner(SubprocessRunner):
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
         cmd = [args.vllm_python, "-c", VLLM_SCRIPT, str(folder), args.dtype, str(args.output_len),
                str(args.temperature), str(args.max_model_len)]
+        env["PAGEDLLM_BENCH_BEAM_WIDTH"] = str(args.beam_width)
         super().__init__(cmd, env, prompts, args.vllm_timeout)
 
 
@@ -608,6 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="pagedllm's weights: the checkpoint's (auto) or random ones of its config (dummy: a folder "
                         "with config.json and tokenizer files is enough; e.g. a large model's shape on a GPU)")
+    p.add_argument("--beam-width", type=int, default=0,
+                   help="beam search with this many beams per prompt (LLM.beam_search, HF generate(num_beams), "
+                        "vLLM's LLM.beam_search); output tokens count every returned hypothesis; 0 = off")
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face transformers")
     p.add_argument("--skip-pagedllm", action="store_true", help="do not run pagedllm")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_VLLM_PYTHON"),
@@ -677,7 +726,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "workload": {"model": args.model or "HuggingFaceTB/SmolLM2-135M-Instruct (bundled GGUF)",
                      "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                      "dataset": args.dataset, "dtype": args.dtype, "temperature": args.temperature,
-                     "ignore_eos": args.ignore_eos,
+                     "ignore_eos": args.ignore_eos, "beam_width": args.beam_width,
                      **({"structured_outputs_schema": BENCH_SCHEMA} if "json" in args.structured_outputs else {})},
     }
     runners: dict = {}
