@@ -49,7 +49,7 @@ def hf_beams(model, prompt, width, max_new_tokens, eos, length_penalty=1.0):
                           num_return_sequences=width, eos_token_id=list(eos), pad_token_id=eos[0],
                           length_penalty=length_penalty, early_stopping=False, return_dict_in_generate=True,
                           output_scores=True)
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         r = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
     out = []
@@ -297,5 +297,33 @@ def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(tiny_folder):
         assert not engine.has_unfinished_requests() and engine.core.num_kv_seqs() == 0
         out = llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=2, max_tokens=4))
         assert len(out[0].sequences) == 2
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("eager,async_sched", [(False, True), (True, False)], ids=["graphs-async", "eager-sync"])
+def test_cuda_matches_hugging_face(tmp_path, eager, async_sched):
+    """fp32 on the GPU (CUDA graphs with async scheduling, where beams get no placeholders; eager
+    synchronous): the hypotheses of HF's beam search on the same GPU, no block held after."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import LLM, BeamSearchParams
+
+    folder = build_tiny_engine_folder("llama", tmp_path / "llama", seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to("cuda").eval()
+    llm = LLM(str(folder), dtype="float32", device="cuda", kv_cache_memory_bytes=64 << 20, max_model_len=256,
+              enforce_eager=eager, async_scheduling=async_sched)
+    try:
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in (4, 19, 33, 50)]
+        eos = llm.llm_engine.eos_token_ids
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=4, max_tokens=24))
+        for prompt, out in zip(prompts, outs):
+            ref = hf_beams(hf, prompt, 4, 24, eos)
+            check_same(out, ref, prompt)
+        engine = llm.llm_engine
+        assert engine.core.num_kv_seqs() == 0 and engine.core.stats().kv_usage == 0.0
     finally:
         llm.shutdown()
