@@ -319,7 +319,8 @@ void Scheduler::schedule(SchedulerOutput& out) {
             allocated = true;
             break;
           }
-          collect_victims();
+          collect_victims();  // (not its own group while a sibling's chunk is in this step)
+          if (candidates_.empty()) break;
           Sequence* victim = select_victim(policy, candidates_);
           preempt_victim(victim);
           preempted = true;

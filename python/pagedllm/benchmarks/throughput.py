@@ -113,7 +113,8 @@ class _Timer:
     """Wraps obj.name (an instance attribute shadowing the method) to add each call's seconds to
     `times`; undo() restores the method."""
 
-    def __init__(self, obj, name: str, times: list):
+    def __init__(self, obj, name: str, times: list, after=None):
+        """after(): called after each call, outside the timed span."""
         self.obj, self.name = obj, name
         method = getattr(obj, name)
 
@@ -123,6 +124,8 @@ class _Timer:
                 return method(*a, **kw)
             finally:
                 times.append(time.perf_counter() - t)
+                if after is not None:
+                    after()
 
         setattr(obj, name, timed)
 
@@ -183,15 +186,13 @@ class PagedllmRunner:
                        _Timer(engine.sampler, "append_output_tokens", grammar)]
         core, peak = engine.core, [0]
         if self.beam is not None:  # KV blocks held at the end of each step, the most of the round
-            step = engine.step
+            timers[0].undo()  # (one wrapper of engine.step: this one times and counts)
 
-            def step_and_count():
-                outs = step()
+            def count_blocks():
                 s = core.stats()
                 peak[0] = max(peak[0], s.num_blocks - s.num_free_blocks)
-                return outs
 
-            engine.step = step_and_count
+            timers[0] = _Timer(engine, "step", steps, after=count_blocks)
         try:
             t1 = time.perf_counter()
             if self.beam is not None:
@@ -205,8 +206,6 @@ class PagedllmRunner:
         finally:
             for timer in timers:
                 timer.undo()
-            if self.beam is not None:
-                del engine.step
         out = {"output_tokens": n_out, "seconds": seconds, "steps": len(steps),
                "step_ms_median": statistics.median(steps) * 1e3 if steps else None}
         if self.beam is not None:
