@@ -76,6 +76,9 @@ SeqId EngineCore::add_request(const std::string& request_id,
                    "\": length_penalty must be finite, got ", p.length_penalty);
     PAGEDLLM_CHECK(!p.prompt_logprobs, "request \"", request_id,
                    "\": beam search does not return prompt logprobs");
+    PAGEDLLM_CHECK(p.n <= config_.max_num_batched_tokens, "request \"", request_id,
+                   "\": beam search decodes its n = ", p.n, " beams in one step, so n must be <= "
+                   "max_num_batched_tokens = ", config_.max_num_batched_tokens);
     // the group at its largest: the prompt's blocks shared, each beam's own generated blocks + 1
     const int64_t bs = config_.block_size;
     const int64_t group_blocks = (prompt_len + bs - 1) / bs + p.n * ((p.max_tokens + bs - 1) / bs + 1);

@@ -279,6 +279,17 @@ void KVCacheManager::fork(SeqId parent, SeqId child) {
   c.chain = p.chain;
 }
 
+void KVCacheManager::fork_prefix(SeqId parent, SeqId child, int32_t num_tokens) {
+  const int32_t parent_tokens = get(parent).table.num_tokens();
+  PAGEDLLM_CHECK(num_tokens >= 0 && num_tokens <= parent_tokens, "fork_prefix: num_tokens ", num_tokens,
+                 " outside [0, ", parent_tokens, "] of sequence ", parent);
+  fork(parent, child);
+  Sequence& c = get(child);
+  c.num_hashed_blocks = 0;
+  c.chain = ChainLink::root();
+  c.table.truncate(pool_, num_tokens);
+}
+
 void KVCacheManager::truncate(SeqId seq, int32_t num_tokens) {
   Sequence& s = get(seq);
   PAGEDLLM_CHECK(num_tokens >= static_cast<int64_t>(s.num_hashed_blocks) * block_size_,

@@ -80,7 +80,9 @@ int32_t Scheduler::max_seq_tokens(const Request& req) const {
 }
 
 int32_t Scheduler::slots_of(const Sequence* seq) const {
-  return seq->request->forked ? 1 : seq->request->params.n;
+  const Request* req = seq->request;
+  if (!req->forked) return req->params.n;
+  return seq->index == 0 ? 1 + req->beam_parked : 1;  // a group's leader holds its parked beams' slots
 }
 
 SeqId Scheduler::add_request(std::string request_id, std::vector<int32_t> prompt,
@@ -532,14 +534,47 @@ bool Scheduler::in_beam_group(const Sequence* seq) {
 }
 
 bool Scheduler::group_idle(const Request* req) {
+  // the others are running too, or parked while the leader replays (both preemptible with it)
+  if (req->seqs[0]->status != SequenceStatus::kRunning) return false;
   for (const Sequence* m : req->seqs)
-    if (!m || m->status != SequenceStatus::kRunning || m->in_flight > 0) return false;
+    if (m->in_flight > 0) return false;
   return true;
 }
 
 void Scheduler::preempt_group(Request* req) {
-  for (auto it = req->seqs.rbegin(); it != req->seqs.rend(); ++it)  // front of the queue: index order
-    if (*it && (*it)->status == SequenceStatus::kRunning) preempt(*it);
+  for (auto it = req->seqs.rbegin(); it != req->seqs.rend(); ++it)
+    if ((*it)->status == SequenceStatus::kRunning) preempt(*it);  // (the leader's slots: its parked ones')
+  // The group comes back through its leader (index 0) alone; the others wait outside the queue,
+  // parked, until the leader has replayed, then fork its KV up to their common prefix
+  // (attach_parked). So a replay costs the group's distinct tokens, not W whole contexts.
+  for (Sequence* m : req->seqs)
+    if (m->index != 0) waiting_.remove(m);
+  req->beam_parked = req->params.n - 1;
+}
+
+void Scheduler::attach_parked(Request* req) {
+  Sequence* leader = req->seqs[0];
+  const bool has_kv = kv_.contains(leader->seq_id);
+  const int32_t limit = leader->num_computed_tokens;
+  for (Sequence* m : req->seqs) {
+    if (m == leader || m->status != SequenceStatus::kWaiting) continue;
+    int32_t common = 0;
+    while (common < limit && common < m->num_tokens() - 1 && m->token_ids[static_cast<size_t>(common)] ==
+                                                                  leader->token_ids[static_cast<size_t>(common)])
+      ++common;
+    if (has_kv && common > 0) {
+      kv_.fork_prefix(leader->seq_id, m->seq_id, common);
+      kv_.cache_full_blocks(m->seq_id, m->token_ids, common, req->extra_key);  // its own hash chain
+    } else {
+      common = 0;
+    }
+    m->num_computed_tokens = common;
+    m->status = SequenceStatus::kRunning;
+    m->in_flight = 0;
+    m->pending_row = -1;
+    running_.push_back(m);
+    --req->beam_parked;  // its slot moves from the leader's count to its own
+  }
 }
 
 void Scheduler::preempt_victim(Sequence* victim) {
@@ -584,60 +619,41 @@ void Scheduler::schedule_beam_decodes(Request* req, SchedulerOutput& out, int32_
 }
 
 bool Scheduler::admit_beam_group(Request* req, SchedulerOutput& out, int32_t& budget) {
-  const int32_t width = req->params.n;
-  if (num_running_slots_ + width > config_.max_num_seqs || budget < width) return false;
-  for (const Sequence* m : req->seqs)
-    if (!m || m->status != SequenceStatus::kWaiting) return false;  // (never: groups move whole)
+  Sequence* leader = req->seqs[0];
+  const int32_t slots = slots_of(leader);  // the whole group's
+  if (num_running_slots_ + slots > config_.max_num_seqs) return false;
   const bool use_cache = kv_.prefix_caching_enabled();
-  // Each beam replays up to its last token but one; the budget is shared so that each gets >= 1.
-  beam_admitted_.clear();
-  std::vector<int32_t> num_new(static_cast<size_t>(width), 0);
-  std::vector<int32_t> num_hit(static_cast<size_t>(width), 0);
-  int32_t left = budget;
-  bool ok = true;
-  for (int32_t b = 0; b < width && ok; ++b) {
-    Sequence* m = req->seqs[static_cast<size_t>(b)];
-    hit_.blocks.clear();
-    hit_.num_tokens = 0;
-    if (use_cache) kv_.find_cached_prefix(m->token_ids, req->extra_key, &hit_, false);
-    while (hit_.num_tokens > m->num_tokens() - 2 && !hit_.blocks.empty()) {  // leave >= 1 to replay
-      hit_.blocks.pop_back();
-      hit_.num_tokens -= block_size_;
-    }
-    int32_t n = m->num_tokens() - 1 - hit_.num_tokens;
-    const int32_t cap = left - (width - 1 - b);
-    if (n > cap) {
-      if (!config_.enable_chunked_prefill) { ok = false; break; }
-      n = cap;
-    }
-    if (n > 0) {  // (0: a one-token sequence, nothing to replay; its decode creates its table)
-      copies_.clear();
-      if (!kv_.allocate_slots(m->seq_id, n, use_cache ? &hit_ : nullptr, &copies_)) { ok = false; break; }
-      append_copies(out);  // (none: a new table starts with full hit blocks)
-      beam_admitted_.push_back(m);
-    }
-    num_new[static_cast<size_t>(b)] = n;
-    num_hit[static_cast<size_t>(b)] = hit_.num_tokens;
-    left -= n;
+  hit_.blocks.clear();
+  hit_.num_tokens = 0;
+  if (use_cache) kv_.find_cached_prefix(leader->token_ids, req->extra_key, &hit_, false);
+  while (hit_.num_tokens > leader->num_tokens() - 1) {  // (never past its last token but one)
+    hit_.blocks.pop_back();
+    hit_.num_tokens -= block_size_;
   }
-  if (!ok) {  // all or nothing: give back what the beams before took
-    for (Sequence* m : beam_admitted_) kv_.free(m->seq_id);
-    return false;
+  int32_t num_new = leader->num_tokens() - 1 - hit_.num_tokens;  // the replay stops before its last token
+  if (num_new > budget) {
+    if (!config_.enable_chunked_prefill) return false;
+    num_new = budget;
   }
-  for (int32_t b = 0; b < width; ++b) {
-    Sequence* m = req->seqs[static_cast<size_t>(b)];
-    waiting_.remove(m);
-    if (use_cache) {
-      counters_.prefix_cache_queries += m->num_tokens();
-      counters_.prefix_cache_hits += num_hit[static_cast<size_t>(b)];
-    }
-    m->num_computed_tokens = num_hit[static_cast<size_t>(b)];
-    m->status = SequenceStatus::kRunning;
-    running_.push_back(m);
-    num_running_slots_ += 1;
-    if (num_new[static_cast<size_t>(b)] > 0) record(m, num_new[static_cast<size_t>(b)], out);
+  if (num_new > 0 || hit_.num_tokens > 0) {
+    copies_.clear();
+    if (!kv_.allocate_slots(leader->seq_id, num_new, use_cache ? &hit_ : nullptr, &copies_)) return false;
+    append_copies(out);
   }
-  budget = left;
+  waiting_.remove(leader);
+  if (use_cache) {
+    counters_.prefix_cache_queries += leader->num_tokens();
+    counters_.prefix_cache_hits += hit_.num_tokens;
+  }
+  leader->num_computed_tokens = hit_.num_tokens;
+  leader->status = SequenceStatus::kRunning;
+  running_.push_back(leader);
+  num_running_slots_ += slots;
+  budget -= num_new;
+  if (num_new > 0)
+    record(leader, num_new, out);
+  else
+    attach_parked(req);  // nothing to replay: its KV up to its last token but one is there already
   return true;
 }
 
@@ -645,17 +661,11 @@ void Scheduler::apply_beam_step(Request* req, std::span<const int32_t> rows, con
                                 UpdateResult& result) {
   BeamSearch& beam = *req->beam;
   const int32_t width = beam.beam_width();
-  const int32_t k = topk.k;
-  const int32_t num_rows = k > 0 ? static_cast<int32_t>(topk.token_ids.size() / static_cast<size_t>(k)) : 0;
-  PAGEDLLM_CHECK(k >= beam.beams_to_keep() && topk.logprobs.size() == topk.token_ids.size(),
-                 "update_from_output: beam-search request \"", req->request_id, "\" needs the top ",
-                 beam.beams_to_keep(), " logprobs of each of its sampled rows, got k = ", k);
+  const int32_t k = topk.k;  // (checked by update_from_output before anything changed)
   beam_tokens_.resize(static_cast<size_t>(width) * static_cast<size_t>(k));
   beam_logprobs_.resize(beam_tokens_.size());
   for (int32_t b = 0; b < width; ++b) {
     const int32_t r = rows[static_cast<size_t>(b)];
-    PAGEDLLM_CHECK(r < num_rows, "update_from_output: the top-k logprobs have ", num_rows,
-                   " rows, sampled row ", r, " is missing");
     std::copy_n(topk.token_ids.data() + static_cast<size_t>(r) * k, k, beam_tokens_.data() + static_cast<size_t>(b) * k);
     std::copy_n(topk.logprobs.data() + static_cast<size_t>(r) * k, k, beam_logprobs_.data() + static_cast<size_t>(b) * k);
   }
@@ -731,6 +741,30 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
                    "update_from_output: step ", out.step_id, " computed a placeholder token of seq_id ",
                    s.ref.seq->seq_id, " whose step ", out.step_id - 1,
                    " was not updated yet (update steps in order)");
+  // Beam groups: gather each group's rows (beam b's in rows[b]) and check them before changing
+  // anything: a group decodes all W beams in a step, and its rows need top-k logprobs.
+  beam_rows_.clear();
+  for (int32_t r = 0; r < out.num_sampled; ++r) {
+    const auto& ref = out.samples[r];
+    if (!ref.valid() || ref.seq->status == SequenceStatus::kFinished || !ref.seq->request->beam) continue;
+    Request* req = ref.seq->request;
+    auto it = std::find_if(beam_rows_.begin(), beam_rows_.end(), [&](auto& e) { return e.first == req; });
+    if (it == beam_rows_.end()) {
+      beam_rows_.emplace_back(req, std::vector<int32_t>(static_cast<size_t>(req->params.n), -1));
+      it = beam_rows_.end() - 1;
+    }
+    it->second[static_cast<size_t>(ref.seq->index)] = r;
+  }
+  const int64_t topk_rows = topk.k > 0 ? static_cast<int64_t>(topk.token_ids.size()) / topk.k : 0;
+  for (const auto& [req, rows] : beam_rows_) {
+    PAGEDLLM_CHECK(std::find(rows.begin(), rows.end(), -1) == rows.end(), "update_from_output: step ",
+                   out.step_id, " sampled only some beams of beam-search request \"", req->request_id, "\"");
+    PAGEDLLM_CHECK(topk.k >= req->beam->beams_to_keep() && topk.logprobs.size() == topk.token_ids.size() &&
+                       topk_rows >= out.num_sampled,
+                   "update_from_output: beam-search request \"", req->request_id, "\" needs the top ",
+                   req->beam->beams_to_keep(), " logprobs of each of the step's ", out.num_sampled,
+                   " sampled rows, got k = ", topk.k, " for ", topk_rows, " rows");
+  }
   result.clear();
   finished_scratch_.clear();
   const bool caching = kv_.prefix_caching_enabled();
@@ -746,6 +780,9 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     const int32_t end = s.num_draft > 0 ? s.start + 1 : s.start + s.num_new;
     if (caching && end / bs > s.start / bs)
       kv_.cache_full_blocks(seq->seq_id, seq->token_ids, end, req->extra_key);
+    if (req->beam_parked > 0 && seq->index == 0 && end == seq->num_tokens() - 1 &&
+        seq->status == SequenceStatus::kRunning)
+      attach_parked(req);  // a re-admitted group's leader has replayed: the others fork its KV
     if (s.completes_prompt && seq->max_tokens == 0) {
       finish(seq, FinishReason::kLength, std::monostate{});
       finished_scratch_.push_back(seq);
@@ -768,8 +805,7 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     else
       candidates_.push_back(child.seq);
   }
-  // 3. Sampled tokens and the stop rules (beam groups: their rows are gathered for step 3b).
-  beam_rows_.clear();
+  // 3. Sampled tokens and the stop rules (beam groups: step 3b).
   for (int32_t r = 0; r < out.num_sampled; ++r) {
     if (out.draft_token_ids[r] >= 0) {  // the first of a speculative run's k + 1 rows
       int32_t num_draft = 1;
@@ -782,24 +818,11 @@ void Scheduler::update_from_output(SchedulerOutput& out, std::span<const int32_t
     if (!ref.valid() || ref.seq->status == SequenceStatus::kFinished) continue;
     Sequence* seq = ref.seq;
     if (seq->pending_step == out.step_id) seq->pending_row = -1;  // the token is known now
-    if (seq->request->beam) {
-      Request* req = seq->request;
-      auto it = std::find_if(beam_rows_.begin(), beam_rows_.end(), [&](auto& e) { return e.first == req; });
-      if (it == beam_rows_.end()) {
-        beam_rows_.emplace_back(req, std::vector<int32_t>(static_cast<size_t>(req->params.n), -1));
-        it = beam_rows_.end() - 1;
-      }
-      it->second[static_cast<size_t>(seq->index)] = r;
-      continue;
-    }
+    if (seq->request->beam) continue;  // (step 3b)
     append_token(seq, sampled[r], result);
   }
-  // 3b. Beam steps: a group's W beams are sampled in the same step (they decode together).
-  for (auto& [req, rows] : beam_rows_) {
-    PAGEDLLM_CHECK(std::find(rows.begin(), rows.end(), -1) == rows.end(), "update_from_output: step ",
-                   out.step_id, " sampled only some beams of beam-search request \"", req->request_id, "\"");
-    apply_beam_step(req, rows, topk, result);
-  }
+  // 3b. Beam steps (rows gathered and checked above).
+  for (auto& [req, rows] : beam_rows_) apply_beam_step(req, rows, topk, result);
   for (Sequence* orphan : candidates_)
     if (orphan->status == SequenceStatus::kRunning) preempt(orphan);
   out.state = SchedulerOutput::State::kUpdated;

@@ -353,6 +353,9 @@ class SamplingParams:
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} contains token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}.")
+        if self.use_beam_search and 2 * self.n > vocab_size:
+            raise ValueError(f"n={self.n} beams need the top {2 * self.n} tokens of each step: more than the "
+                             f"vocabulary size {vocab_size} (use_beam_search needs 2 * n <= vocab_size).")
         limit = vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -215,3 +215,50 @@ def test_aborts_mid_search_leak_nothing(workload):
     assert got["aborted"]
     for rid, hyps in got["beams"].items():  # what was not aborted finished as in the ample run
         assert hyps == ample["beams"][rid]
+
+
+@pytest.mark.parametrize("prefix_caching,chunked", [(False, True), (True, True), (False, False), (True, False)])
+def test_a_preempted_group_comes_back_in_a_tight_pool(prefix_caching, chunked):
+    """A long plain request ahead of a 4-beam group in a pool that barely fits the group: the group
+    is preempted again and again, yet both finish (its leader replays once, the other beams fork the
+    leader's KV: a re-admission needs the blocks the group held, not 4 whole contexts)."""
+    cfg = _C.EngineConfig(num_blocks=20, block_size=8, max_num_batched_tokens=64 if chunked else 160, max_num_seqs=16,
+                          max_model_len=160, enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching)
+    core = _C.EngineCore(cfg)
+    model = SimModel(20, 8, 160, VOCAB, seed=3)
+    core.add_request("A", (np.arange(60) % 40 + 2).astype(np.int32),
+                     _C.RequestParams(max_tokens=90, eos_token_ids=[0], arrival_time=1.0))
+    prompt = (np.arange(40) % 41 + 2).tolist()
+    core.add_request("B", np.asarray(prompt, dtype=np.int32),
+                     _C.RequestParams(use_beam_search=True, n=4, max_tokens=16, eos_token_ids=[0], arrival_time=2.0))
+    done, beams = set(), {}
+    for _ in range(2000):
+        if not core.has_unfinished_requests():
+            break
+        out = core.schedule()
+        contexts = []
+        sampled = model.step(out, lambda _sid, ctx: contexts.append(np.array(ctx)))
+        ids = np.zeros((out.num_sampled, 8), dtype=np.int64)
+        lps = np.zeros((out.num_sampled, 8), dtype=np.float32)
+        for r, ctx in enumerate(contexts):
+            lp = ctx_logprobs(ctx)
+            order = np.argsort(-lp, kind="stable")[:8]
+            ids[r], lps[r] = order, lp[order]
+        result = core.update_from_output(out, sampled, ids, lps)
+        done.update(result.request_finished)
+        beams.update(dict(result.beam_results))
+        core.release(out)
+    assert done == {"A", "B"}
+    assert core.stats().num_preemptions > 0
+    want = reference_beam_search(prompt, 4, 16, [0], False, 1.0)
+    assert [h[0] for h in beams["B"]] == [h[0] for h in want]
+    assert core.num_kv_seqs() == 0 and core.stats().num_free_blocks == 20
+
+
+def test_more_beams_than_the_token_budget_is_refused():
+    cfg = _C.EngineConfig(num_blocks=64, block_size=8, max_num_batched_tokens=3, max_num_seqs=16, max_model_len=64)
+    core = _C.EngineCore(cfg)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        core.add_request("B", np.arange(2, 12, dtype=np.int32),
+                         _C.RequestParams(use_beam_search=True, n=4, max_tokens=4, eos_token_ids=[0]))
+    assert not core.has_unfinished_requests()

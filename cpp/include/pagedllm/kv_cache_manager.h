@@ -124,6 +124,11 @@ class KVCacheManager {
   /// child shares every block of parent (ref + 1) and its chain state; the first append of either
   /// into a shared partly filled block is copy-on-write. Throws if child is live or parent unknown.
   void fork(SeqId parent, SeqId child);
+  /// child shares parent's first num_tokens slots: the blocks that hold them (ref + 1; a partly
+  /// used last block is copied on the child's first append), no prefix-cache chain (the caller
+  /// registers the child's full blocks again with cache_full_blocks: the same blocks, the same
+  /// hashes). Throws if child is live, parent unknown or num_tokens outside [0, num_tokens(parent)].
+  void fork_prefix(SeqId parent, SeqId child, int32_t num_tokens);
 
   /// Shrink seq's reservation to its first num_tokens slots, releasing the blocks past them (last
   /// first). Speculative decoding gives back the slots of rejected draft tokens this way. Throws

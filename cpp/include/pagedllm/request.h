@@ -141,6 +141,8 @@ struct Request {
   /// Beam search state (RequestParams::use_beam_search), else null. shared_ptr: BeamSearch is
   /// incomplete here.
   std::shared_ptr<BeamSearch> beam;
+  /// Beam search: beams parked while a re-admitted group's leader replays (scheduler.h).
+  int32_t beam_parked = 0;
   /// Beam search: the step whose schedule() last scheduled the whole group's decodes.
   int64_t beam_scheduled_step = -1;
   /// First prompt position whose prompt-logprob row has not been handed out yet.

@@ -69,9 +69,10 @@
 // kept takes the sequence of a dropped beam, whose blocks are freed and which forks the parent's
 // table (KVCacheManager::fork: shared blocks, copy-on-write of the partial last block at the next
 // append). So a group holds at most ceil(prompt / block_size) + W x (ceil(generated / block_size)
-// + 1) blocks. Preemption takes the whole group; its members are admitted again together, replay
-// up to their last token but one (prefix-cache hits share the common blocks), and decode together
-// once all have. Beams never get placeholders (async scheduling) or drafts. When the search ends,
+// + 1) blocks. Preemption takes the whole group. It is admitted again through one beam (the
+// leader), which replays up to its last token but one; then every other beam forks the leader's KV
+// up to their common prefix and replays only its own tail, so a replay needs about the blocks the
+// group held. The beams decode together once all have caught up. Beams never get placeholders (async scheduling) or drafts. When the search ends,
 // every member finishes and UpdateResult::beam_results holds the hypotheses.
 //
 // Not thread-safe: one thread drives a Scheduler (and its EngineCore).
@@ -188,10 +189,14 @@ class Scheduler {
   // ---- beam search (see above)
   /// seq belongs to a beam-search request that has forked into its beams.
   static bool in_beam_group(const Sequence* seq);
-  /// Every beam of the group is running and none is in flight.
+  /// The group's leader is running and no beam is in flight (the group may be preempted).
   static bool group_idle(const Request* req);
-  /// Preempt every beam of the group (index order kept at the front of the waiting queue).
+  /// Preempt every beam of the group: the leader (index 0) goes to the front of the waiting queue,
+  /// the others are parked (waiting, outside the queue) until attach_parked.
   void preempt_group(Request* req);
+  /// The re-admitted leader has computed its tokens but the last: each parked beam forks its KV
+  /// up to their common prefix (KVCacheManager::fork_prefix) and replays its own tail.
+  void attach_parked(Request* req);
   /// Preempt victim, with its whole group when it is a beam.
   void preempt_victim(Sequence* victim);
   /// candidates_ = the running sequences that may be preempted now (not in flight; a beam only
@@ -199,8 +204,8 @@ class Scheduler {
   void collect_victims();
   /// Decode pass: the group's W decodes, all or none (may preempt others or the group itself).
   void schedule_beam_decodes(Request* req, SchedulerOutput& out, int32_t& budget, bool& preempted);
-  /// Admission of a preempted group: every beam (its replay up to its last token but one) or
-  /// none; false when it could not.
+  /// Admission of a preempted group through its leader (slots for all W; its replay up to its last
+  /// token but one); false when it could not.
   bool admit_beam_group(Request* req, SchedulerOutput& out, int32_t& budget);
   /// update_from_output: the beam step of one group from its W sampled rows (rows[b]: beam b's).
   void apply_beam_step(Request* req, std::span<const int32_t> rows, const SampledTopK& topk,
@@ -246,7 +251,6 @@ class Scheduler {
   std::vector<BeamChoice> beam_choices_;
   std::vector<int32_t> beam_place_;
   std::vector<uint8_t> beam_claimed_;
-  std::vector<Sequence*> beam_admitted_;
 };
 
 }  // namespace pagedllm

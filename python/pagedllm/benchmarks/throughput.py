@@ -546,7 +546,7 @@ def run_rounds(runners: dict, rounds: int, pause_s: float, warmup: int = 0) -> t
         n = counted[0]["output_tokens"]
         out[name] = {"output_tokens": n, "seconds": seconds, "output_tok_s": statistics.median(tok_s),
                      "rounds_output_tok_s": tok_s, "warmup_output_tok_s": [r["output_tok_s"] for r in rs[:warmup]]}
-        for key in ("steps", "step_ms_median", "grammar_ms_per_step"):  # a runner's own figures, median of rounds
+        for key in ("steps", "step_ms_median", "grammar_ms_per_step", "peak_kv_blocks", "peak_kv_tokens"):  # own figures, median
             values = [r[key] for r in counted if r.get(key) is not None]
             if values:
                 out[name][key] = statistics.median(values)
