@@ -616,3 +616,43 @@ TEST(KVCacheManager, TruncateReleasesTrailingBlocksButNeverCachedOnes) {
   kv.free(1);
   EXPECT_EQ(kv.num_free_blocks(), 8);
 }
+
+TEST(KVCacheManager, ForkPrefixSharesTheLeadingBlocksAndCopiesThePartialOne) {
+  constexpr int bs = 8;
+  KVCacheManager kv(12, bs, true);
+  const auto leader = iota_tokens(30);  // 4 blocks: 3 full (cached), 1 with 6 tokens
+  ASSERT_TRUE(kv.allocate_slots(1, 30));
+  kv.cache_full_blocks(1, leader, 30, 0);
+  const auto lb = std::vector<BlockId>(kv.block_ids(1).begin(), kv.block_ids(1).end());
+  EXPECT_NE(error_of([&] { kv.fork_prefix(1, 2, 31); }).find("[0, 30]"), std::string::npos);
+  EXPECT_FALSE(kv.contains(2));
+  kv.fork_prefix(1, 2, 13);  // the child keeps block 0 and 5 tokens of the leader's (full, cached) block 1
+  EXPECT_EQ(kv.num_tokens(2), 13);
+  ASSERT_EQ(kv.block_ids(2).size(), 2u);
+  EXPECT_EQ(kv.block_ids(2)[0], lb[0]);
+  EXPECT_EQ(kv.block_ids(2)[1], lb[1]);
+  EXPECT_EQ(kv.pool().ref_count(lb[1]), 2);
+  EXPECT_EQ(kv.pool().ref_count(lb[2]), 1);  // past the prefix: not shared
+  // its own tokens: block 0 registers again (same block, same hash), block 1 is copied on write
+  auto child = std::vector<int32_t>(leader.begin(), leader.begin() + 13);
+  kv.cache_full_blocks(2, child, 13, 0);
+  std::vector<CopyOrder> copies;
+  for (int i = 0; i < 5; ++i) child.push_back(500 + i);
+  ASSERT_TRUE(kv.allocate_slots(2, 5, nullptr, &copies));
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].src, lb[1]);
+  EXPECT_EQ(kv.block_ids(2)[1], copies[0].dst);
+  kv.cache_full_blocks(2, child, 18, 0);
+  EXPECT_EQ(kv.stats().num_cached_blocks, 4);  // the leader's 3 and the child's own block 1
+  PrefixHit hit = kv.find_cached_prefix(std::vector<int32_t>(child.begin(), child.end()), 0);
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  EXPECT_EQ(hit.blocks[0], lb[0]);
+  EXPECT_EQ(hit.blocks[1], copies[0].dst);
+  kv.fork_prefix(1, 3, 0);  // an empty prefix: a live sequence with no block
+  EXPECT_EQ(kv.num_tokens(3), 0);
+  EXPECT_TRUE(kv.block_ids(3).empty());
+  kv.free(1);
+  kv.free(2);
+  kv.free(3);
+  EXPECT_EQ(kv.num_free_blocks(), 12);
+}

@@ -128,6 +128,9 @@ class KVCacheManager {
   /// used last block is copied on the child's first append), no prefix-cache chain (the caller
   /// registers the child's full blocks again with cache_full_blocks: the same blocks, the same
   /// hashes). Throws if child is live, parent unknown or num_tokens outside [0, num_tokens(parent)].
+  /// The child's partly used last block may be a full, cached block of the parent: the parent must
+  /// keep holding it until the child's first append (then ref > 1 and the append copies it), as
+  /// beam search's re-admission does (the leader lives until its group decodes).
   void fork_prefix(SeqId parent, SeqId child, int32_t num_tokens);
 
   /// Shrink seq's reservation to its first num_tokens slots, releasing the blocks past them (last
