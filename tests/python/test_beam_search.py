@@ -2,8 +2,8 @@
 
 - Hugging Face parity: generate(num_beams=W, do_sample=False, num_return_sequences=W,
   length_penalty, early_stopping=False) in fp32 returns the same W hypotheses, token for token, in
-  the same order, with sequences_scores within 1e-4: the bundled SmolLM2 (8 prompts, W = 2 and 4,
-  32 tokens) and a random tiny model of every architecture.
+  the same order, with sequences_scores within 1e-4: the bundled SmolLM2 (8 prompts, W = 2, 4
+  and 8, 32 tokens) and a random tiny model of every architecture (and on CUDA: marker cuda).
 - Block accounting (from the engine's KV stats after every step): a group holds at most
   ceil(prompt / block_size) + W x (ceil(generated / block_size) + 1) blocks; after the request,
   after an abort mid-search, every block is free (or cached) and no sequence holds KV.
@@ -81,7 +81,7 @@ def bundled():
     llm.shutdown()
 
 
-@pytest.mark.parametrize("width,length_penalty", [(2, 1.0), (4, 0.6)])
+@pytest.mark.parametrize("width,length_penalty", [(2, 1.0), (4, 0.6), (8, 1.0)])
 def test_bundled_model_matches_hugging_face(bundled, width, length_penalty):
     from pagedllm import BeamSearchParams
 
