@@ -324,6 +324,9 @@ __device__ __forceinline__ void mma_qk(float (&s)[NT][4], QFrag&& q_frag, KAddr&
 /// scores in the log2 domain (masked entries -inf). Updates the running row max `m` and sum `l`,
 /// rescales the accumulators `acc`, and replaces `s` by the probabilities 2^(s - max). A row with
 /// no unmasked score so far keeps max -inf and uses base 0, so it stays all-zero without NaN.
+/// Lazy rescaling (exact): when no row max of the warp grew, every factor is exactly 1 (2^0), so
+/// the warp skips the multiplies (a warp vote keeps the branch uniform); past the first tiles of a
+/// long context that is most tiles.
 template <int NT, int NACC>
 __device__ __forceinline__ void online_softmax_update(float (&s)[NT][4], float (&m)[2], float (&l)[2],
                                                       float (&acc)[NACC][4]) {
@@ -332,19 +335,26 @@ __device__ __forceinline__ void online_softmax_update(float (&s)[NT][4], float (
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-  float base[2];
+  float base[2], corr[2];
+  bool grew = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     base[r] = mx[r] == neg_inf() ? 0.f : mx[r];
-    const float corr = exp2f(m[r] - base[r]);
+    corr[r] = exp2f(m[r] - base[r]);
+    grew = grew || mx[r] != m[r];
     m[r] = mx[r];
-    l[r] *= corr;
+  }
+  if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-    for (int n = 0; n < NACC; ++n) {
-      acc[n][2 * r] *= corr;
-      acc[n][2 * r + 1] *= corr;
+    for (int r = 0; r < 2; ++r) {
+      l[r] *= corr[r];
+#pragma unroll
+      for (int n = 0; n < NACC; ++n) {
+        acc[n][2 * r] *= corr[r];
+        acc[n][2 * r + 1] *= corr[r];
+      }
     }
   }
 #pragma unroll
