@@ -213,7 +213,7 @@ class OutputProcessor:
         seq_ids = np.asarray(result.seq_ids, dtype=np.int64)
         token_ids = np.asarray(result.token_ids)
         self.sampler.append_output_tokens(seq_ids, token_ids)
-        for request_id, hypotheses in result.beam_results:  # (its beams are in result.finished too)
+        for request_id, hypotheses in getattr(result, "beam_results", ()):  # (beams: in result.finished too)
             state = self.requests.get(request_id)
             if state is not None:
                 state.beam_hypotheses = hypotheses
