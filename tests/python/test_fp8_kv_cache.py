@@ -129,10 +129,12 @@ def first_mismatch_is_a_near_tie(run, reference, gap: float) -> None:
 
 def test_fp8_prefix_caching_chunked_prefill_and_preemption_give_the_same_tokens():
     """With an FP8 cache, greedy tokens do not depend on prefix caching (a second pass hits the
-    cache) or a small prefill budget (chunks): the same K/V values reach the cache. Preemption
-    recomputes a sequence's generated tokens' K/V in a prefill, whose float32 sums may round
-    differently from the decode steps' (the CPU's GEMM depends on the batch), and an FP8 code can
-    then differ: its tokens equal the unpreempted run's up to a near tie."""
+    cache), a small prefill budget (chunks) or preemption, up to a near tie: the K/V of a token is
+    computed in batches of other shapes in each case (a prefill of the whole prompt, of its uncached
+    part, of a chunk; preemption recomputes decoded tokens in a prefill), and where the CPU's float32
+    GEMM sums depend on the batch's shape (AMX hosts; measured on one: a 0.044-nat tie flipped in the
+    second, cache-hitting pass, while a float32 cache gave identical tokens) an FP8 code can differ.
+    A wrong block or slot would diverge anywhere, not only at a near tie."""
     prefix = ("You are a helpful assistant who answers in full sentences and checks every fact twice before "
               "writing it down. Here is the next request:")  # a shared prefix of several blocks
     prompts = [prefix + " " + p for p in PROMPTS[:8]]
@@ -144,7 +146,8 @@ def test_fp8_prefix_caching_chunked_prefill_and_preemption_give_the_same_tokens(
         llm = make_llm(kv_cache_dtype="fp8", **kw)
         first = llm.generate(prompts, greedy(32, logprobs=2), use_tqdm=False)
         if name == "prefix":
-            assert ids(llm.generate(prompts, greedy(32), use_tqdm=False)) == ids(first)
+            first_mismatch_is_a_near_tie(llm.generate(prompts, greedy(32, logprobs=2), use_tqdm=False), first,
+                                         gap=0.25)
             assert metric(llm, "prefix_cache_hits") > 0
         if name == "chunks":
             assert metric(llm, "num_chunked_prefills") > 0
@@ -153,10 +156,9 @@ def test_fp8_prefix_caching_chunked_prefill_and_preemption_give_the_same_tokens(
         assert metric(llm, "kv_cache_usage_perc") == 0.0  # every block back
         runs[name] = first
         llm.shutdown()
-    assert ids(runs["prefix"]) == ids(runs["plain"])
-    assert ids(runs["chunks"]) == ids(runs["plain"])
-    # measured: 7 of 8 identical, one first differs at a 0.10-nat tie (the float32 cache: all 8 identical)
-    first_mismatch_is_a_near_tie(runs["preempt"], runs["plain"], gap=0.25)
+    # measured (preemption): 7 of 8 identical, one first differs at a 0.10-nat tie (float32 cache: all 8)
+    for name in ("prefix", "chunks", "preempt"):
+        first_mismatch_is_a_near_tie(runs[name], runs["plain"], gap=0.25)
 
 
 def test_checkpoint_scales_and_calculate_kv_scales(tmp_path):
