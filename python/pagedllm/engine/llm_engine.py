@@ -91,6 +91,9 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    #: engine replicas behind one API server (vLLM's name; engine/data_parallel.py): an LLMEngine is
+    #: one replica, so only `pagedllm serve --data-parallel-size D` takes D > 1
+    data_parallel_size: int = 1
     #: how ranks run under tensor parallelism (vLLM's name): "mp" (worker processes), "uni" (one rank)
     distributed_executor_backend: Optional[str] = None
     #: weight quantization (vLLM's name): None, or "int8" (online, CPU); model_executor/quantization
@@ -125,6 +128,9 @@ class LLMEngine:
                              f"one of {list(EXECUTOR_BACKENDS)}")
         if args.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size!r}: an engine is one replica; serve "
+                             "replicas with `pagedllm serve --data-parallel-size D` (engine/data_parallel.py)")
         if args.block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size={args.block_size} is not supported: use one of {list(ops.SUPPORTED_BLOCK_SIZES)}")
         aop = _tri_state("async_output_processing", args.async_output_processing)

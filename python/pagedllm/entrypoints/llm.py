@@ -38,6 +38,7 @@ _UNIMPLEMENTED_ARGS = {
     "pipeline_parallel_size": 1, "enable_lora": False,
     "cpu_offload_gb": 0, "max_logprobs": 20, "hf_overrides": None, "tokenizer_mode": "auto",
     "skip_tokenizer_init": False,
+    "data_parallel_size": 1,  # replicas: `pagedllm serve --data-parallel-size D`
 }
 
 

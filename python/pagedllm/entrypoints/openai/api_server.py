@@ -135,8 +135,9 @@ def build_app(engine: AsyncLLM, served_model_names: Optional[list[str]] = None,
         200: {"description": "the engine is running (empty body)", "content": {}},
         503: {"description": "the engine is not running, or the server is shutting down", **_ERROR}})
     async def health() -> Response:
-        if not engine.is_running:
-            return error_response("the engine is not running", 503)
+        if not getattr(engine, "is_healthy", engine.is_running):  # (data parallel: every replica)
+            return error_response("the engine is not running" if not engine.is_running
+                                  else "a data-parallel replica is not running", 503)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -355,9 +356,20 @@ def run_server(args: argparse.Namespace) -> int:
         if args.rate_limit_rpm is not None or args.rate_limit_tpm is not None:
             raise SystemExit("--rate-limit-rpm / --rate-limit-tpm count in one process: use them with "
                              f"--api-server-count 1, not {args.api_server_count}")
+        if engine_args.data_parallel_size != 1:
+            raise SystemExit(f"--data-parallel-size {engine_args.data_parallel_size} needs --api-server-count 1 "
+                             f"(one front end balances the replicas), got {args.api_server_count}")
         from pagedllm.entrypoints.openai.api_server_group import run_api_servers
 
         return run_api_servers(args, engine_args)
+    if engine_args.data_parallel_size != 1:
+        from pagedllm.engine.data_parallel import DPAsyncLLM
+
+        try:
+            engine = DPAsyncLLM.from_engine_args(engine_args)
+        except ValueError as exc:  # a misconfiguration, before any replica starts
+            raise SystemExit(str(exc)) from None
+        return serve(args, engine)
     return serve(args, AsyncLLM.from_engine_args(engine_args))
 
 

@@ -13,6 +13,8 @@ import typing
 from pagedllm.engine.llm_engine import EngineArgs
 
 _HELP = {
+    "data_parallel_size": "engine replicas behind this server (each its own process, KV pool and model copy; "
+                          "requests go to the least loaded; one GPU each on CUDA)",
     "tokenizer": "tokenizer folder (default: the model's)",
     "dtype": "auto | float32 | bfloat16 | float16 (CUDA)",
     "max_model_len": "context length (prompt + output tokens); default the model's",
@@ -36,7 +38,7 @@ _HELP = {
 }
 
 #: vLLM's short flags
-_ALIASES = {"-tp": "tensor_parallel_size"}
+_ALIASES = {"-tp": "tensor_parallel_size", "-dp": "data_parallel_size"}
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
