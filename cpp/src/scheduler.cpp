@@ -409,15 +409,7 @@ void Scheduler::schedule(SchedulerOutput& out) {
     }
     copies_.clear();
     if (!kv_.allocate_slots(seq->seq_id, num_new, use_cache ? &hit_ : nullptr, &copies_)) break;
-    waiting_.pop_front();
-    if (use_cache) {
-      counters_.prefix_cache_queries += seq->num_tokens();
-      counters_.prefix_cache_hits += hit_.num_tokens;
-    }
-    seq->num_computed_tokens = hit_.num_tokens;
-    seq->status = SequenceStatus::kRunning;
-    running_.push_back(seq);
-    num_running_slots_ += slots;
+    start_running_front(seq, slots, use_cache);
     if (!seq->announced) {
       seq->announced = true;
       out.new_seqs.push_back({seq->seq_id, req->request_id, seq->index});
@@ -590,6 +582,18 @@ void Scheduler::collect_victims() {
     if (!r->in_flight && (!in_beam_group(r) || group_idle(r->request))) candidates_.push_back(r);
 }
 
+void Scheduler::start_running_front(Sequence* seq, int32_t slots, bool use_cache) {
+  waiting_.pop_front();
+  if (use_cache) {
+    counters_.prefix_cache_queries += seq->num_tokens();
+    counters_.prefix_cache_hits += hit_.num_tokens;
+  }
+  seq->num_computed_tokens = hit_.num_tokens;
+  seq->status = SequenceStatus::kRunning;
+  running_.push_back(seq);
+  num_running_slots_ += slots;
+}
+
 void Scheduler::schedule_beam_decodes(Request* req, SchedulerOutput& out, int32_t& budget,
                                       bool& preempted) {
   const int32_t width = req->params.n;
@@ -620,6 +624,8 @@ void Scheduler::schedule_beam_decodes(Request* req, SchedulerOutput& out, int32_
 
 bool Scheduler::admit_beam_group(Request* req, SchedulerOutput& out, int32_t& budget) {
   Sequence* leader = req->seqs[0];
+  PAGEDLLM_CHECK(waiting_.front() == leader, "internal: a queued beam of \"", req->request_id,
+                 "\" is not its group's leader (the others wait parked)");
   const int32_t slots = slots_of(leader);  // the whole group's
   if (num_running_slots_ + slots > config_.max_num_seqs) return false;
   const bool use_cache = kv_.prefix_caching_enabled();
@@ -640,15 +646,7 @@ bool Scheduler::admit_beam_group(Request* req, SchedulerOutput& out, int32_t& bu
     if (!kv_.allocate_slots(leader->seq_id, num_new, use_cache ? &hit_ : nullptr, &copies_)) return false;
     append_copies(out);
   }
-  waiting_.remove(leader);
-  if (use_cache) {
-    counters_.prefix_cache_queries += leader->num_tokens();
-    counters_.prefix_cache_hits += hit_.num_tokens;
-  }
-  leader->num_computed_tokens = hit_.num_tokens;
-  leader->status = SequenceStatus::kRunning;
-  running_.push_back(leader);
-  num_running_slots_ += slots;
+  start_running_front(leader, slots, use_cache);
   budget -= num_new;
   if (num_new > 0)
     record(leader, num_new, out);

@@ -186,6 +186,10 @@ class Scheduler {
   /// Async scheduling: steps a sequence whose n-gram found nothing is pipelined before it waits
   /// for its token to try again.
   static constexpr int32_t kSpecRetrySteps = 4;
+  /// Admission bookkeeping of the waiting queue's front `seq`, whose slots were just allocated with
+  /// hit_ as its cached prefix: out of the queue, computed up to the hit, running, `slots` held.
+  void start_running_front(Sequence* seq, int32_t slots, bool use_cache);
+
   // ---- beam search (see above)
   /// seq belongs to a beam-search request that has forked into its beams.
   static bool in_beam_group(const Sequence* seq);
