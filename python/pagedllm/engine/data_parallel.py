@@ -2,7 +2,8 @@
 ``--data-parallel-size``).
 
 ``DPAsyncLLM`` has AsyncLLM's interface (what the OpenAI server uses) over D AsyncLLMs, each with
-its own engine process, KV pool and model copy (each may use tensor parallelism). A request goes
+its own engine process, KV pool and model copy (on CUDA one GPU each, the process seeing only
+its own: CUDA_VISIBLE_DEVICES; tensor parallelism inside replicas is CPU-only for now). A request goes
 to the live replica with the fewest requests in flight as this front end counts them (accepted and
 not finished, plus those being accepted: running + waiting), the lowest index on ties, and stays
 there; aborts go to every live replica (an unknown id is a no-op). Metrics are each replica's with
@@ -10,14 +11,18 @@ the label ``engine`` = its index (vLLM's label for data-parallel ranks).
 
 Failure: a replica whose process dies fails its own requests (EngineDeadError) and takes no new
 ones; the others keep serving. ``is_running`` is True while any replica runs (the server keeps
-serving), ``is_healthy`` only while all do (the server's /health answers 503 otherwise).
+serving), ``is_healthy`` only while all do (the server's /health answers 503 otherwise). A dead
+replica's last metrics stay exported (its gauges frozen). On a CPU the replicas share the cores,
+each with the server's thread count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 from typing import Any, AsyncGenerator, Optional, Union
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
@@ -28,17 +33,31 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm")
 
 
-def replica_args(engine_args: EngineArgs, index: int) -> EngineArgs:
-    """Replica `index`'s EngineArgs: data_parallel_size 1; on CUDA (device "cuda" or "auto" with a
-    GPU) its own device, cuda:index (tensor parallelism inside a replica is not placed here)."""
-    args = dataclasses.replace(engine_args, data_parallel_size=1)
-    device = str(engine_args.device)
-    if device in ("auto", "cuda"):
-        import torch
+def replica_args(engine_args: EngineArgs) -> EngineArgs:
+    """A replica's EngineArgs: the same with data_parallel_size 1."""
+    return dataclasses.replace(engine_args, data_parallel_size=1)
 
-        if torch.cuda.is_available():
-            args.device = f"cuda:{index}"
-    return args
+
+@contextlib.contextmanager
+def replica_device(engine_args: EngineArgs, index: int):
+    """While replica `index`'s engine process starts on a CUDA machine: CUDA_VISIBLE_DEVICES = the
+    index-th visible GPU alone, so the process sees its GPU as its only (current) one, as vLLM's
+    data-parallel ranks do (the native kernels use the current device). A no-op without a GPU."""
+    import torch
+
+    if str(engine_args.device) not in ("auto", "cuda") or not torch.cuda.is_available():
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = saved.split(",") if saved else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index]
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def check_data_parallel(engine_args: EngineArgs) -> int:
@@ -47,6 +66,9 @@ def check_data_parallel(engine_args: EngineArgs) -> int:
     d = engine_args.data_parallel_size
     if not isinstance(d, int) or isinstance(d, bool) or d < 1:
         raise ValueError(f"data_parallel_size must be an int >= 1, got {d!r}")
+    if d > 1 and str(engine_args.device).startswith("cuda:"):
+        raise ValueError(f"data_parallel_size={d} with device={engine_args.device!r}: the replicas take one GPU "
+                         "each; use device 'cuda' or 'auto'")
     if d > 1 and str(engine_args.device) in ("auto", "cuda"):
         import torch
 
@@ -67,10 +89,14 @@ class DPAsyncLLM:
 
     def __init__(self, engine_args: EngineArgs, **kwargs: Any):
         d = check_data_parallel(engine_args)
+        kwargs.setdefault("multiprocess", True)  # a process per replica (its GPU: CUDA_VISIBLE_DEVICES)
+        if not kwargs["multiprocess"]:
+            raise ValueError("data_parallel_size > 1 runs each replica in its own process (multiprocess=True)")
         self.replicas: list[AsyncLLM] = []
         try:
             for i in range(d):
-                self.replicas.append(AsyncLLM(replica_args(engine_args, i), **kwargs))
+                with replica_device(engine_args, i):
+                    self.replicas.append(AsyncLLM(replica_args(engine_args), **kwargs))
                 logger.info("data parallel: replica %d of %d is up", i, d)
         except BaseException:
             self.shutdown()
@@ -145,17 +171,29 @@ class DPAsyncLLM:
             raise EngineDeadError("every data-parallel replica has stopped")
         return self.replicas[min(live, key=lambda i: (load[i], i))]
 
+    def _check_unused(self, request_id: str) -> None:
+        for r in self._live():
+            with r._lock:  # (the events thread moves ids from _pending to _requests under it)
+                if request_id in r._requests or request_id in r._pending:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+
     async def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                           params: SamplingParams, priority: int = 0, cache_salt: str = ""):
-        """AsyncLLM.add_request on the least-loaded live replica."""
-        for r in self._live():
-            if request_id in r._requests or request_id in r._pending:
-                raise ValueError(f"request id {request_id!r} is already in use")
-        return await self._pick().add_request(request_id, prompt, prompt_token_ids, params, priority, cache_salt)
+        """AsyncLLM.add_request on the least-loaded live replica (another one if that one dies
+        before accepting it)."""
+        self._check_unused(request_id)
+        while True:
+            replica = self._pick()
+            try:
+                return await replica.add_request(request_id, prompt, prompt_token_ids, params, priority, cache_salt)
+            except EngineDeadError:
+                if replica.is_running or not self._live():
+                    raise
 
     async def generate(self, prompt: Union[str, dict], sampling_params: SamplingParams, request_id: str,
                        priority: int = 0, cache_salt: str = "") -> AsyncGenerator:
         """AsyncLLM.generate on the least-loaded live replica."""
+        self._check_unused(request_id)
         async for out in self._pick().generate(prompt, sampling_params, request_id, priority, cache_salt):
             yield out
 
@@ -186,8 +224,14 @@ class DPAsyncLLM:
                 raise EngineDeadError(f"data-parallel replica {i} has stopped")
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        for r in self.replicas:
-            r.shutdown(timeout)
+        errors = []
+        for r in self.replicas:  # every replica, whatever one of them raises
+            try:
+                r.shutdown(timeout)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
-__all__ = ["DPAsyncLLM", "check_data_parallel", "replica_args"]
+__all__ = ["DPAsyncLLM", "check_data_parallel", "replica_args", "replica_device"]
