@@ -282,7 +282,6 @@ bool Scheduler::placeholder_allowed(const Sequence* seq, int64_t step_id) const 
 void Scheduler::schedule(SchedulerOutput& out) {
   out.reset();
   out.step_id = next_step_id_++;
-  const SchedulingPolicy policy = config_.policy;
   const bool chunked = config_.enable_chunked_prefill;
   int32_t budget = config_.max_num_batched_tokens;
   bool preempted = false;
@@ -314,21 +313,7 @@ void Scheduler::schedule(SchedulerOutput& out) {
         int32_t num_new = pending - 1;
         if (decode_pass || num_new <= 0 || (!chunked && num_new > budget)) continue;
         num_new = std::min(num_new, budget);
-        bool allocated = false;
-        for (;;) {
-          copies_.clear();
-          if (kv_.allocate_slots(seq->seq_id, num_new, nullptr, &copies_)) {
-            allocated = true;
-            break;
-          }
-          collect_victims();  // (not its own group while a sibling's chunk is in this step)
-          if (candidates_.empty()) break;
-          Sequence* victim = select_victim(policy, candidates_);
-          preempt_victim(victim);
-          preempted = true;
-          if (victim->request == req) break;
-        }
-        if (!allocated) continue;
+        if (!allocate_or_preempt(seq, num_new, preempted)) continue;
         append_copies(out);
         record(seq, num_new, out);
         budget -= num_new;
@@ -365,21 +350,7 @@ void Scheduler::schedule(SchedulerOutput& out) {
       const bool candidate = speculate && num_new == 1 && seq->allow_speculation &&
                              seq->num_computed_tokens >= seq->prompt_len();
       num_new = std::min(num_new, budget);
-      bool allocated = false;
-      for (;;) {
-        copies_.clear();
-        if (kv_.allocate_slots(seq->seq_id, num_new, nullptr, &copies_)) {
-          allocated = true;
-          break;
-        }
-        // Victim: among running sequences not scheduled this step (nor in flight), seq included.
-        collect_victims();
-        Sequence* victim = select_victim(policy, candidates_);
-        preempt_victim(victim);
-        preempted = true;
-        if (victim == seq) break;
-      }
-      if (!allocated) continue;
+      if (!allocate_or_preempt(seq, num_new, preempted)) continue;
       append_copies(out);
       record(seq, num_new, out);
       budget -= num_new;
@@ -580,6 +551,20 @@ void Scheduler::collect_victims() {
   candidates_.clear();
   for (Sequence* r : running_)
     if (!r->in_flight && (!in_beam_group(r) || group_idle(r->request))) candidates_.push_back(r);
+}
+
+bool Scheduler::allocate_or_preempt(Sequence* seq, int32_t num_new, bool& preempted) {
+  for (;;) {
+    copies_.clear();
+    if (kv_.allocate_slots(seq->seq_id, num_new, nullptr, &copies_)) return true;
+    // Victim: among running sequences not scheduled this step (nor in flight), seq included (a
+    // beam only with its group, and not while a sibling's chunk is in this step).
+    collect_victims();
+    if (candidates_.empty()) return false;
+    preempt_victim(select_victim(config_.policy, candidates_));
+    preempted = true;
+    if (seq->status != SequenceStatus::kRunning) return false;  // it was the victim (or in its group)
+  }
 }
 
 void Scheduler::start_running_front(Sequence* seq, int32_t slots, bool use_cache) {

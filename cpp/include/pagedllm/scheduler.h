@@ -186,6 +186,10 @@ class Scheduler {
   /// Async scheduling: steps a sequence whose n-gram found nothing is pipelined before it waits
   /// for its token to try again.
   static constexpr int32_t kSpecRetrySteps = 4;
+  /// Reserve num_new more slots for running `seq` (copy orders in copies_), preempting victims under
+  /// the policy until they allocate; false when `seq` itself was preempted (alone or with its beam
+  /// group) or nobody is left to preempt. Sets `preempted` when anyone was.
+  bool allocate_or_preempt(Sequence* seq, int32_t num_new, bool& preempted);
   /// Admission bookkeeping of the waiting queue's front `seq`, whose slots were just allocated with
   /// hit_ as its cached prefix: out of the queue, computed up to the hit, running, `slots` held.
   void start_running_front(Sequence* seq, int32_t slots, bool use_cache);
