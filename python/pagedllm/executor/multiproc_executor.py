@@ -234,13 +234,14 @@ class MultiprocExecutor(Executor):
 
     def _raise_failure(self, exc: BaseException, during: str):
         """After rank 0 failed: abort the group (the workers must not wait for it), then raise.
-        A worker's failure is the cause when it was recorded first, or when rank 0's error is a
-        collective that was aborted or lost its peer (then it is given 2 s to be noticed);
-        otherwise rank 0's own exception is raised unchanged (a ValueError stays one)."""
-        earlier = self._worker_failure
+        When rank 0's error is a collective that was aborted or lost its peer (a symptom of another
+        rank), a worker's failure is the cause (given 2 s to be noticed); otherwise rank 0's own
+        exception is raised unchanged (a ValueError stays one), even when a worker reported one
+        first: every rank runs the same checks (e.g. the KV block count after its all-reduce), so
+        a worker may report the same error a moment before rank 0 raises it; it is logged."""
         self._stop(f"tensor-parallel rank 0 failed during {during}: {type(exc).__name__}: {exc}", worker=False)
-        cause = earlier
-        if cause is None and _is_collective_failure(exc):
+        cause = None
+        if _is_collective_failure(exc):
             deadline = time.monotonic() + 2.0
             with self._cond:
                 while self._worker_failure is None and time.monotonic() < deadline:
