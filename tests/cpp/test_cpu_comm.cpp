@@ -163,6 +163,32 @@ TEST(ShmCommunicator, AbortWakesAWaitingRank) {
   waitpid(pid, &status, 0);
 }
 
+TEST(ShmCommunicator, ACompletedCollectiveReturnsItsResultDespiteAnAbort) {
+  // rank 1 publishes and waits; rank 0 aborts (as a rank that fails right after this collective
+  // would), then joins: every contribution is there, so rank 0 gets the sum
+  const std::size_t buffer = 64;
+  Region region(2, buffer);
+  pid_t pid = fork();
+  if (pid == 0) {
+    ShmCommunicator comm(region.ptr, region.bytes, 1, 2, buffer);
+    float y[4] = {10, 20, 30, 40};
+    try {
+      comm.all_reduce(TensorView::contiguous(y, DType::kFloat32, {4}));
+    } catch (const std::runtime_error&) {
+    }
+    _exit(0);
+  }
+  usleep(300 * 1000);  // rank 1 has published by now
+  ShmCommunicator comm(region.ptr, region.bytes, 0, 2, buffer);
+  comm.abort();
+  float x[4] = {1, 2, 3, 4};
+  comm.all_reduce(TensorView::contiguous(x, DType::kFloat32, {4}));
+  EXPECT_EQ(x[0], 11.0f);
+  EXPECT_EQ(x[3], 44.0f);
+  int status = 0;
+  waitpid(pid, &status, 0);
+}
+
 TEST(ShmCommunicator, BadArgumentsNameTheValue) {
   Region region(2, 64);
   try {

@@ -6,7 +6,7 @@
 //
 // Region (region_bytes(world_size, buffer_bytes) bytes, zero-filled when created, mapped by every
 // rank at any address):
-//   [0, 64)                       header: int64 abort flag (nonzero: every wait throws)
+//   [0, 64)                       header: int64 abort flag (nonzero: every wait for a missing rank throws)
 //   per rank r, 64 + r * 64       int64 generation flag: the last round whose data rank r wrote
 //   then per rank r, two buffers of buffer_bytes (round parity)
 //
@@ -21,8 +21,9 @@
 // accumulation, one rounding for bfloat16).
 //
 // Waiting spins (pause), then yields the core (sched_yield), so more ranks than cores still
-// progress. abort() (any process mapping the region) makes every current and later wait throw
-// std::runtime_error: the way out when a rank died. Not thread-safe: one thread per rank calls.
+// progress. abort() (any process mapping the region) makes every current and later wait for a
+// missing contribution throw std::runtime_error: the way out when a rank died. A collective whose
+// contributions have all arrived returns its result even after an abort. Not thread-safe: one thread per rank calls.
 #pragma once
 
 #include <cstddef>
