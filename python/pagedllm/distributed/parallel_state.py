@@ -50,17 +50,21 @@ class GroupCoordinator:
     """One rank's view of a group of `world_size` ranks (tensor parallelism on one host).
 
     rank / world_size: this rank and the group size; device: where this rank computes.
-    Build with single() (world 1), or init() in every rank's process.
+    Build with single() (world 1), or init() in every rank's process (or, for a pipeline
+    stage's group, distributed/pipeline.py's init_model_parallel: a torch.distributed subgroup
+    whose members have the global ranks `ranks`).
     """
 
     def __init__(self, rank: int, world_size: int, device: torch.device, backend: str = "none",
-                 shm=None, process_group=None):
+                 shm=None, process_group=None, ranks: Optional[list[int]] = None):
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.device = device
         self.backend = backend
         self.shm = shm  # CpuShmCommunicator ("shm")
         self.process_group = process_group  # torch.distributed group ("nccl", "gloo")
+        #: global ranks of a subgroup's members (None: the group is the whole world)
+        self.ranks = ranks
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "GroupCoordinator":
@@ -139,7 +143,7 @@ class GroupCoordinator:
             return x
         import torch.distributed as dist
 
-        dist.broadcast(x, src=src, group=self.process_group)
+        dist.broadcast(x, src=src if self.ranks is None else self.ranks[src], group=self.process_group)
         return x
 
     def all_reduce_min(self, value: int) -> int:
@@ -179,13 +183,14 @@ class GroupCoordinator:
                 pass
 
     def destroy(self) -> None:
-        """Leave the group (rank 0 unlinks the shared-memory region)."""
+        """Leave the group (rank 0 unlinks the shared-memory region; the world group's owner ends
+        torch.distributed, a subgroup goes with it)."""
         if self.shm is not None:
             self.shm.close()
             self.shm = None
         if self.process_group is not None:
             import torch.distributed as dist
 
-            if dist.is_initialized():
+            if self.ranks is None and dist.is_initialized():
                 dist.destroy_process_group()
             self.process_group = None

@@ -73,10 +73,11 @@ def check_data_parallel(engine_args: EngineArgs) -> int:
         import torch
 
         if torch.cuda.is_available():
-            tp = engine_args.tensor_parallel_size
-            if tp > 1:
-                raise ValueError(f"data_parallel_size={d} with tensor_parallel_size={tp} on GPUs is not supported "
-                                 "yet (each replica's ranks would need their own devices); use one of them")
+            tp, pp = engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size
+            if tp > 1 or pp > 1:
+                raise ValueError(f"data_parallel_size={d} with tensor_parallel_size={tp} x pipeline_parallel_size={pp} "
+                                 "on GPUs is not supported yet (each replica's ranks would need their own devices); "
+                                 "use one of them")
             if d > torch.cuda.device_count():
                 raise ValueError(f"data_parallel_size={d} needs {d} GPUs (one replica each), but "
                                  f"{torch.cuda.device_count()} are visible")

@@ -62,6 +62,7 @@ from pagedllm.sample.sampler import PendingSample
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.executor import EXECUTOR_BACKENDS, ExecutorConfig, make_executor
+from pagedllm.distributed.pipeline import pp_partition
 from pagedllm.model_executor.layers.linear import partition_heads
 from pagedllm.model_executor.quantization import get_quantization_config, required_dtype
 from pagedllm.model_executor.quantization.kv_cache import resolve_kv_cache_dtype
@@ -91,6 +92,9 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    #: pipeline stages (vLLM's name; distributed/pipeline.py): the decoder layers split into this many
+    #: contiguous stages of tensor_parallel_size ranks each
+    pipeline_parallel_size: int = 1
     #: engine replicas behind one API server (vLLM's name; engine/data_parallel.py): an LLMEngine is
     #: one replica, so only `pagedllm serve --data-parallel-size D` takes D > 1
     data_parallel_size: int = 1
@@ -123,6 +127,9 @@ class LLMEngine:
         tp = args.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        pp = args.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {pp!r}")
         if args.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend={args.distributed_executor_backend!r} is not supported: use "
                              f"one of {list(EXECUTOR_BACKENDS)}")
@@ -153,6 +160,8 @@ class LLMEngine:
                              f"{list(ops.SUPPORTED_HEAD_SIZES)}")
         if tp > 1:  # before any process starts
             _check_tensor_parallel(cfg, tp, self.device)
+        if pp > 1:
+            _check_pipeline_parallel(cfg, tp, pp, self.device, self.speculative_config)
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         needed = required_dtype(args.quantization, cfg.quantization, self.device)
         if needed is not None and args.dtype in (None, "auto") and self.dtype != needed:
@@ -180,7 +189,8 @@ class LLMEngine:
                 gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_gpu_blocks_override,
                 load_format=args.load_format, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=args.seed,
-                async_scheduling=self.async_scheduling, tensor_parallel_size=tp, quantization=args.quantization,
+                async_scheduling=self.async_scheduling, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                quantization=args.quantization,
                 gguf_file=self.gguf_file, distributed_executor_backend=args.distributed_executor_backend,
                 kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=bool(args.calculate_kv_scales),
                 **self._verify_graph_args(),
@@ -694,6 +704,17 @@ def _check_tensor_parallel(cfg: ModelConfig, tp: int, device: torch.device) -> N
     if device.type == "cuda" and torch.cuda.device_count() < tp:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, but torch sees "
                          f"{torch.cuda.device_count()}")
+
+
+def _check_pipeline_parallel(cfg: ModelConfig, tp: int, pp: int, device: torch.device, speculative_config) -> None:
+    """ValueError, naming the numbers, when the model cannot run in pp stages of tp ranks (before
+    any process starts or weight loads)."""
+    pp_partition(cfg.num_hidden_layers, pp)  # P <= layers, PAGEDLLM_PP_LAYER_PARTITION
+    if device.type == "cuda" and torch.cuda.device_count() < tp * pp:
+        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} CUDA devices, but "
+                         f"torch sees {torch.cuda.device_count()}")
+    if speculative_config is not None:
+        raise ValueError("speculative_config with pipeline_parallel_size > 1 is not supported: use one stage")
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:

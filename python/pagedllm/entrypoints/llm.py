@@ -35,7 +35,7 @@ _NO_EFFECT_ARGS = {
 # that asks for nothing (vLLM's default), else a ValueError naming the argument — a user who asks
 # for two pipeline stages must not silently get one.
 _UNIMPLEMENTED_ARGS = {
-    "pipeline_parallel_size": 1, "enable_lora": False,
+    "enable_lora": False,
     "cpu_offload_gb": 0, "max_logprobs": 20, "hf_overrides": None, "tokenizer_mode": "auto",
     "skip_tokenizer_init": False,
     "data_parallel_size": 1,  # replicas: `pagedllm serve --data-parallel-size D`
@@ -75,7 +75,9 @@ class LLM:
       model over this many ranks of this host (heads, MLP and vocabulary; CUDA: one GPU each, NCCL;
       CPU: processes sharing the cores); rank 0 runs here, the others in worker processes
       (distributed_executor_backend "mp", the default then), so a script that builds an LLM at
-      module level needs an ``if __name__ == "__main__":`` guard. quantization: None, "int8" (CPU),
+      module level needs an ``if __name__ == "__main__":`` guard. pipeline_parallel_size: split
+      the decoder layers into this many contiguous stages (distributed/pipeline.py), each
+      tensor_parallel_size ranks; the same worker processes, stage 0 here. quantization: None, "int8" (CPU),
       "int4" (CPU; CUDA in bfloat16), "gguf" (a GGUF model's own quantized types, CPU) or "fp8"
       (CUDA, bfloat16); a GPTQ / AWQ / compressed-tensors checkpoint is recognised from its
       config.json (docs/quantization.md). speculative_config: vLLM's dict, e.g. {"method": "ngram",
@@ -105,6 +107,7 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         distributed_executor_backend: Optional[str] = None,
         quantization: Optional[str] = None,
         device: str = "auto",
@@ -125,7 +128,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=scheduling_policy, seed=seed, enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
             quantization=quantization, device=device,
             num_gpu_blocks_override=num_gpu_blocks_override, load_format=load_format,
             async_output_processing=False if disable_async_output_proc else "auto",

@@ -1,5 +1,5 @@
 """Executors: run each step's forward pass on one device (UniprocExecutor) or on the ranks of a
-tensor-parallel group (MultiprocExecutor); see abstract.py."""
+tensor- and/or pipeline-parallel group (MultiprocExecutor); see abstract.py."""
 
 from __future__ import annotations
 
@@ -10,19 +10,21 @@ EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 def make_executor(config: ExecutorConfig) -> Executor:
-    """The executor for config.tensor_parallel_size and config.distributed_executor_backend (None:
-    "uni" for one rank, "mp" for more). ValueError for a backend it cannot run."""
+    """The executor for config.tensor_parallel_size x config.pipeline_parallel_size ranks and
+    config.distributed_executor_backend (None: "uni" for one rank, "mp" for more). ValueError for
+    a backend it cannot run."""
     backend = config.distributed_executor_backend
-    tp = config.tensor_parallel_size
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
     if backend is None:
-        backend = "uni" if tp == 1 else "mp"
+        backend = "uni" if ranks == 1 else "mp"
     if backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"distributed_executor_backend={backend!r} is not supported: use one of "
                          f"{list(EXECUTOR_BACKENDS)} (None picks 'uni' for one rank, 'mp' for more)")
-    if backend == "uni" or tp == 1:  # "mp" with one rank: rank 0 runs in this process anyway
-        if tp != 1:
-            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size={tp}: "
-                             "use 'mp'")
+    if backend == "uni" or ranks == 1:  # "mp" with one rank: rank 0 runs in this process anyway
+        if ranks != 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
+                             f"{config.tensor_parallel_size} x pipeline_parallel_size={config.pipeline_parallel_size} "
+                             "needs more: use 'mp'")
         from pagedllm.executor.uniproc_executor import UniprocExecutor
 
         return UniprocExecutor(config)

@@ -45,6 +45,8 @@ class ExecutorConfig:
     #: the GGUF file the model came from (quantization="gguf" reads its quantized tensors), else None
     gguf_file: Optional[Path] = None
     tensor_parallel_size: int = 1
+    #: pipeline stages (distributed/pipeline.py); the executor runs tensor x pipeline ranks
+    pipeline_parallel_size: int = 1
     #: "mp" (or None) under tensor parallelism; "uni" for one rank
     distributed_executor_backend: Optional[str] = None
     #: speculative decoding: verification steps of queries up to this many tokens (1 + k) of up to

@@ -37,6 +37,7 @@ import torch
 
 from pagedllm import ops
 from pagedllm.distributed.parallel_state import GroupCoordinator, default_backend, free_port
+from pagedllm.distributed.pipeline import PipelineGroup, init_model_parallel
 from pagedllm.distributed.shm_broadcast import MessageQueue
 from pagedllm.executor.abstract import Executor, ExecutorConfig
 from pagedllm.executor.step_message import encode_step, max_step_bytes, shutdown_message
@@ -101,18 +102,20 @@ def _is_collective_failure(exc: BaseException) -> bool:
 
 
 class MultiprocExecutor(Executor):
-    """See the module docstring. config.tensor_parallel_size >= 2."""
+    """See the module docstring. config.tensor_parallel_size x config.pipeline_parallel_size >= 2."""
 
     def __init__(self, config: ExecutorConfig):
         self.config = config
-        tp = config.tensor_parallel_size
+        tp = config.tensor_parallel_size * config.pipeline_parallel_size  # every rank
         device = config.device
         if device.type == "cuda":
             device = torch.device("cuda", 0)
         self.device = device
-        self.backend = default_backend(device)
+        # pipeline stages talk through torch.distributed: gloo on the CPU (not the shm communicator)
+        self.backend = default_backend(device) if config.pipeline_parallel_size == 1 or device.type == "cuda" else "gloo"
         self.driver_runner: Optional[ModelRunner] = None
         self.group: Optional[GroupCoordinator] = None
+        self.pp_group: Optional[PipelineGroup] = None
         self._procs: list = []
         self._conns: list = []
         self._messages: dict[int, dict[str, object]] = {r: {} for r in range(1, tp)}
@@ -131,12 +134,13 @@ class MultiprocExecutor(Executor):
         except BaseException as exc:
             self._raise_failure(exc, during="start-up")
         r0 = self.driver_runner
-        logger.info("tensor parallelism: %d ranks (%s, backend %s%s); rank 0 (pid %d): weights %.3f GiB, %d KV blocks "
-                    "(%.2f GiB)", tp, device.type, self.backend,
+        logger.info("%d ranks: tensor_parallel_size %d x pipeline_parallel_size %d (%s, backend %s%s); rank 0 (pid %d): "
+                    "weights %.3f GiB, %d KV blocks (%.2f GiB)", tp, config.tensor_parallel_size,
+                    config.pipeline_parallel_size, device.type, self.backend,
                     f", {cpu_threads_per_rank(tp)} threads per rank" if device.type == "cpu" else "", os.getpid(),
                     r0.weight_bytes / 2**30, r0.num_blocks, r0.num_blocks * r0.bytes_per_block / 2**30)
         for info in self.worker_info:
-            logger.info("tensor-parallel rank %d (pid %d): weights %.3f GiB, %d KV blocks (%.2f GiB, %d KV heads)",
+            logger.info("rank %d (pid %d): weights %.3f GiB, %d KV blocks (%.2f GiB, %d KV heads)",
                         info["rank"], info["pid"], info["weight_bytes"] / 2**30, info["num_blocks"],
                         info["kv_bytes"] / 2**30, info["num_kv_heads"])
 
@@ -176,10 +180,12 @@ class MultiprocExecutor(Executor):
             ops.set_cpu_threads(threads)
         if self.backend != "shm":
             self._wait_for("joining")
-            self.group = GroupCoordinator.init(0, tp, device, self.backend, port=port)
-            self._group_box.append(self.group)
+            self.group, self.pp_group = init_model_parallel(0, config.tensor_parallel_size,
+                                                            config.pipeline_parallel_size, device, self.backend,
+                                                            port=port)
+            self._group_box.extend([self.group, self.pp_group])
         self.driver_runner = ModelRunner(config.model_path, config.model_config, device=device,
-                                         tp_group=self.group, **config.runner_kwargs())
+                                         tp_group=self.group, pp_group=self.pp_group, **config.runner_kwargs())
         self.worker_info = [self._wait_for("ready")[r] for r in range(1, tp)]
 
     # ---- the monitor ----------------------------------------------------------------------
@@ -216,6 +222,8 @@ class MultiprocExecutor(Executor):
             self._cond.notify_all()
         if self.group is not None:
             self.group.abort()
+        if self.pp_group is not None:
+            self.pp_group.abort()
 
     def _wait_for(self, kind: str) -> dict[int, object]:
         """Every worker's `kind` message (rank -> payload); RuntimeError when one dies first."""
@@ -301,6 +309,9 @@ class MultiprocExecutor(Executor):
         if self.group is not None:
             self.group.destroy()
             self.group = None
+        if self.pp_group is not None:
+            self.pp_group.destroy()
+            self.pp_group = None
         self._group_box.clear()
         if self.queue is not None:
             self.queue.close()

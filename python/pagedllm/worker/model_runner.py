@@ -39,6 +39,7 @@ import torch
 
 from pagedllm import ops
 from pagedllm.distributed.parallel_state import GroupCoordinator
+from pagedllm.distributed.pipeline import PipelineGroup
 from pagedllm.model_executor.layers.attention import AttentionMetadata
 from pagedllm.model_executor.config import ModelConfig
 from pagedllm.model_executor.dummy import LOAD_FORMATS, init_dummy_weights
@@ -95,6 +96,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         seed: int = 0,
         tp_group: Optional[GroupCoordinator] = None,
+        pp_group: Optional[PipelineGroup] = None,
         quantization: Optional[str] = None,
         gguf_file: Optional[Path] = None,
         verify_query_len: int = 1,
@@ -125,20 +127,23 @@ class ModelRunner:
         self.verify_max_seqs = min(int(verify_max_seqs), max_num_seqs,
                                    verify_max_batch(max_model_len, max(2, self.verify_query_len)))
         self.tp = tp_group if tp_group is not None else GroupCoordinator.single(device)
-        tp_size = self.tp.world_size
+        #: this rank's pipeline stage (distributed/pipeline.py; one stage by default)
+        self.pp = pp_group if pp_group is not None else PipelineGroup.single(device)
+        ranks = self.tp.world_size * self.pp.world_size
         if device.type == "cpu":
             tune_glibc_malloc()
         start = time.perf_counter()
-        self.model = LlamaForCausalLM(model_config, dtype, device, max_positions=max_model_len, tp_group=self.tp)
+        self.model = LlamaForCausalLM(model_config, dtype, device, max_positions=max_model_len, tp_group=self.tp,
+                                      pp_group=self.pp)
         quant = get_quantization_config(quantization, model_config.quantization, device, gguf_file,
                                         model_config.quantization_config, dtype)
         if load_format == "dummy":
             if quant is not None and quant.from_checkpoint:
                 raise ValueError(f"load_format='dummy' cannot make {quant.name} checkpoint tensors: use a 16/32-bit "
                                  "model or an online method")
-            init_dummy_weights(self.model, seed + self.tp.rank)
-        else:  # under tensor parallelism each rank reads only its slices
-            self.model.load_weights(load_safetensors(model_path, lazy=tp_size > 1), quant)
+            init_dummy_weights(self.model, seed + self.tp.rank + self.tp.world_size * self.pp.rank)
+        else:  # under tensor / pipeline parallelism each rank reads only its slices / layers
+            self.model.load_weights(load_safetensors(model_path, lazy=ranks > 1), quant)
         self.model.eval()
         #: bytes of this rank's weights as loaded (before any CPU packing)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -166,9 +171,12 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.cache_dtype).element_size()
         #: this rank's KV heads (all of them on one rank; a share, or one replicated head, under TP)
         self.num_kv_heads = self.model.num_kv_heads_per_rank
-        self.bytes_per_block = (2 * model_config.num_hidden_layers * block_size
+        #: this stage's decoder layers (all of them without pipeline parallelism)
+        self.num_layers = len(self.model.layers)
+        self.bytes_per_block = (2 * self.num_layers * block_size
                                 * self.num_kv_heads * model_config.head_dim * elem)
-        use_graphs = device.type == "cuda" and not enforce_eager
+        # (no CUDA graphs across pipeline stages: a step's forward waits on another process)
+        use_graphs = device.type == "cuda" and not enforce_eager and self.pp.world_size == 1
         if num_blocks is None:
             # a draft model's KV blocks (same block ids, its own tensors) share the budget; its weights
             # (loaded later) are reserved on a GPU
@@ -176,6 +184,7 @@ class ModelRunner:
             budget = self._kv_budget(kv_cache_memory_bytes, gpu_memory_utilization, use_graphs)
             num_blocks = budget // (self.bytes_per_block + int(kv_extra_bytes_per_block))
         num_blocks = self.tp.all_reduce_min(num_blocks)  # block ids mean the same on every rank
+        num_blocks = self.pp.all_reduce_min(num_blocks)  # (and on every stage)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes leaves room for 0 KV blocks (one block of {block_size} tokens "
@@ -186,7 +195,7 @@ class ModelRunner:
         self.kv_caches = [
             ops.allocate_kv_cache(self.num_blocks, block_size, self.num_kv_heads, model_config.head_dim,
                                   self.cache_dtype, device)
-            for _ in range(model_config.num_hidden_layers)
+            for _ in range(self.num_layers)
         ]
         self._synchronize()
         self.phase_seconds["allocate_kv_cache"] = time.perf_counter() - start
@@ -222,10 +231,16 @@ class ModelRunner:
             self.model.enable_kv_scale_calculation()
 
     def _rank_note(self) -> str:
-        if self.tp.world_size == 1:
+        notes = []
+        if self.pp.world_size > 1:
+            notes.append(f"pipeline stage {self.pp.rank}/{self.pp.world_size}: layers [{self.model.start_layer}, "
+                         f"{self.model.end_layer})" + (" + embedding, norm, LM head" if self.pp.is_first else ""))
+        if self.tp.world_size > 1:
+            notes.append(f"tensor-parallel rank {self.tp.rank}/{self.tp.world_size}: "
+                         f"{self.model.num_heads_per_rank} query / {self.model.num_kv_heads_per_rank} KV heads")
+        if not notes:
             return ""
-        return (f" [tensor-parallel rank {self.tp.rank}/{self.tp.world_size}: weights {self.weight_bytes / 2**30:.3f} "
-                f"GiB, {self.model.num_heads_per_rank} query / {self.model.num_kv_heads_per_rank} KV heads]")
+        return f" [{'; '.join(notes)}; weights {self.weight_bytes / 2**30:.3f} GiB]"
 
     @property
     def num_graph_replays(self) -> int:
@@ -294,6 +309,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(dev)
         scratch = ops.allocate_kv_cache(num_seqs * blocks_per_seq, bs, self.num_kv_heads, cfg.head_dim,
                                         self.cache_dtype, dev)
+        scratch_caches = [scratch] * len(self.model.layers)
         scratch_bytes = torch.cuda.memory_allocated(dev) - base
         tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=dev).view(num_seqs, blocks_per_seq)
         positions = torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in lens])
@@ -305,8 +321,16 @@ class ModelRunner:
         rows = min(self.max_num_seqs, tokens)
         logits_indices = torch.linspace(0, tokens - 1, rows, device=dev).long()
         ids = torch.randint(0, cfg.vocab_size, (tokens,), device=dev)
-        logits = self.model(ids, positions, [scratch] * cfg.num_hidden_layers, meta, logits_indices)
-        del logits
+        if self.pp.world_size == 1:
+            logits = self.model(ids, positions, scratch_caches, meta, logits_indices)
+        else:  # this stage's part, with its own input instead of the previous stage's
+            m = self.model
+            state = (m.embed(ids, positions) if self.pp.is_first
+                     else (torch.randn(tokens, cfg.hidden_size, dtype=self.dtype, device=dev), None,
+                           m.rope_state(positions)))
+            stream = m.residual_stream(m.forward_layers(state, positions, scratch_caches, meta, 0, len(m.layers)))
+            logits = m.compute_logits(stream.index_select(0, logits_indices)) if self.pp.is_first else stream
+        del logits, scratch_caches
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base - scratch_bytes
         del scratch, tables, positions, slots, meta, ids
@@ -333,7 +357,7 @@ class ModelRunner:
         num_placeholders = int(sched.num_placeholders)
         if num_placeholders and prev_sampled is None:
             raise ValueError(f"step {sched.step_id} has {num_placeholders} placeholder tokens but no prev_sampled ids")
-        if num_placeholders and self.tp.world_size > 1:  # rank 0's samples (the others pass a buffer)
+        if num_placeholders and self.tp.world_size > 1 and self.pp.is_first:  # rank 0's samples (the others pass a buffer)
             prev_sampled = self.tp.broadcast(prev_sampled.to(self.device), src=0)
         copy_orders = sched.copy_orders
         if len(copy_orders):
@@ -365,18 +389,51 @@ class ModelRunner:
             query_start_loc=self._tensor(sched.query_start_loc),
             decode_only=int(sched.max_query_len) == 1,
         )
+        if self.pp.world_size > 1:
+            logits = self._forward_stage(sched, prev_sampled if num_placeholders else None, meta, logits_indices)
+            if logits is None:  # a later stage: stage 0 samples
+                return ModelRunnerOutput(torch.empty(0, vocab), {})
+            return self._output(logits, num_sampled, prompt_rows)
         input_ids = self._input_ids(sched, prev_sampled if num_placeholders else None)
         if greedy_vocab > 0 and not prompt_rows and self.argmax_applies(num_sampled):
             ids = self.model(input_ids, self._tensor(sched.positions), self.kv_caches, meta,
                              logits_indices, greedy_vocab=greedy_vocab)
             return ModelRunnerOutput(None, {}, ids)
         logits = self.model(input_ids, self._tensor(sched.positions), self.kv_caches, meta, logits_indices)
+        return self._output(logits, num_sampled, prompt_rows)
+
+    @staticmethod
+    def _output(logits: torch.Tensor, num_sampled: int, prompt_rows: list) -> ModelRunnerOutput:
+        """logits of the sampled rows, then of each prompt-logprob request's rows -> the output."""
         prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
         offset = num_sampled
         for request_id, _, num_rows, first_position in prompt_rows:
             prompt_logits[request_id] = (int(first_position), logits[offset:offset + num_rows])
             offset += num_rows
         return ModelRunnerOutput(logits[:num_sampled], prompt_logits)
+
+    def _forward_stage(self, sched, prev_sampled: Optional[torch.Tensor], meta: AttentionMetadata,
+                       logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """This pipeline stage's part of the step (distributed/pipeline.py): stage 0 embeds, the
+        others start from the previous stage's residual stream [T, hidden]; each runs its layers and
+        sends the stream on — the last stage only its rows logits_indices, back to stage 0, which
+        returns their float32 logits [R, vocab] (the other stages return None)."""
+        m, pp = self.model, self.pp
+        positions = self._tensor(sched.positions)
+        if pp.is_first:
+            state = m.embed(self._input_ids(sched, prev_sampled), positions)
+        else:
+            stream = pp.recv((int(sched.num_tokens), self.config.hidden_size), self.dtype, pp.rank - 1)
+            state = (stream, None, m.rope_state(positions))
+        stream = m.residual_stream(m.forward_layers(state, positions, self.kv_caches, meta, 0, len(m.layers)))
+        if not pp.is_last:
+            pp.send(stream, pp.rank + 1)
+        else:
+            pp.send(stream.index_select(0, logits_indices), 0)
+        if not pp.is_first:
+            return None
+        rows = pp.recv((int(logits_indices.shape[0]), self.config.hidden_size), self.dtype, pp.world_size - 1)
+        return m.compute_logits(rows)
 
     def _input_ids(self, sched, prev_sampled: Optional[torch.Tensor]) -> torch.Tensor:
         """The step's token ids on the device, placeholders filled from prev_sampled."""

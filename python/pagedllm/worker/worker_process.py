@@ -63,22 +63,22 @@ def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle
     exit_with_parent()
 
     from pagedllm import ops
-    from pagedllm.distributed.parallel_state import GroupCoordinator
+    from pagedllm.distributed.pipeline import init_model_parallel
     from pagedllm.distributed.shm_broadcast import QueueClosed
     from pagedllm.executor.step_message import SHUTDOWN, decode_step, message_kind
     from pagedllm.worker.model_runner import ModelRunner
 
-    group = runner = None
+    group = pp_group = runner = None
     status = 0
     try:
         device = torch.device("cuda", rank) if config.device.type == "cuda" else torch.device("cpu")
         if device.type == "cpu":
             ops.set_cpu_threads(threads)
         conn.send(("joining", rank))
-        group = GroupCoordinator.init(rank, config.tensor_parallel_size, device, backend, port=port,
-                                      shm_handle=shm_handle)
+        group, pp_group = init_model_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size,
+                                              device, backend, port=port, shm_handle=shm_handle)
         runner = ModelRunner(config.model_path, config.model_config, device=device, tp_group=group,
-                             **config.runner_kwargs())
+                             pp_group=pp_group, **config.runner_kwargs())
         conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weight_bytes": runner.weight_bytes,
                              "num_blocks": runner.num_blocks, "kv_bytes": runner.num_blocks * runner.bytes_per_block,
                              "num_kv_heads": runner.num_kv_heads}))
@@ -95,8 +95,9 @@ def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle
         pass
     except BaseException:  # noqa: BLE001 (reported to the driver, then the process ends)
         status = 1
-        if group is not None:
-            group.abort()
+        for g in (group, pp_group):
+            if g is not None:
+                g.abort()
         try:
             conn.send(("error", traceback.format_exc()))
         except (OSError, EOFError):
@@ -106,6 +107,7 @@ def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle
             os._exit(status)  # no teardown: the group may be wedged
         if runner is not None:
             runner.shutdown()
-        if group is not None:
-            group.destroy()
+        for g in (group, pp_group):
+            if g is not None:
+                g.destroy()
         reader.close()

@@ -26,6 +26,8 @@ _HELP = {
     "seed": "seed of requests without their own seed",
     "device": "auto | cpu | cuda",
     "tensor_parallel_size": "split the model over this many ranks of this host (CUDA: GPUs; CPU: processes)",
+    "pipeline_parallel_size": "split the decoder layers into this many stages of tensor_parallel_size ranks each "
+                              "(worker processes on this host)",
     "distributed_executor_backend": "mp (worker processes; the default with more than one rank) | uni (one rank)",
     "quantization": "weight quantization (docs/quantization.md): int8 (CPU), int4 (CPU, CUDA), gguf (a GGUF file's "
                     "own types, CPU), fp8 (CUDA); a GPTQ / AWQ / compressed-tensors checkpoint needs none",
@@ -38,7 +40,7 @@ _HELP = {
 }
 
 #: vLLM's short flags
-_ALIASES = {"-tp": "tensor_parallel_size", "-dp": "data_parallel_size"}
+_ALIASES = {"-tp": "tensor_parallel_size", "-pp": "pipeline_parallel_size", "-dp": "data_parallel_size"}
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 

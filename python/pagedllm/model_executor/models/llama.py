@@ -57,6 +57,7 @@ from torch import nn
 
 from pagedllm import _C, ops
 from pagedllm.distributed.parallel_state import GroupCoordinator
+from pagedllm.distributed.pipeline import PipelineGroup, pp_layer_range
 from pagedllm.model_executor.config import ModelConfig
 from pagedllm.model_executor.layers.attention import Attention, AttentionMetadata
 from pagedllm.model_executor.layers.cpu_linear_methods import AmxLinearMethod, PackedLinearMethod, can_pack_linear
@@ -282,17 +283,29 @@ class LlamaForCausalLM(nn.Module):
 
     tp_group: this rank's tensor-parallel group (default: one rank). Each rank holds its heads
     (KV caches of num_kv_heads_per_rank heads), its share of the MLP and of the vocabulary; every
-    rank computes the same replicated hidden state and the same gathered logits."""
+    rank computes the same replicated hidden state and the same gathered logits.
+
+    pp_group: this rank's pipeline stage (distributed/pipeline.py; default: one stage). A stage
+    holds the decoder layers [start_layer, end_layer) only (self.layers[i] is layer start_layer + i,
+    and kv_caches hold those layers'); the first stage also holds the embedding, the final norm
+    and the LM head, which the other stages lack (None). forward() needs the whole model; a stage
+    runs embed / forward_layers / residual_stream / compute_logits (worker/model_runner.py)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
-                 tp_group: Optional[GroupCoordinator] = None):
+                 tp_group: Optional[GroupCoordinator] = None, pp_group: Optional[PipelineGroup] = None):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
         self.device = device
         self.tp = tp_group if tp_group is not None else GroupCoordinator.single(device)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, self.tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, self.tp) for i in range(cfg.num_hidden_layers))
+        self.pp = pp_group if pp_group is not None else PipelineGroup.single(device)
+        self.start_layer, self.end_layer = (pp_layer_range(cfg.num_hidden_layers, self.pp.rank, self.pp.world_size)
+                                            if self.pp.world_size > 1 else (0, cfg.num_hidden_layers))
+        first = self.pp.is_first
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device,
+                                                   self.tp) if first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, self.tp)
+                                    for i in range(self.start_layer, self.end_layer))
         qkv = self.layers[0].qkv_proj if self.layers else None
         #: heads of this rank (the KV cache holds num_kv_heads_per_rank heads)
         self.num_heads_per_rank = qkv.num_heads if qkv is not None else cfg.num_attention_heads
@@ -306,9 +319,9 @@ class LlamaForCausalLM(nn.Module):
                                    device=device)
             for layer in self.layers:
                 layer.rope_counters = counters
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device) if first else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, self.tp,
-                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None) if first else None
         #: GemvConfig override of the LM head's GEMV (None: automatic), for benchmarks
         self.lm_head_gemv_config: dict | None = None
         self.fused = ops.layer_ops_supported(device, dtype)
@@ -328,6 +341,18 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         """This rank's LM head rows [vocab_per_rank, hidden] (the embedding's when tied)."""
         return self.lm_head.weight
+
+    def rope_state(self, positions: torch.Tensor):
+        """The RoPE (cos, sin) tables of the PyTorch path, or None (the fused ops rotate themselves)."""
+        return None if self.fused else self.rotary.cos_sin(positions)
+
+    @staticmethod
+    def residual_stream(state: tuple) -> torch.Tensor:
+        """The residual stream [T, hidden] after the layers that made `state` (what the next layer's,
+        or the final, norm reads): hidden + residual with HF's rounding, or hidden itself under GEMV
+        fusion. A stage hands it to the next, which starts from the state (stream, None, tables)."""
+        hidden, residual, _ = state
+        return hidden if residual is None else residual + hidden
 
     def projections(self) -> list[LinearBase]:
         """Every decoder layer's linear layers (qkv, o, gate_up, down per layer)."""
@@ -359,7 +384,7 @@ class LlamaForCausalLM(nn.Module):
     # before the first layer.
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple:
         """input_ids int [T] -> the state before layer 0."""
-        return self.embed_tokens(input_ids), None, None if self.fused else self.rotary.cos_sin(positions)
+        return self.embed_tokens(input_ids), None, self.rope_state(positions)
 
     def forward_layers(self, state: tuple, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        meta: AttentionMetadata, start: int, end: int) -> tuple:
@@ -435,7 +460,7 @@ class LlamaForCausalLM(nn.Module):
         entry over all heads, which never saturates more) or 1.0. Returns where the scales came from, for the start-up log."""
         fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         found = self.checkpoint_kv_scales
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers, start=self.start_layer):
             layer.attn.set_kv_cache_dtype(dtype if fp8 else None, self.device, found.get((i, "k"), 1.0),
                                           found.get((i, "v"), 1.0))
         self._native = None  # rebuilt with the scales
@@ -474,8 +499,9 @@ class LlamaForCausalLM(nn.Module):
 
     def argmax_applies(self, rows: int) -> bool:
         """Whether greedy_ids (the LM head and the argmax in one AMX pass) runs for `rows` rows."""
-        return (isinstance(self.lm_head.quant_method, AmxLinearMethod) and 0 < rows <= AmxLinearMethod.MAX_TOKENS
-                and bool(self.layers) and self.tp.world_size == 1)
+        return (self.lm_head is not None and isinstance(self.lm_head.quant_method, AmxLinearMethod)
+                and 0 < rows <= AmxLinearMethod.MAX_TOKENS and bool(self.layers) and self.tp.world_size == 1
+                and self.pp.world_size == 1)
 
     def greedy_ids(self, state: tuple, logits_indices: torch.Tensor, vocab: int) -> torch.Tensor:
         """int64 [R]: the argmax over the first `vocab` columns of logits(state, logits_indices),
@@ -522,7 +548,8 @@ class LlamaForCausalLM(nn.Module):
         return not self._quantized
 
     def _lm_head_unpacked(self) -> bool:
-        return isinstance(self.lm_head.quant_method, UnquantizedLinearMethod)
+        """Whether the LM head computes its plain weight (True on a stage without one)."""
+        return self.lm_head is None or isinstance(self.lm_head.quant_method, UnquantizedLinearMethod)
 
     def pair_rotary_rows(self) -> bool:
         """Where the qkv GEMV's rope epilogue applies (gemv_rope_applies) with full rotary
@@ -606,10 +633,14 @@ class LlamaForCausalLM(nn.Module):
         (idempotent)."""
         if not can_pack_linear(self.dtype, self.device):
             return False
-        if not self._lm_head_unpacked():
+        if self.lm_head is not None and not self._lm_head_unpacked():
             return True
+        if self.lm_head is None and any(isinstance(p.quant_method, (AmxLinearMethod, PackedLinearMethod))
+                                        for p in self.projections()):
+            return True  # (a pipeline stage without the head: packed already)
         plain = [p for p in self.projections() if isinstance(p.quant_method, UnquantizedLinearMethod)]
-        weights = [p.weight for p in plain] + [self.lm_head_weight]  # (quantized projections keep theirs)
+        # (quantized projections keep theirs)
+        weights = [p.weight for p in plain] + ([self.lm_head_weight] if self.lm_head is not None else [])
         small = sum(w.numel() * w.element_size() for w in weights) <= AmxLinearMethod.MAX_WEIGHT_BYTES
 
         def method(weight: torch.Tensor):
@@ -618,7 +649,8 @@ class LlamaForCausalLM(nn.Module):
         for proj in plain:
             proj.set_quant_method(method(proj.weight))
         # the head keeps its plain weight: the embedding's table when tied
-        self.lm_head.set_quant_method(method(self.lm_head_weight), keep_weight=True)
+        if self.lm_head is not None:
+            self.lm_head.set_quant_method(method(self.lm_head_weight), keep_weight=True)
         self._native_applies = self.fused and self.tp.world_size == 1 and all(
             isinstance(p.quant_method, AmxLinearMethod) for p in self.projections())
         self._native = self._native_key = None
@@ -630,7 +662,7 @@ class LlamaForCausalLM(nn.Module):
         Returns the projections' weight bytes now. Call before pack_weights (which then packs the
         LM head only) and instead of the GEMV row pairings (quantized projections take no GEMV
         epilogues)."""
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers, start=self.start_layer):
             for name in _PROJECTIONS:
                 proj = getattr(layer, name)
                 method = config.linear_method(proj, f"layers.{i}.{name}")
@@ -686,10 +718,13 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            local = self._stage_name(name)
+            if local is None:
+                continue  # another pipeline stage's
             if quant_config is not None and quant_config.is_checkpoint_tensor(name):
-                quant_config.take_checkpoint_tensor(name, tensor)
+                quant_config.take_checkpoint_tensor(name, tensor)  # (global layer names)
                 continue
-            dest, shard = self._map(name)
+            dest, shard = self._map(local)
             if dest not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
             param = params[dest]
@@ -718,6 +753,21 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:4]}")
+
+    def _stage_name(self, name: str) -> Optional[str]:
+        """A checkpoint name (layers numbered globally) as this stage's parameter name (its own
+        layers numbered from 0), or None for a tensor another pipeline stage holds."""
+        if self.pp.world_size == 1:
+            return name
+        head, dot, rest = name.partition(".")
+        if head == "layers":
+            index, _, leaf = rest.partition(".")
+            if index.isdigit():
+                k = int(index)
+                return f"layers.{k - self.start_layer}.{leaf}" if self.start_layer <= k < self.end_layer else None
+        if head in ("embed_tokens", "norm", "lm_head") and not self.pp.is_first:
+            return None
+        return name
 
     def _map(self, name: str) -> tuple[str, int | None]:
         for hf, (ours, shard) in self._STACKED.items():
