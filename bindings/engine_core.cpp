@@ -124,7 +124,10 @@ PAGEDLLM_BINDING(engine_core, m) {
       .def("finish_sequence", &EngineCore::finish_sequence, py::arg("seq_id"),
            py::arg("stop_reason") = py::none(),
            "Finish one sequence with 'stop' (a stop string matched); True when its request is done.")
-      .def("schedule", &EngineCore::schedule, py::return_value_policy::reference_internal)
+      .def("schedule", &EngineCore::schedule, py::arg("max_step_seqs") = 0, py::return_value_policy::reference_internal,
+           "The next step's SchedulerOutput; max_step_seqs > 0 caps its sequences (pipeline parallelism).")
+      .def("num_running_seqs", &EngineCore::num_running_seqs)
+      .def("num_waiting_seqs", &EngineCore::num_waiting_seqs)
       .def("update_from_output",
            [](EngineCore& core, SchedulerOutput& out,
               py::array_t<int32_t, py::array::c_style | py::array::forcecast> sampled,

@@ -107,7 +107,8 @@ bool EngineCore::finish_sequence(SeqId seq_id, StopReason stop_reason) {
   return scheduler_->finish_sequence(seq_id, std::move(stop_reason));
 }
 
-SchedulerOutput& EngineCore::schedule() {
+SchedulerOutput& EngineCore::schedule(int32_t max_step_seqs) {
+  PAGEDLLM_CHECK(max_step_seqs >= 0, "schedule: max_step_seqs must be >= 0, got ", max_step_seqs);
   SchedulerOutput* out = nullptr;
   for (auto& b : buffers_)
     if (b->state == SchedulerOutput::State::kFree) {
@@ -122,7 +123,7 @@ SchedulerOutput& EngineCore::schedule() {
         config_.max_num_batched_tokens, config_.max_num_seqs, max_blocks_per_seq_, max_sampled()));
     out = buffers_.back().get();
   }
-  scheduler_->schedule(*out);  // sets out->step_id
+  scheduler_->schedule(*out, max_step_seqs);  // sets out->step_id
   return *out;
 }
 

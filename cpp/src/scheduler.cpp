@@ -279,8 +279,9 @@ bool Scheduler::placeholder_allowed(const Sequence* seq, int64_t step_id) const 
          (seq->max_tokens < 0 || seq->num_output_tokens() + 1 < seq->max_tokens);
 }
 
-void Scheduler::schedule(SchedulerOutput& out) {
+void Scheduler::schedule(SchedulerOutput& out, int32_t max_step_seqs) {
   out.reset();
+  const size_t cap = max_step_seqs > 0 ? static_cast<size_t>(max_step_seqs) : SIZE_MAX;
   out.step_id = next_step_id_++;
   const bool chunked = config_.enable_chunked_prefill;
   int32_t budget = config_.max_num_batched_tokens;
@@ -295,7 +296,7 @@ void Scheduler::schedule(SchedulerOutput& out) {
   const size_t num_snapshot = running_snapshot_.size();
   for (const bool decode_pass : {true, false}) {
     for (size_t i = 0; i < num_snapshot; ++i) {
-      if (budget <= 0) break;
+      if (budget <= 0 || out.scheduled.size() >= cap) break;
       Sequence* seq = running_snapshot_[i];
       if (seq->status != SequenceStatus::kRunning) continue;
       if (seq->request->beam && seq->in_flight > 0) continue;  // beams: no placeholders
@@ -360,7 +361,7 @@ void Scheduler::schedule(SchedulerOutput& out) {
   }
 
   // 2. Waiting sequences, unless this step had to preempt (vLLM v1: no admission then).
-  while (!preempted && budget > 0 && !waiting_.empty()) {
+  while (!preempted && budget > 0 && !waiting_.empty() && out.scheduled.size() < cap) {
     Sequence* seq = waiting_.front();
     Request* req = seq->request;
     if (in_beam_group(seq)) {

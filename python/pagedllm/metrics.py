@@ -7,7 +7,8 @@ Names: num_requests_running, num_requests_waiting (gauges, sequences), kv_cache_
 prefix_cache_hits (counters, tokens), num_preemptions, prompt_tokens, generation_tokens, and
 pagedllm's own: num_steps, num_chunked_prefills, num_forks, num_finished_requests,
 num_aborted_requests; cache_config_info (gauge 1, labels block_size and num_gpu_blocks);
-iteration_tokens_total and iteration_num_seqs (histograms of tokens and sequences per step).
+iteration_tokens_total and iteration_num_seqs (histograms of tokens and sequences per step);
+under pipeline parallelism pipeline_steps_in_flight (steps in flight at each submission).
 With speculative decoding: spec_decode_num_drafts, spec_decode_num_draft_tokens,
 spec_decode_num_accepted_tokens (counters) and spec_decode_num_accepted_tokens_per_pos (a Vector:
 accepted drafts at each position 0..k-1; Prometheus gets one counter per "position" label).

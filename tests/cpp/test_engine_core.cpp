@@ -3,6 +3,7 @@
 // messages, aborts, in-flight steps and cancellation. Every test ends with no KV block leaked.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -305,6 +306,38 @@ TEST(EngineCore, SecondStepSkipsInFlightSequencesAndPoolIsBounded) {
       },
       std::runtime_error);
   for (auto* o : held) core.release(*o);
+}
+
+TEST(EngineCore, MaxStepSeqsSplitsSequencesOverStepsInFlight) {
+  // pipeline parallelism: each step in flight takes its share; the shares are disjoint, and a
+  // sequence is scheduled again once its step is updated
+  EngineCore core(make_config(64, 256));
+  for (int i = 0; i < 5; ++i) core.add_request(std::string(1, static_cast<char>('a' + i)), iota_tokens(8, 100 * i), params(3));
+  EXPECT_EQ(core.num_waiting_seqs(), 5);
+  SchedulerOutput& s1 = core.schedule(2);
+  SchedulerOutput& s2 = core.schedule(2);
+  SchedulerOutput& s3 = core.schedule(2);
+  ASSERT_EQ(s1.num_seqs, 2);
+  ASSERT_EQ(s2.num_seqs, 2);
+  ASSERT_EQ(s3.num_seqs, 1);
+  EXPECT_EQ(core.num_running_seqs(), 5);
+  std::vector<int64_t> seen;
+  for (auto* s : {&s1, &s2, &s3})
+    for (int32_t r = 0; r < s->num_seqs; ++r) seen.push_back(s->seq_ids[r]);
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(std::unique(seen.begin(), seen.end()) - seen.begin(), 5);
+  EXPECT_THROW(core.schedule(-1), InvalidArgument);
+  core.update_from_output(s1, std::vector<int32_t>{1, 1});
+  core.release(s1);
+  SchedulerOutput& s4 = core.schedule(2);  // s1's sequences, decoding
+  ASSERT_EQ(s4.num_seqs, 2);
+  EXPECT_EQ(s4.num_tokens, 2);
+  for (auto* s : {&s2, &s3, &s4}) {
+    core.update_from_output(*s, std::vector<int32_t>(s->num_sampled, 1));
+    core.release(*s);
+  }
+  while (core.has_unfinished_requests()) step(core);
+  expect_idle_no_leak(core);
 }
 
 TEST(EngineCore, ReleaseWithoutUpdateRecomputesLater) {

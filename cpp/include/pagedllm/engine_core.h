@@ -106,7 +106,12 @@ class EngineCore {
 
   /// Schedule the next step into a free buffer set. num_tokens == 0 when nothing can run.
   /// Throws std::runtime_error when every buffer set is held (release() outputs).
-  SchedulerOutput& schedule();
+  /// max_step_seqs > 0 caps the sequences of this step (pipeline parallelism: each step in flight
+  /// takes its share of the running sequences; a beam group's W decodes count once, and may pass it).
+  SchedulerOutput& schedule(int32_t max_step_seqs = 0);
+  /// Sequences running (in flight or not) and waiting.
+  int32_t num_running_seqs() const { return scheduler_->num_running(); }
+  int32_t num_waiting_seqs() const { return scheduler_->num_waiting(); }
   /// Apply the step's sampled token ids (int32 [out.num_sampled]); see Scheduler. topk: the
   /// rows' top-k logprobs, which a step with beam-search groups needs (scheduler_output.h). The
   /// result object is reused by a later step only once the caller dropped every reference to it.

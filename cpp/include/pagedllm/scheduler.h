@@ -139,8 +139,9 @@ class Scheduler {
   bool finish_sequence(SeqId seq_id, StopReason stop_reason);
 
   /// Fill `out` (reset first) with the next step; out.step_id = 0, 1, 2... per call.
-  /// out.state becomes kScheduled.
-  void schedule(SchedulerOutput& out);
+  /// out.state becomes kScheduled. max_step_seqs > 0: no sequence is added once the step holds
+  /// that many (a beam group's decodes are added together and may pass it).
+  void schedule(SchedulerOutput& out, int32_t max_step_seqs = 0);
   /// Apply the sampled tokens (int32 [out.num_sampled], in sample row order) of a scheduled
   /// step: append, stop rules, free finished sequences, cache full blocks, fork children.
   /// Rows of sequences aborted meanwhile are ignored. Throws InvalidArgument (changing

@@ -89,18 +89,25 @@ class PipelineGroup:
     def _peer(self, stage: int) -> int:
         return stage * self.tp_size + self.tp_rank
 
-    def send(self, x: torch.Tensor, stage: int) -> None:
-        """x (on this rank's device) to the same TP rank of `stage`; blocks until it is sent."""
+    def isend(self, x: torch.Tensor, stage: int):
+        """Start sending x (on this rank's device) to the same TP rank of `stage`; returns the
+        work (wait() before x may change; the work holds x)."""
         import torch.distributed as dist
 
-        dist.send(x.contiguous(), dst=self._peer(stage))
+        return dist.isend(x.contiguous(), dst=self._peer(stage))
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> torch.Tensor:
-        """A tensor of `shape` / `dtype` from the same TP rank of `stage` (blocks until it arrives)."""
+    def irecv(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> tuple[torch.Tensor, object]:
+        """(buffer, work): a tensor of `shape` / `dtype` from the same TP rank of `stage`, there
+        once work.wait() returns."""
         import torch.distributed as dist
 
         x = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(x, src=self._peer(stage))
+        return x, dist.irecv(x, src=self._peer(stage))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> torch.Tensor:
+        """A tensor of `shape` / `dtype` from the same TP rank of `stage` (blocks until it arrives)."""
+        x, work = self.irecv(shape, dtype, stage)
+        work.wait()
         return x
 
     def all_reduce_min(self, value: int) -> int:

@@ -42,6 +42,7 @@ The LLM class (offline API) and AsyncLLM (server) both drive this object from on
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -151,6 +152,11 @@ class LLMEngine:
             raise ValueError("speculative_config with a draft model does not work with async_scheduling=True: "
                              "leave it at 'auto' or False")
         self.async_scheduling = self.device.type == "cuda" and not drafting if sched_async == "auto" else sched_async
+        if pp > 1:  # stages keep different steps in flight instead (placeholders would wait on the last stage)
+            if sched_async is True:
+                raise ValueError("async_scheduling=True does not work with pipeline_parallel_size > 1 (the engine "
+                                 "keeps one step per stage in flight instead): leave it at 'auto' or False")
+            self.async_scheduling = False
         self.model_path = resolve_model(args.model)
         self.model_name = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
         self.model_config = ModelConfig.from_pretrained(self.model_path)
@@ -233,11 +239,15 @@ class LLMEngine:
             "iteration_tokens_total": HistogramData(_ITERATION_TOKEN_BOUNDS),
             "iteration_num_seqs": HistogramData(_ITERATION_SEQ_BOUNDS),
         }
+        if pp > 1:  # steps in flight when one is submitted (itself included): >= 2 = stages busy at once
+            self.histograms["pipeline_steps_in_flight"] = HistogramData(list(range(1, pp + 1)))
         self._ids = itertools.count()
         self.async_output_processing = self.device.type == "cuda" if aop == "auto" else bool(aop)
         self._pending = None  # (UpdateResult, sample_seq_ids, SamplerOutput) of a deferred step
         self._ready: list[RequestOutput] = []  # outputs of a deferred step, returned by the next step()
         self._inflight: Optional[_InFlight] = None  # async scheduling: the launched, not yet updated step
+        #: pipeline parallelism: (SchedulerOutput, executor handle) of submitted steps, oldest first
+        self._pipeline: collections.deque = collections.deque()
         # structured outputs: requests whose grammar compiles off the step loop, (Future, token ids, RequestParams)
         self._compiling: dict[str, tuple[concurrent.futures.Future, np.ndarray, Any]] = {}
 
@@ -326,7 +336,8 @@ class LLMEngine:
         first compile."""
         if not self._compiling:
             return
-        if not self.core.has_unfinished_requests() and self._inflight is None and self._pending is None:
+        if (not self.core.has_unfinished_requests() and self._inflight is None and self._pending is None
+                and not self._pipeline):
             concurrent.futures.wait([f for f, _, _ in self._compiling.values()], timeout=0.01,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         failed: dict[str, BaseException] = {}
@@ -357,6 +368,7 @@ class LLMEngine:
             return self.output_processor.abort_request(request_id)
         self._flush_pending()
         self._flush_inflight()
+        self._flush_pipeline()
         state = self.output_processor.requests.get(request_id)
         delta = state is not None and state.params.output_kind == RequestOutputKind.DELTA
         earlier = [o for o in self._ready if o.request_id == request_id]
@@ -373,7 +385,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.core.has_unfinished_requests() or self._pending is not None or self._inflight is not None
-                or bool(self._ready) or bool(self._compiling))
+                or bool(self._pipeline) or bool(self._ready) or bool(self._compiling))
 
     def has_request(self, request_id: str) -> bool:
         return self.output_processor.has_request(request_id)
@@ -387,6 +399,8 @@ class LLMEngine:
         self._admit_compiled()
         if self.async_scheduling:
             return self._step_async()
+        if self.executor.pipeline_depth > 1:
+            return self._step_pipelined()
         sched = self.core.schedule()
         stops: list[tuple[int, str]] = []
         try:
@@ -485,6 +499,69 @@ class LLMEngine:
             return self._step_async()
         outputs, self._ready = self._ready, []
         return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """step() under pipeline parallelism: submit a new step to stage 0 while up to
+        pipeline_depth - 1 earlier ones run on the later stages (the scheduler leaves sequences in
+        flight out of it, so the steps in flight hold disjoint sequences, as vLLM's virtual
+        engines); once the pipeline is full, or nothing new can be scheduled, finish the oldest:
+        its logits, sampling, update, outputs. Returns the outputs that produced."""
+        depth = self.executor.pipeline_depth
+        # each step in flight takes its share of the sequences, so that the stages stay busy
+        share = -(-(self.core.num_running_seqs() + self.core.num_waiting_seqs()) // depth)
+        sched = self.core.schedule(max_step_seqs=max(1, share))
+        owned = [sched]
+        stops: list[tuple[int, str]] = []
+        try:
+            if sched.num_tokens > 0:
+                self.output_processor.on_schedule(sched)
+                self.histograms["iteration_tokens_total"].observe(int(sched.num_tokens))
+                self.histograms["iteration_num_seqs"].observe(int(sched.num_seqs))
+                self._pipeline.append((sched, self.executor.submit(sched)))
+                owned.pop()
+                self.histograms["pipeline_steps_in_flight"].observe(len(self._pipeline))
+            if self._pipeline and (len(self._pipeline) >= depth or sched.num_tokens == 0):
+                stops = self._finish_pipelined(owned)
+        finally:
+            for out in owned:  # never updated: its sequences are rescheduled, nothing leaks
+                self.core.release(out)
+        for seq_id, stop_str in stops:
+            self.core.finish_sequence(seq_id, stop_str)
+        outputs, self._ready = self._ready, []
+        return outputs
+
+    def _finish_pipelined(self, owned: list) -> list[tuple[int, str]]:
+        """Collect, sample and apply the oldest submitted step (appended to `owned`, released by
+        the caller); its outputs go to self._ready. Returns its stop-string finishes."""
+        sched, handle = self._pipeline.popleft()
+        owned.append(sched)
+        run = self.executor.collect(handle)
+        sampled = self.sampler(run.logits, sched.sample_seq_ids)
+        self.executor.check_health()  # a rank that died during the step: its tokens are not used
+        self._add_prompt_logprobs(run.prompt_logits)
+        result = self.core.update_from_output(
+            sched, np.ascontiguousarray(sampled.sampled_token_ids, dtype=np.int32),
+            *_topk_rows(sampled, len(sched.sample_seq_ids)))
+        outputs, stops = self.output_processor.on_update(result, sched.sample_seq_ids, sampled)
+        self._ready.extend(outputs)
+        return stops
+
+    def _flush_pipeline(self) -> None:
+        """Finish every submitted step (pipeline parallelism), so that none is in flight."""
+        while self._pipeline:
+            owned: list = []
+            try:
+                stops = self._finish_pipelined(owned)
+            except BaseException:
+                for sched, _ in self._pipeline:  # the group is failing: nothing else will finish them
+                    owned.append(sched)
+                self._pipeline.clear()
+                raise
+            finally:
+                for out in owned:
+                    self.core.release(out)
+            for seq_id, stop_str in stops:
+                self.core.finish_sequence(seq_id, stop_str)
 
     def _sample_async(self, sched, run, live: np.ndarray):
         """(PendingSample, seq ids of its logprob rows, prompt logits) of a launched step. Rows of

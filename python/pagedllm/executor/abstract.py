@@ -4,6 +4,9 @@
     run = executor.execute_model(sched, greedy_vocab, prev_sampled)   # ModelRunnerOutput (rank 0's)
     executor.shutdown()                           # frees the weights and KV caches, stops workers
 
+Under pipeline parallelism the engine keeps up to executor.pipeline_depth steps in flight:
+handle = executor.submit(sched) ... run = executor.collect(handle), in submission order.
+
 Implementations: UniprocExecutor (one ModelRunner in this process) and MultiprocExecutor
 (tensor parallelism: rank 0 in this process, ranks 1..N-1 in worker processes). The engine's
 scheduler, KV manager, sampler and detokenizer stay in this process either way.
@@ -94,6 +97,18 @@ class Executor:
     def execute_model(self, sched, greedy_vocab: int = 0,
                       prev_sampled: Optional[torch.Tensor] = None) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    #: steps the engine may keep in flight (submit ... collect): pipeline_parallel_size, else 1
+    pipeline_depth: int = 1
+
+    def submit(self, sched, prev_sampled: Optional[torch.Tensor] = None):
+        """Start a step (pipeline parallelism: stage 0's part, the later stages running behind it);
+        returns a handle for collect(). Steps are collected in the order they were submitted."""
+        return self.execute_model(sched, prev_sampled=prev_sampled)
+
+    def collect(self, handle) -> ModelRunnerOutput:
+        """The output of a submitted step (waits for it)."""
+        return handle
 
     def check_health(self) -> None:
         """Raise RuntimeError when a rank has stopped."""

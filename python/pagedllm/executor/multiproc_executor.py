@@ -40,7 +40,7 @@ from pagedllm.distributed.parallel_state import GroupCoordinator, default_backen
 from pagedllm.distributed.pipeline import PipelineGroup, init_model_parallel
 from pagedllm.distributed.shm_broadcast import MessageQueue
 from pagedllm.executor.abstract import Executor, ExecutorConfig
-from pagedllm.executor.step_message import encode_step, max_step_bytes, shutdown_message
+from pagedllm.executor.step_message import collect_message, encode_step, max_step_bytes, shutdown_message
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.worker.worker_process import stop_processes, worker_main
 
@@ -268,6 +268,8 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, sched, greedy_vocab: int = 0,
                       prev_sampled: Optional[torch.Tensor] = None) -> ModelRunnerOutput:
+        if self.config.pipeline_parallel_size > 1:
+            return self.collect(self.submit(sched, prev_sampled))
         self.check_health()
         prev_n = int(prev_sampled.shape[0]) if sched.num_placeholders and prev_sampled is not None else 0
         self.queue.put(encode_step(sched, prev_n), alive=self.check_health)
@@ -275,6 +277,32 @@ class MultiprocExecutor(Executor):
             return self.driver_runner.execute_model(sched, greedy_vocab=0, prev_sampled=prev_sampled)
         except BaseException as exc:
             self._raise_failure(exc, during=f"step {sched.step_id}")
+
+    def submit(self, sched, prev_sampled: Optional[torch.Tensor] = None):
+        if self.config.pipeline_parallel_size == 1:
+            return self.execute_model(sched, prev_sampled=prev_sampled)
+        self.check_health()
+        prev_n = int(prev_sampled.shape[0]) if sched.num_placeholders and prev_sampled is not None else 0
+        self.queue.put(encode_step(sched, prev_n), alive=self.check_health)
+        try:
+            return self.driver_runner.submit_step(sched, prev_sampled=prev_sampled)
+        except BaseException as exc:
+            self._raise_failure(exc, during=f"step {sched.step_id}")
+
+    def collect(self, handle) -> ModelRunnerOutput:
+        if self.config.pipeline_parallel_size == 1:
+            return handle
+        self.check_health()
+        if handle is not None and self.config.tensor_parallel_size > 1:  # stage 0's other ranks collect too
+            self.queue.put(collect_message(handle.step_id), alive=self.check_health)
+        try:
+            return self.driver_runner.collect_step(handle)
+        except BaseException as exc:
+            self._raise_failure(exc, during="step " + ("?" if handle is None else str(handle.step_id)))
+
+    @property
+    def pipeline_depth(self) -> int:
+        return self.config.pipeline_parallel_size
 
     def argmax_applies(self, num_sampled: int) -> bool:
         return False  # the LM head's logits are split across ranks

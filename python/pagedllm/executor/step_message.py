@@ -21,7 +21,9 @@ P prompt-logprob row ranges), int64 fields first so every array is aligned:
                                    nothing until sequences are long)
     prompt_rows      int32 [P, 3]  (first_row, num_rows, first_position); request ids stay in the driver
 
-A shutdown is a header alone with KIND = SHUTDOWN.
+A shutdown is a header alone with KIND = SHUTDOWN. Under pipeline parallelism a COLLECT header
+(KIND = COLLECT, step_id) tells stage 0's ranks to finish their oldest submitted step (the last
+stage's rows -> the vocabulary-parallel logits), in the driver's order.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import dataclasses
 
 import numpy as np
 
-STEP, SHUTDOWN = 1, 2
+STEP, SHUTDOWN, COLLECT = 1, 2, 3
 _HEADER = 16
 
 
@@ -60,6 +62,12 @@ class StepView:
 def shutdown_message() -> list[np.ndarray]:
     header = np.zeros(_HEADER, dtype=np.int64)
     header[0] = SHUTDOWN
+    return [header]
+
+
+def collect_message(step_id: int) -> list[np.ndarray]:
+    header = np.zeros(_HEADER, dtype=np.int64)
+    header[0], header[1] = COLLECT, int(step_id)
     return [header]
 
 

@@ -58,6 +58,18 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 
 
 @dataclasses.dataclass
+class StageHandle:
+    """A step stage 0 submitted under pipeline parallelism and has not collected: rows (the
+    last stage's residual stream at the step's logits rows, [R, hidden]) arrive through work."""
+
+    step_id: int
+    rows: torch.Tensor
+    work: object
+    num_sampled: int
+    prompt_rows: list
+
+
+@dataclasses.dataclass
 class ModelRunnerOutput:
     """logits: float32 [R, vocab] for the sampled rows, in logits_indices order (None when the
     model picked the greedy ids itself: sampled_ids, int64 [R]).
@@ -129,6 +141,7 @@ class ModelRunner:
         self.tp = tp_group if tp_group is not None else GroupCoordinator.single(device)
         #: this rank's pipeline stage (distributed/pipeline.py; one stage by default)
         self.pp = pp_group if pp_group is not None else PipelineGroup.single(device)
+        self._sends: list = []  # pipeline sends of the last submitted step (their works)
         ranks = self.tp.world_size * self.pp.world_size
         if device.type == "cpu":
             tune_glibc_malloc()
@@ -353,21 +366,13 @@ class ModelRunner:
         argmax over the first greedy_vocab logits of each sampled row instead (sampled_ids), the
         logits never written. prev_sampled: int64 [R'] on the device, the previous step's sampled
         ids (required when sched.num_placeholders > 0; ValueError without; on tensor-parallel ranks
-        other than 0 a buffer of that shape that receives rank 0's ids)."""
+        other than 0 a buffer of that shape that receives rank 0's ids). Under pipeline
+        parallelism: collect_step(submit_step(...)) (stages after the first return no logits)."""
+        if self.pp.world_size > 1:
+            return self.collect_step(self.submit_step(sched, prev_sampled))
+        prev_sampled, prompt_rows = self._begin_step(sched, prev_sampled)
         num_placeholders = int(sched.num_placeholders)
-        if num_placeholders and prev_sampled is None:
-            raise ValueError(f"step {sched.step_id} has {num_placeholders} placeholder tokens but no prev_sampled ids")
-        if num_placeholders and self.tp.world_size > 1 and self.pp.is_first:  # rank 0's samples (the others pass a buffer)
-            prev_sampled = self.tp.broadcast(prev_sampled.to(self.device), src=0)
-        copy_orders = sched.copy_orders
-        if len(copy_orders):
-            keys = [k for k, _ in self.kv_caches]
-            values = [v for _, v in self.kv_caches]
-            ops.copy_blocks(keys, values, self._tensor(np.ascontiguousarray(copy_orders)))
         num_sampled = int(sched.num_sampled)
-        prompt_rows = list(getattr(sched, "prompt_logprob_rows", None) or [])
-        if self._kv_scales_pending:  # calculate_kv_scales: the layers calibrate in the eager forward
-            self._kv_scales_pending = any(layer.attn.calculate_kv_scales for layer in self.model.layers)
         if (self.graphs is not None and not self._kv_scales_pending and sched.num_tokens > 0
                 and int(sched.max_query_len) == 1
                 and not prompt_rows and self.graphs.can_run(int(sched.num_seqs))):
@@ -375,25 +380,10 @@ class ModelRunner:
         if (self.verify_graphs is not None and not self._kv_scales_pending and sched.num_tokens > 0
                 and not prompt_rows and self.verify_graphs.can_run(sched)):
             return ModelRunnerOutput(self.verify_graphs.run(sched), {})
-        rows = [self._tensor(sched.logits_indices)]
-        for _, first_row, num_rows, _ in prompt_rows:
-            rows.append(torch.arange(first_row, first_row + num_rows, dtype=torch.int64, device=self.device))
-        logits_indices = rows[0] if len(rows) == 1 else torch.cat(rows)
-        vocab = self.config.vocab_size
         if sched.num_tokens == 0:
-            return ModelRunnerOutput(torch.empty(0, vocab), {})
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(sched.slot_mapping),
-            block_tables=self._tensor(sched.block_tables),
-            seq_lens=self._tensor(sched.seq_lens),
-            query_start_loc=self._tensor(sched.query_start_loc),
-            decode_only=int(sched.max_query_len) == 1,
-        )
-        if self.pp.world_size > 1:
-            logits = self._forward_stage(sched, prev_sampled if num_placeholders else None, meta, logits_indices)
-            if logits is None:  # a later stage: stage 0 samples
-                return ModelRunnerOutput(torch.empty(0, vocab), {})
-            return self._output(logits, num_sampled, prompt_rows)
+            return ModelRunnerOutput(torch.empty(0, self.config.vocab_size), {})
+        logits_indices = self._logits_indices(sched, prompt_rows)
+        meta = self._metadata(sched)
         input_ids = self._input_ids(sched, prev_sampled if num_placeholders else None)
         if greedy_vocab > 0 and not prompt_rows and self.argmax_applies(num_sampled):
             ids = self.model(input_ids, self._tensor(sched.positions), self.kv_caches, meta,
@@ -401,6 +391,40 @@ class ModelRunner:
             return ModelRunnerOutput(None, {}, ids)
         logits = self.model(input_ids, self._tensor(sched.positions), self.kv_caches, meta, logits_indices)
         return self._output(logits, num_sampled, prompt_rows)
+
+    def _begin_step(self, sched, prev_sampled: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], list]:
+        """Every rank's start of a step: the placeholder ids (rank 0's, broadcast over the first
+        stage's TP group), the copy-on-write block copies, the KV-scale calibration state.
+        Returns (prev_sampled, prompt_logprob_rows)."""
+        num_placeholders = int(sched.num_placeholders)
+        if num_placeholders and prev_sampled is None:
+            raise ValueError(f"step {sched.step_id} has {num_placeholders} placeholder tokens but no prev_sampled ids")
+        if num_placeholders and self.tp.world_size > 1 and self.pp.is_first:  # rank 0's (the others pass a buffer)
+            prev_sampled = self.tp.broadcast(prev_sampled.to(self.device), src=0)
+        copy_orders = sched.copy_orders
+        if len(copy_orders):
+            keys = [k for k, _ in self.kv_caches]
+            values = [v for _, v in self.kv_caches]
+            ops.copy_blocks(keys, values, self._tensor(np.ascontiguousarray(copy_orders)))
+        if self._kv_scales_pending:  # calculate_kv_scales: the layers calibrate in the eager forward
+            self._kv_scales_pending = any(layer.attn.calculate_kv_scales for layer in self.model.layers)
+        return prev_sampled, list(getattr(sched, "prompt_logprob_rows", None) or [])
+
+    def _logits_indices(self, sched, prompt_rows: list) -> torch.Tensor:
+        """int64 [R]: the sampled rows, then each prompt-logprob request's rows."""
+        rows = [self._tensor(sched.logits_indices)]
+        for _, first_row, num_rows, _ in prompt_rows:
+            rows.append(torch.arange(first_row, first_row + num_rows, dtype=torch.int64, device=self.device))
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def _metadata(self, sched) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self._tensor(sched.slot_mapping),
+            block_tables=self._tensor(sched.block_tables),
+            seq_lens=self._tensor(sched.seq_lens),
+            query_start_loc=self._tensor(sched.query_start_loc),
+            decode_only=int(sched.max_query_len) == 1,
+        )
 
     @staticmethod
     def _output(logits: torch.Tensor, num_sampled: int, prompt_rows: list) -> ModelRunnerOutput:
@@ -412,28 +436,49 @@ class ModelRunner:
             offset += num_rows
         return ModelRunnerOutput(logits[:num_sampled], prompt_logits)
 
-    def _forward_stage(self, sched, prev_sampled: Optional[torch.Tensor], meta: AttentionMetadata,
-                       logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
-        """This pipeline stage's part of the step (distributed/pipeline.py): stage 0 embeds, the
-        others start from the previous stage's residual stream [T, hidden]; each runs its layers and
-        sends the stream on — the last stage only its rows logits_indices, back to stage 0, which
-        returns their float32 logits [R, vocab] (the other stages return None)."""
+    # ---- pipeline parallelism (distributed/pipeline.py) --------------------------------------
+    @torch.inference_mode()
+    def submit_step(self, sched, prev_sampled: Optional[torch.Tensor] = None) -> Optional["StageHandle"]:
+        """This pipeline stage's part of a step, without waiting for the later stages: stage 0
+        embeds, the others receive the previous stage's residual stream [T, hidden]; each runs its
+        layers and sends the stream on — the last stage only its rows to sample, back to stage 0.
+        Stage 0 returns a StageHandle for collect_step (those rows' receive already posted); the
+        other stages, and a step without tokens, return None. Steps must be submitted in the same
+        order on every rank (the scheduler's), and stage 0 collects them in that order."""
+        for work in self._sends:  # the previous step's sends: their buffers may be reused now
+            work.wait()
+        self._sends.clear()
+        prev_sampled, prompt_rows = self._begin_step(sched, prev_sampled)
+        if sched.num_tokens == 0:
+            return None
         m, pp = self.model, self.pp
+        logits_indices = self._logits_indices(sched, prompt_rows)
+        meta = self._metadata(sched)
         positions = self._tensor(sched.positions)
         if pp.is_first:
-            state = m.embed(self._input_ids(sched, prev_sampled), positions)
+            state = m.embed(self._input_ids(sched, prev_sampled if int(sched.num_placeholders) else None), positions)
         else:
             stream = pp.recv((int(sched.num_tokens), self.config.hidden_size), self.dtype, pp.rank - 1)
             state = (stream, None, m.rope_state(positions))
         stream = m.residual_stream(m.forward_layers(state, positions, self.kv_caches, meta, 0, len(m.layers)))
         if not pp.is_last:
-            pp.send(stream, pp.rank + 1)
+            self._sends.append(pp.isend(stream, pp.rank + 1))
         else:
-            pp.send(stream.index_select(0, logits_indices), 0)
+            self._sends.append(pp.isend(stream.index_select(0, logits_indices), 0))
         if not pp.is_first:
             return None
-        rows = pp.recv((int(logits_indices.shape[0]), self.config.hidden_size), self.dtype, pp.world_size - 1)
-        return m.compute_logits(rows)
+        rows, work = pp.irecv((int(logits_indices.shape[0]), self.config.hidden_size), self.dtype, pp.world_size - 1)
+        return StageHandle(int(sched.step_id), rows, work, int(sched.num_sampled), prompt_rows)
+
+    @torch.inference_mode()
+    def collect_step(self, handle: Optional["StageHandle"]) -> ModelRunnerOutput:
+        """Stage 0: wait for a submitted step's rows from the last stage and compute their float32
+        logits (vocabulary-parallel over the stage's TP group: its ranks collect together).
+        handle None (a later stage, an empty step): no logits."""
+        if handle is None:
+            return ModelRunnerOutput(torch.empty(0, self.config.vocab_size), {})
+        handle.work.wait()
+        return self._output(self.model.compute_logits(handle.rows), handle.num_sampled, handle.prompt_rows)
 
     def _input_ids(self, sched, prev_sampled: Optional[torch.Tensor]) -> torch.Tensor:
         """The step's token ids on the device, placeholders filled from prev_sampled."""

@@ -13,6 +13,7 @@ collective); the process then exits with status 1.
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -65,7 +66,7 @@ def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle
     from pagedllm import ops
     from pagedllm.distributed.pipeline import init_model_parallel
     from pagedllm.distributed.shm_broadcast import QueueClosed
-    from pagedllm.executor.step_message import SHUTDOWN, decode_step, message_kind
+    from pagedllm.executor.step_message import COLLECT, SHUTDOWN, decode_step, message_kind
     from pagedllm.worker.model_runner import ModelRunner
 
     group = pp_group = runner = None
@@ -82,15 +83,27 @@ def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle
         conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weight_bytes": runner.weight_bytes,
                              "num_blocks": runner.num_blocks, "kv_bytes": runner.num_blocks * runner.bytes_per_block,
                              "num_kv_heads": runner.num_kv_heads}))
+        pipelined = config.pipeline_parallel_size > 1
+        handles = collections.deque()  # pipeline stage 0: submitted steps, collected on COLLECT
         while True:
             message = reader.get()
-            if message_kind(message) == SHUTDOWN:
+            kind = message_kind(message)
+            if kind == SHUTDOWN:
                 break
+            if kind == COLLECT:
+                if handles:  # (stage 0 only: the logits' all-gather with the driver)
+                    runner.collect_step(handles.popleft())
+                continue
             step = decode_step(message)
             prev = None
             if step.num_placeholders:  # receives rank 0's sampled ids by broadcast
                 prev = torch.empty(step.prev_num_sampled, dtype=torch.int64, device=device)
-            runner.execute_model(step, prev_sampled=prev)
+            if pipelined:
+                handle = runner.submit_step(step, prev_sampled=prev)
+                if handle is not None:
+                    handles.append(handle)
+            else:
+                runner.execute_model(step, prev_sampled=prev)
     except QueueClosed:
         pass
     except BaseException:  # noqa: BLE001 (reported to the driver, then the process ends)

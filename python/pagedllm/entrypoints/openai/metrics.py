@@ -43,6 +43,8 @@ _HELP = {
     "request_params_max_tokens": "The max_tokens of finished requests.",
     "request_params_n": "The n of finished requests.",
     "iteration_tokens_total": "Tokens per engine step.",
+    "pipeline_steps_in_flight": "Pipeline parallelism: engine steps in flight when one is submitted (itself "
+                                "included); 2 or more means the stages computed different steps at once.",
     "spec_decode_num_drafts": "Number of spec decoding drafts (sequence-steps with draft tokens).",
     "spec_decode_num_draft_tokens": "Number of draft tokens.",
     "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
