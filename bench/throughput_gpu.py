@@ -146,6 +146,7 @@ def bench_pagedllm(folder: Path, prompts, args, profile_path: Path, kv_cache_dty
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size,
               quantization=args.quantization, kv_cache_dtype=kv_cache_dtype,
               async_scheduling={"auto": None, "true": True, "false": False}[args.async_scheduling])
     startup = time.perf_counter() - t0
@@ -274,6 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="pagedllm's ranks, one GPU each (HF runs on one GPU; the roofline is one GPU's)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pagedllm's pipeline stages (x --tensor-parallel-size ranks, one GPU each)")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "true", "false"],
                    help="schedule step N + 1 before step N's tokens are known (auto: on, CUDA)")
     p.add_argument("--quantization", default=None, choices=["fp8", "int4"],
@@ -302,6 +305,7 @@ def main(argv=None) -> int:
                            "hf_batch": args.hf_batch, "dtype": "bfloat16", "greedy": True, "ignore_eos": True,
                            "max_num_seqs": args.max_num_seqs, "enforce_eager": args.enforce_eager,
                            "tensor_parallel_size": args.tensor_parallel_size,
+                           "pipeline_parallel_size": args.pipeline_parallel_size,
                            "async_scheduling": args.async_scheduling, "quantization": args.quantization,
                            "kv_cache_dtype": args.kv_cache_dtype},
               "shapes": {}}

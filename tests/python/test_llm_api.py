@@ -247,8 +247,8 @@ def test_constructor_errors_name_the_argument(tiny_folder):
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(folder, no_such_option=1)
     # vLLM arguments that would change what runs are refused by name until implemented (a user
-    # asking for two pipeline stages must not silently get one)
-    for kwargs in (dict(pipeline_parallel_size=2), dict(enable_lora=True),
+    # asking for LoRA adapters must not silently get none)
+    for kwargs in (dict(enable_lora=True),
                    dict(cpu_offload_gb=4), dict(hf_overrides={"num_hidden_layers": 1}), dict(max_logprobs=100)):
         name = next(iter(kwargs))
         with pytest.raises(ValueError, match=f"{name}=.* is not supported"):
@@ -264,7 +264,7 @@ def test_vllm_arguments_without_effect_are_accepted_and_logged(caplog):
 
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         check_vllm_args(dict(revision="main", download_dir="/tmp", swap_space=4,
-                             pipeline_parallel_size=1, enable_lora=False, hf_overrides=None))
+                             enable_lora=False, hf_overrides=None))
     assert "swap_space=" in caplog.text and "revision=" in caplog.text
 
 

@@ -251,3 +251,35 @@ def test_killed_stage_stops_the_engine_and_no_child_survives(folders):
     llm.shutdown()
     assert wait_gone([pid]) == []
     assert executor.num_workers_alive == 0
+
+
+@pytest.mark.slow
+def test_server_with_pipeline_parallel_size_2_answers_the_openai_client():
+    """`pagedllm serve -pp 2`: the openai client gets the one-stage server's greedy tokens for 8
+    concurrent streamed completions; the log names each stage's layers; stopping the server
+    stops the worker."""
+    import concurrent.futures
+    import re
+
+    from server_utils import DEFAULT_ARGS, RemoteServer, tiny_model_dir
+
+    def ask(server, i: int) -> str:
+        stream = server.client().completions.create(model="tiny", prompt=f"Story {i}: once upon a time",
+                                                    max_tokens=12, temperature=0.0, stream=True)
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    results, workers = {}, []
+    for pp in ("1", "2"):
+        server = RemoteServer(str(tiny_model_dir()), DEFAULT_ARGS + ["--pipeline-parallel-size", pp])
+        try:
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                results[pp] = list(pool.map(lambda i: ask(server, i), range(8)))
+            if pp == "2":
+                log = server.read_log()
+                assert "pipeline stage 0/2: layers [0, 1) + embedding, norm, LM head" in log
+                workers = [int(p) for p in re.findall(r"worker rank 1 \(pid (\d+)\)", log)]
+                assert len(workers) == 1 and alive(workers[0])
+        finally:
+            server.stop()
+    assert results["2"] == results["1"] and all(results["1"])
+    assert wait_gone(workers) == []

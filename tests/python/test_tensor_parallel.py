@@ -632,7 +632,7 @@ def test_server_with_tensor_parallel_size_2_answers_the_openai_client():
         try:
             results[tp] = ask(server)
             if tp == "2":
-                workers = [int(p) for p in re.findall(r"tensor-parallel rank 1 \(pid (\d+)\)", server.read_log())]
+                workers = [int(p) for p in re.findall(r"worker rank 1 \(pid (\d+)\)", server.read_log())]
                 assert len(workers) == 1, server.read_log()[-3000:]
                 assert alive(workers[0])
         finally:

@@ -145,7 +145,7 @@ class PagedllmRunner:
         t0 = time.perf_counter()
         self.llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
                        max_model_len=args.max_model_len, seed=0, tensor_parallel_size=args.tensor_parallel_size,
-                       quantization=quantization, load_format=args.load_format, speculative_config=speculative,
+                       pipeline_parallel_size=args.pipeline_parallel_size, quantization=quantization, load_format=args.load_format, speculative_config=speculative,
                        async_scheduling=None if args.async_scheduling == "auto" else args.async_scheduling == "true",
                        kv_cache_dtype=kv_cache_dtype)
         construct = time.perf_counter() - t0
@@ -628,6 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="pagedllm's ranks (processes sharing the --threads cores: cores // ranks threads each; "
                         "--kv-bytes is per rank, as vLLM's kv_cache_memory_bytes; default 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pagedllm's pipeline stages (x --tensor-parallel-size ranks; the CPU's cores divided "
+                        "among all ranks; default 1)")
     p.add_argument("--quantization", nargs="+", default=["none"], choices=QUANTIZATION_MODES, metavar="MODE",
                    help="pagedllm's weight quantization, one or several modes, each its own engine in the same "
                         "run: none (default), int8 (online W8A8), int4 (online weight-only, group 128), gguf (the "
@@ -718,7 +721,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "bench": "throughput",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.node(), "cpu_count": os.cpu_count(), "threads": args.threads,
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
         "quantization": modes[0] if len(modes) == 1 else [m or "none" for m in modes],
         "commit": git_commit(root), "worktree_modified": git_modified(root),
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2),

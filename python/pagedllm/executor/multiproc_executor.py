@@ -140,7 +140,7 @@ class MultiprocExecutor(Executor):
                     f", {cpu_threads_per_rank(tp)} threads per rank" if device.type == "cpu" else "", os.getpid(),
                     r0.weight_bytes / 2**30, r0.num_blocks, r0.num_blocks * r0.bytes_per_block / 2**30)
         for info in self.worker_info:
-            logger.info("rank %d (pid %d): weights %.3f GiB, %d KV blocks (%.2f GiB, %d KV heads)",
+            logger.info("worker rank %d (pid %d): weights %.3f GiB, %d KV blocks (%.2f GiB, %d KV heads)",
                         info["rank"], info["pid"], info["weight_bytes"] / 2**30, info["num_blocks"],
                         info["kv_bytes"] / 2**30, info["num_kv_heads"])
 
