@@ -73,10 +73,10 @@ class GroupCoordinator:
     @classmethod
     def init(cls, rank: int, world_size: int, device: torch.device, backend: str, *,
              port: Optional[int] = None, shm_handle: Optional[tuple[str, int]] = None,
-             timeout_s: float = 600.0) -> "GroupCoordinator":
+             timeout_s: float = 600.0, master_addr: str = "127.0.0.1") -> "GroupCoordinator":
         """This process's rank of a new group. "shm": rank 0 creates the region (shm_handle None),
         the others attach to rank 0's handle(); "nccl" / "gloo": torch.distributed's default group
-        through a TCP rendezvous on 127.0.0.1:port (every rank blocks until all have joined, at
+        through a TCP rendezvous on master_addr:port (rank 0's host) (every rank blocks until all have joined, at
         most timeout_s). ValueError for a backend that does not suit the device."""
         if backend not in BACKENDS.get(device.type, ()):
             raise ValueError(f"tensor-parallel backend {backend!r} does not run on {device.type}: use one of "
@@ -94,7 +94,7 @@ class GroupCoordinator:
                                "parallelism starts its own group (shut the other one down first)")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 **({"device_id": device} if device.type == "cuda" else {}))
         return cls(rank, world_size, device, backend, process_group=dist.group.WORLD)

@@ -126,14 +126,16 @@ class PipelineGroup:
 
 def init_model_parallel(rank: int, tp_size: int, pp_size: int, device: torch.device, backend: str, *,
                         port: Optional[int] = None, shm_handle: Optional[tuple[str, int]] = None,
-                        timeout_s: float = 600.0) -> tuple[GroupCoordinator, PipelineGroup]:
+                        timeout_s: float = 600.0, master_addr: str = "127.0.0.1"
+                        ) -> tuple[GroupCoordinator, PipelineGroup]:
     """This process's tensor-parallel group and pipeline view, as global rank `rank` of
     tp_size x pp_size. pp_size 1: GroupCoordinator.init (any backend) and a one-stage pipeline.
     pp_size > 1: torch.distributed's world group ("nccl" on CUDA, "gloo" on the CPU: `backend`
-    must be one of those) through 127.0.0.1:port, and each stage's TP group as a subgroup."""
+    must be one of those) through master_addr:port (rank 0's host), and each stage's TP group as
+    a subgroup."""
     if pp_size == 1:
         return (GroupCoordinator.init(rank, tp_size, device, backend, port=port, shm_handle=shm_handle,
-                                      timeout_s=timeout_s), PipelineGroup.single(device))
+                                      timeout_s=timeout_s, master_addr=master_addr), PipelineGroup.single(device))
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"pipeline parallelism runs on torch.distributed: backend {backend!r} must be 'nccl' or 'gloo'")
     import torch.distributed as dist
@@ -144,7 +146,7 @@ def init_model_parallel(rank: int, tp_size: int, pp_size: int, device: torch.dev
                            "groups start their own (shut the other one down first)")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": device} if device.type == "cuda" else {}))
     world = GroupCoordinator(rank, world_size, device, backend, process_group=dist.group.WORLD)

@@ -1,12 +1,13 @@
 """Executors: run each step's forward pass on one device (UniprocExecutor) or on the ranks of a
-tensor- and/or pipeline-parallel group (MultiprocExecutor); see abstract.py."""
+tensor- and/or pipeline-parallel group: worker processes of this host (MultiprocExecutor, "mp") or
+Ray actors on a cluster's hosts (RayExecutor, "ray"); see abstract.py."""
 
 from __future__ import annotations
 
 from pagedllm.executor.abstract import Executor, ExecutorConfig
 
 #: distributed_executor_backend values (vLLM's names) pagedllm runs
-EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 def make_executor(config: ExecutorConfig) -> Executor:
@@ -20,7 +21,7 @@ def make_executor(config: ExecutorConfig) -> Executor:
     if backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"distributed_executor_backend={backend!r} is not supported: use one of "
                          f"{list(EXECUTOR_BACKENDS)} (None picks 'uni' for one rank, 'mp' for more)")
-    if backend == "uni" or ranks == 1:  # "mp" with one rank: rank 0 runs in this process anyway
+    if backend == "uni" or ranks == 1:  # "mp" / "ray" with one rank: rank 0 runs in this process anyway
         if ranks != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
                              f"{config.tensor_parallel_size} x pipeline_parallel_size={config.pipeline_parallel_size} "
@@ -28,6 +29,10 @@ def make_executor(config: ExecutorConfig) -> Executor:
         from pagedllm.executor.uniproc_executor import UniprocExecutor
 
         return UniprocExecutor(config)
+    if backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     from pagedllm.executor.multiproc_executor import MultiprocExecutor
 
     return MultiprocExecutor(config)

@@ -168,7 +168,8 @@ class ModelRunner:
                         quant.describe(), before / 2**30, str(dtype).removeprefix("torch."), after / 2**30,
                         self.weight_bytes / 2**30)
         if self.model.pack_weights():
-            kind = type(self.model.lm_head.quant_method).__name__
+            packed = self.model.lm_head if self.model.lm_head is not None else self.model.projections()[0]
+            kind = type(packed.quant_method).__name__
             logger.info("projections pre-packed (bfloat16 on CPU): %s", {
                 "AmxLinearMethod": "AMX kernel for steps of <= 128 tokens, oneDNN above",
                 "PackedLinearMethod": "oneDNN"}.get(kind, kind))

@@ -57,6 +57,78 @@ def stop_processes(procs: list, timeout: float = 5.0) -> list:
     return stuck
 
 
+class WorkerRank:
+    """One rank > 0: its groups and ModelRunner, and the step messages it runs (the "mp" worker
+    process's loop and the Ray actor, executor/ray_executor.py, both drive one).
+
+    Built by joining the groups (tensor x pipeline parallel, distributed/pipeline.py; master_addr
+    the rendezvous host) and loading this rank's shard; handle(message) runs one message of
+    executor/step_message.py in the order the driver sent it."""
+
+    def __init__(self, rank: int, config, device: torch.device, backend: str, port: Optional[int],
+                 shm_handle=None, master_addr: str = "127.0.0.1"):
+        from pagedllm.distributed.pipeline import init_model_parallel
+        from pagedllm.worker.model_runner import ModelRunner
+
+        self.rank = rank
+        self.device = device
+        self.group = self.pp_group = self.runner = None
+        self.group, self.pp_group = init_model_parallel(rank, config.tensor_parallel_size,
+                                                        config.pipeline_parallel_size, device, backend, port=port,
+                                                        shm_handle=shm_handle, master_addr=master_addr)
+        try:
+            self.runner = ModelRunner(config.model_path, config.model_config, device=device, tp_group=self.group,
+                                      pp_group=self.pp_group, **config.runner_kwargs())
+        except BaseException:
+            self.abort()  # (the caller has no object to abort)
+            raise
+        self.pipelined = config.pipeline_parallel_size > 1
+        self.handles = collections.deque()  # pipeline stage 0: submitted steps, collected on COLLECT
+
+    def info(self) -> dict:
+        r = self.runner
+        return {"rank": self.rank, "pid": os.getpid(), "weight_bytes": r.weight_bytes, "num_blocks": r.num_blocks,
+                "kv_bytes": r.num_blocks * r.bytes_per_block, "num_kv_heads": r.num_kv_heads}
+
+    def handle(self, message) -> bool:
+        """Run one message (a writable buffer); False for SHUTDOWN."""
+        from pagedllm.executor.step_message import COLLECT, SHUTDOWN, decode_step, message_kind
+
+        kind = message_kind(message)
+        if kind == SHUTDOWN:
+            return False
+        if kind == COLLECT:
+            if self.handles:  # (stage 0 only: the logits' all-gather with the driver)
+                self.runner.collect_step(self.handles.popleft())
+            return True
+        step = decode_step(message)
+        prev = None
+        if step.num_placeholders:  # receives rank 0's sampled ids by broadcast
+            prev = torch.empty(step.prev_num_sampled, dtype=torch.int64, device=self.device)
+        if self.pipelined:
+            handle = self.runner.submit_step(step, prev_sampled=prev)
+            if handle is not None:
+                self.handles.append(handle)
+        else:
+            self.runner.execute_model(step, prev_sampled=prev)
+        return True
+
+    def abort(self) -> None:
+        """Release the peers from collectives this rank will not join (it failed)."""
+        for g in (self.group, self.pp_group):
+            if g is not None:
+                g.abort()
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.shutdown()
+            self.runner = None
+        for g in (self.group, self.pp_group):
+            if g is not None:
+                g.destroy()
+        self.group = self.pp_group = None
+
+
 def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle, reader, conn,
                 threads: int) -> None:
     """Entry point of rank `rank` (see the module docstring). config: executor.abstract.ExecutorConfig."""
@@ -64,53 +136,25 @@ def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle
     exit_with_parent()
 
     from pagedllm import ops
-    from pagedllm.distributed.pipeline import init_model_parallel
     from pagedllm.distributed.shm_broadcast import QueueClosed
-    from pagedllm.executor.step_message import COLLECT, SHUTDOWN, decode_step, message_kind
-    from pagedllm.worker.model_runner import ModelRunner
 
-    group = pp_group = runner = None
+    worker: Optional[WorkerRank] = None
     status = 0
     try:
         device = torch.device("cuda", rank) if config.device.type == "cuda" else torch.device("cpu")
         if device.type == "cpu":
             ops.set_cpu_threads(threads)
         conn.send(("joining", rank))
-        group, pp_group = init_model_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size,
-                                              device, backend, port=port, shm_handle=shm_handle)
-        runner = ModelRunner(config.model_path, config.model_config, device=device, tp_group=group,
-                             pp_group=pp_group, **config.runner_kwargs())
-        conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weight_bytes": runner.weight_bytes,
-                             "num_blocks": runner.num_blocks, "kv_bytes": runner.num_blocks * runner.bytes_per_block,
-                             "num_kv_heads": runner.num_kv_heads}))
-        pipelined = config.pipeline_parallel_size > 1
-        handles = collections.deque()  # pipeline stage 0: submitted steps, collected on COLLECT
-        while True:
-            message = reader.get()
-            kind = message_kind(message)
-            if kind == SHUTDOWN:
-                break
-            if kind == COLLECT:
-                if handles:  # (stage 0 only: the logits' all-gather with the driver)
-                    runner.collect_step(handles.popleft())
-                continue
-            step = decode_step(message)
-            prev = None
-            if step.num_placeholders:  # receives rank 0's sampled ids by broadcast
-                prev = torch.empty(step.prev_num_sampled, dtype=torch.int64, device=device)
-            if pipelined:
-                handle = runner.submit_step(step, prev_sampled=prev)
-                if handle is not None:
-                    handles.append(handle)
-            else:
-                runner.execute_model(step, prev_sampled=prev)
+        worker = WorkerRank(rank, config, device, backend, port, shm_handle)
+        conn.send(("ready", worker.info()))
+        while worker.handle(reader.get()):
+            pass
     except QueueClosed:
         pass
     except BaseException:  # noqa: BLE001 (reported to the driver, then the process ends)
         status = 1
-        for g in (group, pp_group):
-            if g is not None:
-                g.abort()
+        if worker is not None:
+            worker.abort()
         try:
             conn.send(("error", traceback.format_exc()))
         except (OSError, EOFError):
@@ -118,9 +162,6 @@ def worker_main(rank: int, config, backend: str, port: Optional[int], shm_handle
     finally:
         if status:
             os._exit(status)  # no teardown: the group may be wedged
-        if runner is not None:
-            runner.shutdown()
-        for g in (group, pp_group):
-            if g is not None:
-                g.destroy()
+        if worker is not None:
+            worker.close()
         reader.close()

@@ -28,7 +28,8 @@ _HELP = {
     "tensor_parallel_size": "split the model over this many ranks of this host (CUDA: GPUs; CPU: processes)",
     "pipeline_parallel_size": "split the decoder layers into this many stages of tensor_parallel_size ranks each "
                               "(worker processes on this host)",
-    "distributed_executor_backend": "mp (worker processes; the default with more than one rank) | uni (one rank)",
+    "distributed_executor_backend": "mp (worker processes of this host; the default with more than one rank) | ray "
+                                    "(Ray actors, on one host or several) | uni (one rank)",
     "quantization": "weight quantization (docs/quantization.md): int8 (CPU), int4 (CPU, CUDA), gguf (a GGUF file's "
                     "own types, CPU), fp8 (CUDA); a GPTQ / AWQ / compressed-tensors checkpoint needs none",
     "async_output_processing": "auto | true | false: a step's detokenization during the next step's forward pass",

@@ -1,0 +1,371 @@
+"""RayExecutor: tensor and pipeline parallelism whose ranks are Ray actors
+(distributed_executor_backend="ray"; vLLM's Ray executor), so that the ranks can span hosts.
+
+Cluster: the one this process is connected to (``ray.init`` already called), else the cluster
+RAY_ADDRESS or ``ray start --head`` made on this host (``ray.init(address="auto")``), else a local
+one that this executor starts (and stops at shutdown). A placement group holds one bundle per
+rank — {"GPU": 1, "CPU": 1} on CUDA, {"CPU": 1} on the CPU — packed onto as few hosts as fit;
+bundle 0 is pinned to this host and reserved for rank 0, which runs in this (the driver's)
+process beside the scheduler and the sampler, as with "mp". Ranks 1..N-1 are actors of
+_RayWorker (worker/worker_process.py's WorkerRank inside), one per bundle. Too few devices in the
+cluster for tensor_parallel_size x pipeline_parallel_size ranks is a ValueError before any
+weight loads.
+
+Steps: the same flat step messages as "mp" (executor/step_message.py) reach every actor as one
+ordered actor call per message (Ray runs an actor's calls from one caller in order); the
+collectives go through torch.distributed (NCCL on GPUs, gloo on CPUs: the shared-memory
+communicator cannot cross hosts) with the rendezvous at this host's IP (master_addr). The hosts
+need the same Python environment and the model at the same path.
+
+Failures: an actor whose step raises aborts its groups, returns ("error", traceback) and ends its
+process a moment later (its peers' collectives fail when its connections close); the executor
+polls the finished calls each step, and raises RuntimeError naming the rank and its traceback
+(or Ray's report of a dead actor). shutdown() kills the actors and removes the placement group.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+import traceback
+from typing import Optional
+
+import torch
+
+from pagedllm import ops
+from pagedllm.distributed.parallel_state import free_port
+from pagedllm.distributed.pipeline import init_model_parallel
+from pagedllm.executor.abstract import Executor, ExecutorConfig
+from pagedllm.executor.multiproc_executor import cpu_threads_per_rank
+from pagedllm.executor.step_message import collect_message, encode_step, shutdown_message
+from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger("pagedllm")
+
+#: seconds to wait for the placement group's bundles (the cluster's devices) to be reserved
+PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT", "120"))
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("distributed_executor_backend='ray' needs Ray: pip install 'ray>=2.40' "
+                          "(or pip install 'pagedllm[ray]')") from None
+    return ray
+
+
+class _RayWorker:
+    """A rank > 0 as a Ray actor: WorkerRank built by init(), messages run by execute()."""
+
+    def __init__(self):
+        self.worker = None
+        self.failed = False
+
+    def node(self) -> dict:
+        import ray
+
+        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def init(self, rank: int, config: ExecutorConfig, backend: str, master_addr: str, port: int,
+             ranks_on_node: int):
+        from pagedllm.worker.worker_process import WorkerRank
+
+        try:
+            if config.device.type == "cpu":  # this host's cores, divided among its ranks
+                ops.set_cpu_threads(cpu_threads_per_rank(ranks_on_node))
+            device = torch.device("cuda", 0) if config.device.type == "cuda" else torch.device("cpu")  # Ray's GPU
+            self.worker = WorkerRank(rank, config, device, backend, port, master_addr=master_addr)
+            return "ready", self.worker.info()
+        except BaseException:  # noqa: BLE001 (returned to the driver, then the process ends)
+            return self._fail()
+
+    def execute(self, message: bytes):
+        if self.failed:
+            return "error", "this rank failed before"
+        try:
+            self.worker.handle(bytearray(message))
+            return None
+        except BaseException:  # noqa: BLE001
+            return self._fail()
+
+    def _fail(self):
+        self.failed = True
+        text = traceback.format_exc()
+        if self.worker is not None:
+            self.worker.abort()
+        # the reply goes out first; then the process ends, which releases its peers (gloo: the
+        # connections close) from collectives it will never join
+        threading.Timer(1.0, os._exit, args=(1,)).start()
+        return "error", text
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+class RayExecutor(Executor):
+    """See the module docstring. config.tensor_parallel_size x config.pipeline_parallel_size ranks."""
+
+    def __init__(self, config: ExecutorConfig):
+        self.ray = ray = _import_ray()
+        self.config = config
+        self.world = world = config.tensor_parallel_size * config.pipeline_parallel_size
+        device = torch.device("cuda", 0) if config.device.type == "cuda" else torch.device("cpu")
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.driver_runner: Optional[ModelRunner] = None
+        self.group = self.pp_group = None
+        self.actors: list = []
+        self.placement_group = None
+        self._owns_ray = False
+        self._refs: list = []  # (rank, ObjectRef) of calls not seen finished
+        self._dead: Optional[str] = None
+        self._threads_before = None
+        self.worker_info: list[dict] = []
+        try:
+            self._start(config, world, device)
+        except BaseException as exc:
+            self._raise_failure(exc, "start-up")
+        r0 = self.driver_runner
+        logger.info("%d ranks on Ray (tensor_parallel_size %d x pipeline_parallel_size %d, %s, backend %s); rank 0 "
+                    "(pid %d, this process): weights %.3f GiB, %d KV blocks", world, config.tensor_parallel_size,
+                    config.pipeline_parallel_size, device.type, self.backend, os.getpid(), r0.weight_bytes / 2**30,
+                    r0.num_blocks)
+        for info in self.worker_info:
+            logger.info("Ray worker rank %d (pid %d on %s): weights %.3f GiB, %d KV blocks (%d KV heads)", info["rank"],
+                        info["pid"], info.get("node_ip", "?"), info["weight_bytes"] / 2**30, info["num_blocks"],
+                        info["num_kv_heads"])
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def _connect(self) -> None:
+        ray = self.ray
+        if ray.is_initialized():
+            return
+        try:
+            ray.init(address="auto", log_to_driver=True)
+            logger.info("Ray: connected to the running cluster")
+        except (ConnectionError, RuntimeError, ValueError):
+            cpus = max(os.cpu_count() or 1, self.world)  # (logical: one bundle per rank on a small host)
+            ray.init(num_cpus=cpus, log_to_driver=True, include_dashboard=False)
+            self._owns_ray = True
+            logger.info("Ray: started a local cluster (%d CPUs)", cpus)
+
+    def _start(self, config: ExecutorConfig, world: int, device: torch.device) -> None:
+        ray = self.ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._connect()
+        kind = "GPU" if device.type == "cuda" else "CPU"
+        have = ray.cluster_resources().get(kind, 0)
+        if have < world:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} x pipeline_parallel_size="
+                             f"{config.pipeline_parallel_size} needs {world} {kind}s in the Ray cluster, which has "
+                             f"{have:g}")
+        ip = ray.util.get_node_ip_address()
+        bundle = {"GPU": 1, "CPU": 1} if kind == "GPU" else {"CPU": 1}
+        bundles = [dict(bundle, **{f"node:{ip}": 0.001})] + [dict(bundle) for _ in range(world - 1)]
+        self.placement_group = ray.util.placement_group(bundles, strategy="PACK")
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            raise ValueError(f"the Ray cluster could not place {world} bundles of {bundle} (one on this host, "
+                             f"{ip}) within {PLACEMENT_TIMEOUT_S:.0f} s (PAGEDLLM_RAY_PLACEMENT_TIMEOUT)")
+        actor_cls = ray.remote(_RayWorker)
+        for rank in range(1, world):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
+                                                        placement_group_bundle_index=rank)
+            options = dict(num_cpus=1, num_gpus=1 if kind == "GPU" else 0, scheduling_strategy=strategy,
+                           name=None, max_restarts=0)
+            self.actors.append(actor_cls.options(**options).remote())
+        nodes = ray.get([a.node.remote() for a in self.actors])
+        port = free_port()
+        here = ray.get_runtime_context().get_node_id()
+        per_node = collections.Counter([here] + [n["node_id"] for n in nodes])
+        threads = cpu_threads_per_rank(per_node[here])
+        init_refs = [a.init.remote(r, config, self.backend, ip, port, per_node[n["node_id"]])
+                     for r, (a, n) in enumerate(zip(self.actors, nodes), start=1)]
+        if device.type == "cpu":
+            self._threads_before = (torch.get_num_threads(), ops.get_num_threads())
+            ops.set_cpu_threads(threads)
+        try:
+            self.group, self.pp_group = self._join(config, device, port, ip, init_refs)
+            self.driver_runner = ModelRunner(config.model_path, config.model_config, device=device,
+                                             tp_group=self.group, pp_group=self.pp_group, **config.runner_kwargs())
+        except BaseException:
+            self._refs = list(enumerate(init_refs, start=1))
+            raise
+        for rank, (reply, node) in enumerate(zip(ray.get(init_refs), nodes), start=1):
+            kind_of, payload = reply
+            if kind_of == "error":
+                raise RuntimeError(f"Ray worker rank {rank} failed:\n{payload}")
+            self.worker_info.append(dict(payload, **node))
+
+    def _join(self, config: ExecutorConfig, device: torch.device, port: int, ip: str, init_refs: list):
+        """Rank 0's side of the rendezvous, in a thread, so that an actor failing before it joins
+        (which would leave the rendezvous waiting for its timeout) is raised now."""
+        box: dict = {}
+
+        def join() -> None:
+            try:
+                box["groups"] = init_model_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size,
+                                                    device, self.backend, port=port, master_addr=ip)
+            except BaseException as exc:  # noqa: BLE001 (re-raised below)
+                box["error"] = exc
+
+        thread = threading.Thread(target=join, name="pagedllm-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            done, _ = self.ray.wait(init_refs, num_returns=len(init_refs), timeout=0)
+            for rank, ref in enumerate(init_refs, start=1):
+                if ref in done and thread.is_alive():
+                    try:
+                        kind, payload = self.ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001 (the actor died)
+                        kind, payload = "error", f"{type(exc).__name__}: {exc}"
+                    if kind == "error":
+                        raise RuntimeError(f"Ray worker rank {rank} failed:\n{payload}")
+        if "error" in box:
+            raise box["error"]
+        return box["groups"]
+
+    # ---- failures ---------------------------------------------------------------------------
+    def _poll(self, timeout: float = 0.0) -> Optional[str]:
+        """Check the finished actor calls; the first failure found (also kept in self._dead)."""
+        ray = self.ray
+        if not self._refs:
+            return self._dead
+        refs = [ref for _, ref in self._refs]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        done_ids = {id(r) for r in done}
+        left = []
+        for rank, ref in self._refs:
+            if id(ref) not in done_ids:
+                left.append((rank, ref))
+                continue
+            try:
+                reply = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 (the actor died: Ray's report)
+                reply = ("error", f"{type(exc).__name__}: {exc}")
+            if isinstance(reply, tuple) and reply[0] == "error" and self._dead is None:
+                self._dead = f"Ray worker rank {rank} failed:\n{reply[1]}"
+                logger.error("%s", self._dead)
+        self._refs = left
+        return self._dead
+
+    def _raise_failure(self, exc: BaseException, during: str):
+        """Rank 0 failed: a worker's failure found within 2 s is the cause (rank 0's error is then
+        usually its symptom: a collective that lost its peer); otherwise rank 0's own exception.
+        The group is aborted and, at start-up, everything is shut down."""
+        deadline = time.monotonic() + 2.0
+        cause = self._poll()
+        while cause is None and self._refs and time.monotonic() < deadline:
+            cause = self._poll(0.1)
+        if self._dead is None:
+            self._dead = f"rank 0 failed during {during}: {type(exc).__name__}: {exc}"
+        for g in (self.group, self.pp_group):
+            if g is not None:
+                g.abort()
+        if during == "start-up":
+            self.shutdown()
+        if cause is not None and not isinstance(exc, ValueError):
+            raise RuntimeError(cause) from exc
+        raise exc
+
+    def check_health(self) -> None:
+        if self._poll() is not None:
+            raise RuntimeError(f"the tensor-parallel engine has stopped: {self._dead}")
+
+    # ---- steps ------------------------------------------------------------------------------
+    def _broadcast(self, parts) -> None:
+        message = b"".join(p.tobytes() for p in parts)
+        ref = self.ray.put(message)
+        self._refs += [(rank, a.execute.remote(ref)) for rank, a in enumerate(self.actors, start=1)]
+
+    def execute_model(self, sched, greedy_vocab: int = 0,
+                      prev_sampled: Optional[torch.Tensor] = None) -> ModelRunnerOutput:
+        if self.config.pipeline_parallel_size > 1:
+            return self.collect(self.submit(sched, prev_sampled))
+        self.check_health()
+        prev_n = int(prev_sampled.shape[0]) if sched.num_placeholders and prev_sampled is not None else 0
+        self._broadcast(encode_step(sched, prev_n))
+        try:
+            return self.driver_runner.execute_model(sched, greedy_vocab=0, prev_sampled=prev_sampled)
+        except BaseException as exc:
+            self._raise_failure(exc, f"step {sched.step_id}")
+
+    def submit(self, sched, prev_sampled: Optional[torch.Tensor] = None):
+        if self.config.pipeline_parallel_size == 1:
+            return self.execute_model(sched, prev_sampled=prev_sampled)
+        self.check_health()
+        prev_n = int(prev_sampled.shape[0]) if sched.num_placeholders and prev_sampled is not None else 0
+        self._broadcast(encode_step(sched, prev_n))
+        try:
+            return self.driver_runner.submit_step(sched, prev_sampled=prev_sampled)
+        except BaseException as exc:
+            self._raise_failure(exc, f"step {sched.step_id}")
+
+    def collect(self, handle) -> ModelRunnerOutput:
+        if self.config.pipeline_parallel_size == 1:
+            return handle
+        self.check_health()
+        if handle is not None and self.config.tensor_parallel_size > 1:  # stage 0's other ranks collect too
+            self._broadcast(collect_message(handle.step_id))
+        try:
+            return self.driver_runner.collect_step(handle)
+        except BaseException as exc:
+            self._raise_failure(exc, "step " + ("?" if handle is None else str(handle.step_id)))
+
+    @property
+    def pipeline_depth(self) -> int:
+        return self.config.pipeline_parallel_size
+
+    def argmax_applies(self, num_sampled: int) -> bool:
+        return False  # the LM head's logits are split across ranks
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [info["pid"] for info in self.worker_info]
+
+    def shutdown(self) -> None:
+        """Stop the actors (a shutdown message, then kill), free rank 0's weights and caches,
+        leave the groups, remove the placement group (and stop a cluster this executor started).
+        Idempotent."""
+        ray = self.ray
+        if self._dead is None and self.actors:
+            try:
+                self._broadcast(shutdown_message())
+                ray.get([a.close.remote() for a in self.actors], timeout=10)
+            except Exception:  # noqa: BLE001 (an actor died meanwhile: killed below)
+                pass
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001
+                pass
+        self.actors = []
+        self._refs = []
+        if self.driver_runner is not None:
+            self.driver_runner.shutdown()
+            self.driver_runner = None
+        for g in (self.group, self.pp_group):
+            if g is not None:
+                g.destroy()
+        self.group = self.pp_group = None
+        if self.placement_group is not None:
+            try:
+                ray.util.remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001
+                pass
+            self.placement_group = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before[0])
+            ops.set_num_threads(self._threads_before[1])
+            self._threads_before = None

@@ -1,0 +1,122 @@
+"""The Ray backend (distributed_executor_backend="ray") on the CPU: the same tokens as the "mp"
+backend, on a local cluster pagedllm starts itself and on a cluster of two Ray nodes simulated on
+this machine (ray.cluster_utils.Cluster), where the worker rank runs on the other node.
+
+- TP 2 on the local cluster pagedllm starts (and stops): greedy tokens and logprobs equal "mp".
+- On a two-node cluster: TP 2 and PP 2 equal one rank, the worker's actor on the second node; too
+  few CPUs for the ranks is a ValueError naming the numbers before any weight loads.
+- A killed actor stops the engine with an error naming the rank; shutdown leaves no actor process
+  and removes the placement group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+import ray  # (a test dependency)
+
+from test_tensor_parallel import assert_same_outputs, generate, random_prompts, wait_gone  # noqa: E402
+from tiny_models import build_tiny_engine_folder  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(build_tiny_engine_folder("llama", tmp_path_factory.mktemp("ray-llama"), num_hidden_layers=4))
+
+
+def engine(folder, tp: int = 1, pp: int = 1, backend=None, **kwargs):
+    from pagedllm import LLM
+
+    return LLM(folder, device="cpu", dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+               num_gpu_blocks_override=256, distributed_executor_backend=backend, **kwargs)
+
+
+def outputs(folder, prompts, params, **kwargs):
+    llm = engine(folder, **kwargs)
+    try:
+        return generate(llm, prompts, params)
+    finally:
+        llm.shutdown()
+
+
+def _params():
+    from pagedllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+def test_local_cluster_tp2_equals_mp(folder):
+    """No cluster running: the executor starts a local one, runs rank 1 as an actor and stops the
+    cluster at shutdown; the tokens and logprobs equal the "mp" backend's."""
+    assert not ray.is_initialized()
+    prompts = random_prompts(6, seed=21)
+    ref = outputs(folder, prompts, _params(), tp=2, backend="mp")
+    llm = engine(folder, tp=2, backend="ray")
+    try:
+        assert type(llm.llm_engine.executor).__name__ == "RayExecutor" and ray.is_initialized()
+        assert_same_outputs(generate(llm, prompts, _params()), ref)
+    finally:
+        llm.shutdown()
+    assert not ray.is_initialized()  # the cluster it started is gone
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A Ray cluster of two nodes of 1 CPU each on this machine, connected."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_two_nodes_equal_one_rank_with_the_worker_on_the_other_node(folder, two_nodes, tp, pp):
+    prompts = random_prompts(6, seed=22)
+    ref = outputs(folder, prompts, _params())
+    llm = engine(folder, tp=tp, pp=pp, backend="ray")
+    try:
+        executor = llm.llm_engine.executor
+        (info,) = executor.worker_info
+        assert info["node_id"] != ray.get_runtime_context().get_node_id()  # rank 1 on the other node
+        assert_same_outputs(generate(llm, prompts, _params()), ref)
+    finally:
+        llm.shutdown()
+    assert wait_gone([info["pid"]]) == []
+    from ray.util import placement_group_table
+
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+
+
+def test_more_ranks_than_cluster_cpus_fail_before_loading(folder, two_nodes):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 x pipeline_parallel_size=2 needs 4 CPUs in the Ray "
+                                         r"cluster, which has 2"):
+        engine(folder, tp=2, pp=2, backend="ray")
+
+
+def test_killed_actor_stops_the_engine(folder, two_nodes):
+    from pagedllm import SamplingParams
+
+    llm = engine(folder, tp=2, backend="ray")
+    executor = llm.llm_engine.executor
+    (pid,) = executor.worker_pids
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    threading.Timer(1.0, os.kill, args=(pid, signal.SIGKILL)).start()
+    with pytest.raises(RuntimeError, match="Ray worker rank 1"):
+        for _ in range(200):  # long enough that the kill lands mid-run
+            generate(llm, random_prompts(8, seed=9), params)
+    with pytest.raises(RuntimeError, match="engine has stopped"):
+        generate(llm, random_prompts(1, seed=9), params)
+    llm.shutdown()
+    assert wait_gone([pid]) == []
