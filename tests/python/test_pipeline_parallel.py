@@ -129,25 +129,25 @@ def test_pipeline_greedy_and_logprobs_equal_one_rank(folders, arch, tp, pp):
 @pytest.mark.slow
 def test_pipeline_bf16_with_packed_weights_close_to_one_rank(folders):
     """bfloat16 on the CPU: each stage packs its projections (oneDNN, or AMX and the native
-    decoder stack where present; stage 1 has no LM head to pack); greedy tokens agree with one
-    rank at >= 90% of positions (batches differ: the steps in flight split the sequences)."""
+    decoder stack where present; stage 1 has no LM head to pack). One request at a time (the same
+    batches as one rank: bfloat16 GEMM sums depend on the batch's shape), the greedy tokens equal
+    one rank's."""
     from pagedllm import SamplingParams
     from pagedllm.model_executor.layers.cpu_linear_methods import can_pack_linear
 
     if not can_pack_linear(torch.bfloat16, torch.device("cpu")):
         pytest.skip("this CPU's oneDNN has no bfloat16 packing")
     folder = folders("llama3")
-    prompts = random_prompts(8, seed=15)
+    prompts = random_prompts(3, seed=15)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     runs = {}
     for pp in (1, 2):
         llm = engine(folder, 1, pp, dtype="bfloat16")
         try:
-            runs[pp] = [o.outputs[0].token_ids for o in generate(llm, prompts, params)]
+            runs[pp] = [generate(llm, [p], params)[0].outputs[0].token_ids for p in prompts]
         finally:
             llm.shutdown()
-    same = sum(a == b for x, y in zip(runs[1], runs[2]) for a, b in zip(x, y))
-    assert same >= 0.9 * sum(len(x) for x in runs[1])
+    assert runs[2] == runs[1]
 
 
 @pytest.mark.slow
