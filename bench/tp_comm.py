@@ -9,10 +9,14 @@ the collectives' share of a decode step.
    a gloo broadcast of the same bytes, 0.5 ms and 5 ms after the previous one (the reader polls
    for 2 ms, then sleeps). Median microseconds from put to the reader's copy.
 3. --engine: a SmolLM2-135M-sized model (ENGINE_SHAPE, random weights: 8 heads so that 2 ranks
-   divide them) at tensor_parallel_size 1 and --world, fp32 decode steps of --batch sequences: the
-   step time and the time rank 0 spends in all_reduce / all_gather.
+   divide them; --tiny: TINY_SHAPE, 4 small layers, where a step is mostly overhead) in each of
+   --layouts (default tp1 and tp<world>: "tpN" / "ppN" / "tpNxppM", "-ray" for the Ray backend
+   instead of "mp", "-gloo" for "mp" with gloo's collectives), fp32 decode steps of --batch sequences: the median engine.step() time, the
+   time per decode round (every sequence one token; pipeline steps hold a share of the sequences),
+   its overhead against tp1 in microseconds, and the time rank 0 spends in all_reduce / all_gather.
 
     PYTHONPATH=python python3 bench/tp_comm.py [--world 2] [--engine] [--batch 1 16 64]
+        [--tiny --layouts tp1 tp2 tp2-ray pp2 pp2-ray --skip-collectives]
 
 Prints JSON and writes bench/results/<YYYY-MM-DD>-<hostname>-tp_comm.json with the git commit.
 """
@@ -208,16 +212,37 @@ ENGINE_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
                 "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "torch_dtype": "float32"}
 
 
-def bench_engine(world: int, batches: list[int], steps: int) -> dict:
-    """Decode-step time of ENGINE_SHAPE (random weights) at TP 1 and TP world, and rank 0's time
-    in collectives."""
+TINY_SHAPE = dict(ENGINE_SHAPE, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                  vocab_size=1024)
+
+
+def parse_layout(text: str) -> tuple[int, int, str]:
+    """"tp2" / "pp2" / "tp2xpp2", optionally "-ray" (the Ray backend) or "-gloo" ("mp" with gloo
+    for the CPU's tensor-parallel collectives) -> (tp, pp, backend)."""
+    body, _, backend = text.partition("-")
+    tp = pp = 1
+    for part in body.split("x"):
+        if part.startswith("tp"):
+            tp = int(part[2:])
+        elif part.startswith("pp"):
+            pp = int(part[2:])
+        else:
+            raise ValueError(f"layout {text!r}: expected tpN, ppN or tpNxppM with an optional -ray")
+    return tp, pp, backend or "mp"
+
+
+def bench_engine(world: int, batches: list[int], steps: int, layouts: list[str] | None = None,
+                 shape: dict = ENGINE_SHAPE) -> dict:
+    """Decode-step time of `shape` (random weights) in each layout, and rank 0's time in
+    collectives."""
     import tempfile
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.distributed.parallel_state import GroupCoordinator
 
     folder = tempfile.mkdtemp(prefix="tp-comm-")
-    (Path(folder) / "config.json").write_text(json.dumps(ENGINE_SHAPE))
+    (Path(folder) / "config.json").write_text(json.dumps(shape))
+    layouts = layouts or [f"tp{n}" for n in sorted({1, world})]
 
     spent = {"all_reduce": 0.0, "all_gather": 0.0, "all_reduce_calls": 0, "all_gather_calls": 0}
     originals = {k: getattr(GroupCoordinator, k) for k in ("all_reduce", "all_gather")}
@@ -237,11 +262,15 @@ def bench_engine(world: int, batches: list[int], steps: int) -> dict:
         setattr(GroupCoordinator, name, timed(name))
     out = {}
     try:
-        for tp in sorted({1, world}):
+        for layout in layouts:
+            tp, pp, backend = parse_layout(layout)
+            os.environ["PAGEDLLM_CPU_TP_BACKEND"] = "gloo" if backend == "gloo" else "shm"
             llm = LLM(folder, load_format="dummy", dtype="float32", device="cpu", tensor_parallel_size=tp,
+                      pipeline_parallel_size=pp,
+                      distributed_executor_backend=None if tp * pp == 1 else "ray" if backend == "ray" else "mp",
                       max_model_len=512, num_gpu_blocks_override=1024)
-            if tp == 1:
-                torch.set_num_threads(world)  # the same cores as the TP ranks together
+            if tp * pp == 1:
+                torch.set_num_threads(world)  # the same cores as the ranks together
             engine = llm.llm_engine
             for batch in batches:
                 params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -251,25 +280,34 @@ def bench_engine(world: int, batches: list[int], steps: int) -> dict:
                     engine.step()
                 times = []
                 before = dict(spent)
+                generated = engine.core.stats().num_generation_tokens
+                start = time.perf_counter()
                 for _ in range(steps):
                     t0 = time.perf_counter()
                     engine.step()
                     times.append(time.perf_counter() - t0)
+                elapsed = time.perf_counter() - start
+                rounds = (engine.core.stats().num_generation_tokens - generated) / batch  # every sequence +1
                 after = dict(spent)
                 while engine.has_unfinished_requests():
                     engine.step()
                 step_ms = float(np.median(times)) * 1e3
                 comm_ms = (after["all_reduce"] + after["all_gather"] - before["all_reduce"] - before["all_gather"]) \
                     / steps * 1e3
-                out[f"tp{tp}/batch{batch}"] = {
+                out[f"{layout}/batch{batch}"] = {
                     "decode_step_ms": round(step_ms, 3), "rank0_collectives_ms_per_step": round(comm_ms, 3),
                     "collective_share": round(comm_ms / step_ms, 3) if tp > 1 else 0.0,
+                    "decode_round_ms": round(elapsed / max(rounds, 1e-9) * 1e3, 3),
                     "all_reduces_per_step": (after["all_reduce_calls"] - before["all_reduce_calls"]) / steps,
                     "all_gathers_per_step": (after["all_gather_calls"] - before["all_gather_calls"]) / steps}
             llm.shutdown()
     finally:
         for name, fn in originals.items():
             setattr(GroupCoordinator, name, fn)
+    for key, row in out.items():  # the overhead of each layout's decode round against one rank's
+        base = out.get(f"tp1/{key.split('/')[1]}")
+        if base is not None:
+            row["decode_round_overhead_us_vs_tp1"] = round((row["decode_round_ms"] - base["decode_round_ms"]) * 1e3, 1)
     return out
 
 
@@ -281,6 +319,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip-gloo", action="store_true")
+    ap.add_argument("--skip-collectives", action="store_true", help="only --engine (no all-reduce / hand-off parts)")
+    ap.add_argument("--tiny", action="store_true", help="--engine on TINY_SHAPE (steps are mostly overhead)")
+    ap.add_argument("--layouts", nargs="+", default=None,
+                    help="--engine layouts: tpN, ppN, tpNxppM, with -ray for the Ray backend (default tp1 tp<world>)")
+    ap.add_argument("--name", default="tp_comm", help="result file: <date>-<hostname>-<name>.json")
     args = ap.parse_args()
     result = {
         "bench": "tp_comm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -288,18 +331,20 @@ def main() -> int:
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
-    result["engine_shape"] = ENGINE_SHAPE
-    result["all_reduce"] = {"shm": bench_allreduce(args.world, "shm", args.iters)}
-    if not args.skip_gloo:
-        result["all_reduce"]["gloo"] = bench_allreduce(args.world, "gloo", max(10, args.iters // 10))
-        result["dispatch"] = bench_dispatch(args.world, 40)
+    shape = TINY_SHAPE if args.tiny else ENGINE_SHAPE
+    result["engine_shape"] = shape
+    if not args.skip_collectives:
+        result["all_reduce"] = {"shm": bench_allreduce(args.world, "shm", args.iters)}
+        if not args.skip_gloo:
+            result["all_reduce"]["gloo"] = bench_allreduce(args.world, "gloo", max(10, args.iters // 10))
+            result["dispatch"] = bench_dispatch(args.world, 40)
     if args.engine:
-        result["engine"] = bench_engine(args.world, args.batch, args.steps)
+        result["engine"] = bench_engine(args.world, args.batch, args.steps, args.layouts, shape)
     text = json.dumps(result, indent=2)
     print(text)
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{datetime.date.today().isoformat()}-{platform.node() or 'machine'}-tp_comm.json").write_text(text + "\n")
+    (out / f"{datetime.date.today().isoformat()}-{platform.node() or 'machine'}-{args.name}.json").write_text(text + "\n")
     return 0
 
 

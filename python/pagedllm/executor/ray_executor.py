@@ -14,7 +14,9 @@ weight loads.
 Steps: the same flat step messages as "mp" (executor/step_message.py) reach every actor as one
 ordered actor call per message (Ray runs an actor's calls from one caller in order); the
 collectives go through torch.distributed (NCCL on GPUs, gloo on CPUs: the shared-memory
-communicator cannot cross hosts) with the rendezvous at this host's IP (master_addr). The hosts
+communicator cannot cross hosts) with the rendezvous at this host's IP (master_addr) — except
+tensor parallelism on CPUs with every rank on this host, which takes the shared-memory
+communicator as "mp" does. The hosts
 need the same Python environment and the model at the same path.
 
 Failures: an actor whose step raises aborts its groups, returns ("error", traceback) and ends its
@@ -36,7 +38,7 @@ from typing import Optional
 import torch
 
 from pagedllm import ops
-from pagedllm.distributed.parallel_state import free_port
+from pagedllm.distributed.parallel_state import GroupCoordinator, default_backend, free_port
 from pagedllm.distributed.pipeline import init_model_parallel
 from pagedllm.executor.abstract import Executor, ExecutorConfig
 from pagedllm.executor.multiproc_executor import cpu_threads_per_rank
@@ -71,14 +73,14 @@ class _RayWorker:
         return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def init(self, rank: int, config: ExecutorConfig, backend: str, master_addr: str, port: int,
-             ranks_on_node: int):
+             ranks_on_node: int, shm_handle=None):
         from pagedllm.worker.worker_process import WorkerRank
 
         try:
             if config.device.type == "cpu":  # this host's cores, divided among its ranks
                 ops.set_cpu_threads(cpu_threads_per_rank(ranks_on_node))
             device = torch.device("cuda", 0) if config.device.type == "cuda" else torch.device("cpu")  # Ray's GPU
-            self.worker = WorkerRank(rank, config, device, backend, port, master_addr=master_addr)
+            self.worker = WorkerRank(rank, config, device, backend, port, shm_handle, master_addr=master_addr)
             return "ready", self.worker.info()
         except BaseException:  # noqa: BLE001 (returned to the driver, then the process ends)
             return self._fail()
@@ -124,6 +126,9 @@ class RayExecutor(Executor):
         self.placement_group = None
         self._owns_ray = False
         self._refs: list = []  # (rank, ObjectRef) of calls not seen finished
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
         self._dead: Optional[str] = None
         self._threads_before = None
         self.worker_info: list[dict] = []
@@ -167,9 +172,17 @@ class RayExecutor(Executor):
                              f"{config.pipeline_parallel_size} needs {world} {kind}s in the Ray cluster, which has "
                              f"{have:g}")
         ip = ray.util.get_node_ip_address()
+        here = ray.get_runtime_context().get_node_id()
         bundle = {"GPU": 1, "CPU": 1} if kind == "GPU" else {"CPU": 1}
-        bundles = [dict(bundle, **{f"node:{ip}": 0.001})] + [dict(bundle) for _ in range(world - 1)]
-        self.placement_group = ray.util.placement_group(bundles, strategy="PACK")
+        bundles = [dict(bundle) for _ in range(world)]
+        try:  # bundle 0 (rank 0's) on this node: by its id (Ray >= 2.4x's label selectors) ...
+            from ray.util.placement_group import NODE_ID_LABEL_KEY
+
+            self.placement_group = ray.util.placement_group(
+                bundles, strategy="PACK", bundle_label_selector=[{NODE_ID_LABEL_KEY: here}] + [{}] * (world - 1))
+        except (ImportError, TypeError):  # ... or by its IP's resource
+            bundles[0][f"node:{ip}"] = 0.001
+            self.placement_group = ray.util.placement_group(bundles, strategy="PACK")
         ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             raise ValueError(f"the Ray cluster could not place {world} bundles of {bundle} (one on this host, "
@@ -183,21 +196,29 @@ class RayExecutor(Executor):
             self.actors.append(actor_cls.options(**options).remote())
         nodes = ray.get([a.node.remote() for a in self.actors])
         port = free_port()
-        here = ray.get_runtime_context().get_node_id()
         per_node = collections.Counter([here] + [n["node_id"] for n in nodes])
         threads = cpu_threads_per_rank(per_node[here])
-        init_refs = [a.init.remote(r, config, self.backend, ip, port, per_node[n["node_id"]])
+        shm_handle = None
+        if device.type == "cpu" and config.pipeline_parallel_size == 1 and per_node[here] == world:
+            # every rank on this host: pagedllm's shared-memory all-reduce instead of gloo's (the
+            # "mp" default; gloo's costs milliseconds per call on a small CPU host)
+            self.backend = default_backend(device)
+            if self.backend == "shm":
+                self.group = GroupCoordinator.init(0, world, device, "shm")
+                shm_handle = self.group.shm.handle()
+        init_refs = [a.init.remote(r, config, self.backend, ip, port, per_node[n["node_id"]], shm_handle)
                      for r, (a, n) in enumerate(zip(self.actors, nodes), start=1)]
+        with self._lock:
+            self._refs = list(enumerate(init_refs, start=1))
+        self._watcher = threading.Thread(target=self._watch, name="pagedllm-ray-watch", daemon=True)
+        self._watcher.start()
         if device.type == "cpu":
             self._threads_before = (torch.get_num_threads(), ops.get_num_threads())
             ops.set_cpu_threads(threads)
-        try:
+        if self.group is None:
             self.group, self.pp_group = self._join(config, device, port, ip, init_refs)
-            self.driver_runner = ModelRunner(config.model_path, config.model_config, device=device,
-                                             tp_group=self.group, pp_group=self.pp_group, **config.runner_kwargs())
-        except BaseException:
-            self._refs = list(enumerate(init_refs, start=1))
-            raise
+        self.driver_runner = ModelRunner(config.model_path, config.model_config, device=device,
+                                         tp_group=self.group, pp_group=self.pp_group, **config.runner_kwargs())
         for rank, (reply, node) in enumerate(zip(ray.get(init_refs), nodes), start=1):
             kind_of, payload = reply
             if kind_of == "error":
@@ -235,27 +256,51 @@ class RayExecutor(Executor):
 
     # ---- failures ---------------------------------------------------------------------------
     def _poll(self, timeout: float = 0.0) -> Optional[str]:
-        """Check the finished actor calls; the first failure found (also kept in self._dead)."""
+        """Check the finished actor calls (waiting up to `timeout` s for one); the first failure
+        found is kept in self._dead, and the groups are aborted (so that rank 0 is not left in a
+        shared-memory collective). Returns self._dead. Thread-safe (the watcher calls it too)."""
         ray = self.ray
-        if not self._refs:
-            return self._dead
-        refs = [ref for _, ref in self._refs]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        done_ids = {id(r) for r in done}
-        left = []
-        for rank, ref in self._refs:
-            if id(ref) not in done_ids:
-                left.append((rank, ref))
-                continue
-            try:
-                reply = ray.get(ref)
-            except Exception as exc:  # noqa: BLE001 (the actor died: Ray's report)
-                reply = ("error", f"{type(exc).__name__}: {exc}")
-            if isinstance(reply, tuple) and reply[0] == "error" and self._dead is None:
-                self._dead = f"Ray worker rank {rank} failed:\n{reply[1]}"
-                logger.error("%s", self._dead)
-        self._refs = left
+        with self._lock:
+            snapshot = list(self._refs)
+        if snapshot:
+            done, _ = ray.wait([ref for _, ref in snapshot], num_returns=1, timeout=timeout)
+            if done:  # then everything finished by now
+                done, _ = ray.wait([ref for _, ref in snapshot], num_returns=len(snapshot), timeout=0)
+            finished = set(done)
+            failure = None
+            mine = [(rank, ref) for rank, ref in snapshot if ref in finished]
+            try:  # one call for all (each ray.get costs tens of microseconds)
+                replies = ray.get([ref for _, ref in mine])
+            except Exception:  # noqa: BLE001 (an actor died: find which, with Ray's report)
+                replies = []
+                for _, ref in mine:
+                    try:
+                        replies.append(ray.get(ref))
+                    except Exception as exc:  # noqa: BLE001
+                        replies.append(("error", f"{type(exc).__name__}: {exc}"))
+            for (rank, _), reply in zip(mine, replies):
+                if isinstance(reply, tuple) and reply[0] == "error" and failure is None:
+                    failure = f"Ray worker rank {rank} failed:\n{reply[1]}"
+            with self._lock:
+                self._refs = [(rank, ref) for rank, ref in self._refs if ref not in finished]
+                if failure is not None and self._dead is None:
+                    self._dead = failure
+                    logger.error("%s", failure)
+                    self._abort_groups()
         return self._dead
+
+    def _abort_groups(self) -> None:
+        for g in (self.group, self.pp_group):
+            if g is not None:
+                g.abort()
+
+    def _watch(self) -> None:
+        """The watcher thread: notices a failed or dead actor while rank 0 waits in a collective."""
+        while not self._closing.wait(0.2) and self._dead is None:
+            try:  # (timeout 0: a waiting ray.wait slows the driver's own Ray calls many times over)
+                self._poll(0.0)
+            except Exception:  # noqa: BLE001 (Ray shutting down)
+                return
 
     def _raise_failure(self, exc: BaseException, during: str):
         """Rank 0 failed: a worker's failure found within 2 s is the cause (rank 0's error is then
@@ -267,9 +312,7 @@ class RayExecutor(Executor):
             cause = self._poll(0.1)
         if self._dead is None:
             self._dead = f"rank 0 failed during {during}: {type(exc).__name__}: {exc}"
-        for g in (self.group, self.pp_group):
-            if g is not None:
-                g.abort()
+        self._abort_groups()
         if during == "start-up":
             self.shutdown()
         if cause is not None and not isinstance(exc, ValueError):
@@ -283,8 +326,11 @@ class RayExecutor(Executor):
     # ---- steps ------------------------------------------------------------------------------
     def _broadcast(self, parts) -> None:
         message = b"".join(p.tobytes() for p in parts)
-        ref = self.ray.put(message)
-        self._refs += [(rank, a.execute.remote(ref)) for rank, a in enumerate(self.actors, start=1)]
+        # a large step once into the object store; a small one inline with each call
+        ref = self.ray.put(message) if len(message) > (64 << 10) and len(self.actors) > 1 else message
+        calls = [(rank, a.execute.remote(ref)) for rank, a in enumerate(self.actors, start=1)]
+        with self._lock:
+            self._refs += calls
 
     def execute_model(self, sched, greedy_vocab: int = 0,
                       prev_sampled: Optional[torch.Tensor] = None) -> ModelRunnerOutput:
@@ -336,6 +382,10 @@ class RayExecutor(Executor):
         leave the groups, remove the placement group (and stop a cluster this executor started).
         Idempotent."""
         ray = self.ray
+        self._closing.set()
+        if self._watcher is not None:
+            self._watcher.join(2.0)
+            self._watcher = None
         if self._dead is None and self.actors:
             try:
                 self._broadcast(shutdown_message())
