@@ -95,3 +95,33 @@ def test_a_dead_replica_fails_its_requests_and_the_other_keeps_serving():
         assert server.proc.poll() is None  # the server keeps running with one replica
     finally:
         server.stop()
+
+
+def test_gpu_replicas_each_see_their_own_tp_x_pp_gpus(monkeypatch):
+    """On an (pretended) 8-GPU machine, replica i of -dp 2 -tp 2 -pp 2 starts with
+    CUDA_VISIBLE_DEVICES = GPUs 4i..4i+3 (of the visible list, kept in order), restored afterwards;
+    more GPUs than visible and DP x Ray on GPUs are refused by name."""
+    import os
+
+    import torch
+
+    from pagedllm.engine.data_parallel import check_data_parallel, replica_device
+    from pagedllm.engine.llm_engine import EngineArgs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4,3,2,1,0")
+    args = EngineArgs(model=None, device="cuda", data_parallel_size=2, tensor_parallel_size=2,
+                      pipeline_parallel_size=2)
+    assert check_data_parallel(args) == 2
+    seen = []
+    for i in range(2):
+        with replica_device(args, i):
+            seen.append(os.environ["CUDA_VISIBLE_DEVICES"])
+    assert seen == ["7,6,5,4", "3,2,1,0"] and os.environ["CUDA_VISIBLE_DEVICES"] == "7,6,5,4,3,2,1,0"
+    with pytest.raises(ValueError, match="needs 16 GPUs, but 8 are visible"):
+        check_data_parallel(EngineArgs(model=None, device="cuda", data_parallel_size=2, tensor_parallel_size=4,
+                                       pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="distributed_executor_backend='ray' on GPUs"):
+        check_data_parallel(EngineArgs(model=None, device="cuda", data_parallel_size=2, tensor_parallel_size=2,
+                                       distributed_executor_backend="ray"))

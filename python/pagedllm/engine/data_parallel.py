@@ -2,8 +2,9 @@
 ``--data-parallel-size``).
 
 ``DPAsyncLLM`` has AsyncLLM's interface (what the OpenAI server uses) over D AsyncLLMs, each with
-its own engine process, KV pool and model copy (on CUDA one GPU each, the process seeing only
-its own: CUDA_VISIBLE_DEVICES; tensor parallelism inside replicas is CPU-only for now). A request goes
+its own engine process, KV pool and model copy (on CUDA tensor_parallel_size x
+pipeline_parallel_size GPUs each, the process and its workers seeing only those:
+CUDA_VISIBLE_DEVICES). A request goes
 to the live replica with the fewest requests in flight as this front end counts them (accepted and
 not finished, plus those being accepted: running + waiting), the lowest index on ties, and stays
 there; aborts go to every live replica (an unknown id is a no-op). Metrics are each replica's with
@@ -40,17 +41,20 @@ def replica_args(engine_args: EngineArgs) -> EngineArgs:
 
 @contextlib.contextmanager
 def replica_device(engine_args: EngineArgs, index: int):
-    """While replica `index`'s engine process starts on a CUDA machine: CUDA_VISIBLE_DEVICES = the
-    index-th visible GPU alone, so the process sees its GPU as its only (current) one, as vLLM's
-    data-parallel ranks do (the native kernels use the current device). A no-op without a GPU."""
+    """While replica `index`'s engine process starts on a CUDA machine: CUDA_VISIBLE_DEVICES = its
+    n = tensor_parallel_size x pipeline_parallel_size visible GPUs, [index * n, (index + 1) * n),
+    so the process sees its first GPU as the current one and its worker ranks (spawned from it,
+    cuda:rank) the others, as vLLM's data-parallel ranks do (the native kernels use the current
+    device). A no-op without a GPU."""
     import torch
 
     if str(engine_args.device) not in ("auto", "cuda") or not torch.cuda.is_available():
         yield
         return
+    n = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = saved.split(",") if saved else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[index * n:(index + 1) * n])
     try:
         yield
     finally:
@@ -74,13 +78,12 @@ def check_data_parallel(engine_args: EngineArgs) -> int:
 
         if torch.cuda.is_available():
             tp, pp = engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size
-            if tp > 1 or pp > 1:
-                raise ValueError(f"data_parallel_size={d} with tensor_parallel_size={tp} x pipeline_parallel_size={pp} "
-                                 "on GPUs is not supported yet (each replica's ranks would need their own devices); "
-                                 "use one of them")
-            if d > torch.cuda.device_count():
-                raise ValueError(f"data_parallel_size={d} needs {d} GPUs (one replica each), but "
-                                 f"{torch.cuda.device_count()} are visible")
+            if tp * pp > 1 and engine_args.distributed_executor_backend == "ray":
+                raise ValueError(f"data_parallel_size={d} with distributed_executor_backend='ray' on GPUs is not "
+                                 "supported (Ray places each replica's ranks itself): use 'mp'")
+            if d * tp * pp > torch.cuda.device_count():
+                raise ValueError(f"data_parallel_size={d} x tensor_parallel_size={tp} x pipeline_parallel_size={pp} "
+                                 f"needs {d * tp * pp} GPUs, but {torch.cuda.device_count()} are visible")
     return d
 
 

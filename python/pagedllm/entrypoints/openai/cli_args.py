@@ -14,7 +14,7 @@ from pagedllm.engine.llm_engine import EngineArgs
 
 _HELP = {
     "data_parallel_size": "engine replicas behind this server (each its own process, KV pool and model copy; "
-                          "requests go to the least loaded; one GPU each on CUDA)",
+                          "requests go to the least loaded; tensor x pipeline parallel GPUs each on CUDA)",
     "tokenizer": "tokenizer folder (default: the model's)",
     "dtype": "auto | float32 | bfloat16 | float16 (CUDA)",
     "max_model_len": "context length (prompt + output tokens); default the model's",
