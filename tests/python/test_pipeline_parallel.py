@@ -236,6 +236,50 @@ def test_beam_search_and_aborts_under_pp2(folders):
     assert len(results[2][1]) == 6 and results[2][1] == results[1][1]
 
 
+@pytest.mark.slow
+def test_a_failure_while_flushing_the_pipeline_keeps_the_stages_in_step(folders):
+    """PP 3: a sampler error while an abort flushes the steps in flight (ranks healthy): the abort
+    raises it, the other steps in flight are still collected (the stages send rows in order) and
+    released unapplied; afterwards the requests finish with one rank's tokens and no block is held."""
+    from pagedllm import SamplingParams
+
+    folder = folders("llama3")
+    prompts = random_prompts(8, seed=16)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref, _ = run(folder, prompts, params)
+    llm = engine(folder, 1, 3)
+    try:
+        eng = llm.llm_engine
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", None, p["prompt_token_ids"], params)
+        for _ in range(4):
+            eng.step()
+        assert len(eng._pipeline) == 2  # two steps in flight after each step() at PP 3
+        real = type(eng.sampler).__call__
+
+        def failing(self, *args, **kwargs):
+            type(self).__call__ = real  # once
+            raise RuntimeError("injected sampler failure")
+
+        type(eng.sampler).__call__ = failing
+        try:
+            with pytest.raises(RuntimeError, match="injected sampler failure"):
+                eng.abort_request("r7")
+        finally:
+            type(eng.sampler).__call__ = real
+        assert not eng._pipeline
+        eng.abort_request("r7")
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert eng.core.num_kv_seqs() == 0
+    finally:
+        llm.shutdown()
+    assert {f"r{i}": ref[i].outputs[0].token_ids for i in range(7)} == {k: v for k, v in done.items() if k != "r7"}
+
+
 # ---------------------------------------------------------------- errors and process hygiene
 def test_bad_pipeline_settings_fail_before_any_process_starts(folders):
     import multiprocessing

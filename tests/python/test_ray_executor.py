@@ -82,14 +82,20 @@ def two_nodes():
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_two_nodes_equal_one_rank_with_the_worker_on_the_other_node(folder, two_nodes, tp, pp):
+def test_two_nodes_equal_one_rank_with_the_worker_on_the_other_node(folder, two_nodes, tp, pp, monkeypatch):
+    """PP 2 also with PAGEDLLM_PP_LAYER_PARTITION=1,3 set in this process only (the actors' hosts
+    do not have it): the split travels with the executor's config, so the stages agree."""
     prompts = random_prompts(6, seed=22)
     ref = outputs(folder, prompts, _params())
+    if pp > 1:
+        monkeypatch.setenv("PAGEDLLM_PP_LAYER_PARTITION", "1,3")
     llm = engine(folder, tp=tp, pp=pp, backend="ray")
     try:
         executor = llm.llm_engine.executor
         (info,) = executor.worker_info
         assert info["node_id"] != ray.get_runtime_context().get_node_id()  # rank 1 on the other node
+        if pp > 1:
+            assert (executor.driver_runner.model.start_layer, executor.driver_runner.model.end_layer) == (0, 1)
         assert_same_outputs(generate(llm, prompts, _params()), ref)
     finally:
         llm.shutdown()

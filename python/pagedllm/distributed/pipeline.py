@@ -66,17 +66,30 @@ class PipelineGroup:
     world-wide agreements (the KV pool's block count). single() is one stage, no communication."""
 
     def __init__(self, rank: int, world_size: int, tp_rank: int, tp_size: int, device: torch.device,
-                 world: Optional[GroupCoordinator] = None):
+                 world: Optional[GroupCoordinator] = None, partition: Optional[list[int]] = None):
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.tp_rank = int(tp_rank)
         self.tp_size = int(tp_size)
         self.device = device
         self.world = world
+        #: layers per stage as the driver decided them (None: pp_partition here, from this process's
+        #: environment — every rank of an "mp" group shares the driver's)
+        self.partition = None if partition is None else [int(c) for c in partition]
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "PipelineGroup":
         return cls(0, 1, 0, 1, torch.device(device))
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """This stage's decoder layers [start, end) of num_layers."""
+        if self.world_size == 1:
+            return 0, num_layers
+        counts = self.partition or pp_partition(num_layers, self.world_size)
+        if len(counts) != self.world_size or sum(counts) != num_layers:
+            raise ValueError(f"layer partition {counts} does not split {num_layers} layers into {self.world_size} stages")
+        start = sum(counts[:self.rank])
+        return start, start + counts[self.rank]
 
     @property
     def is_first(self) -> bool:
@@ -126,13 +139,13 @@ class PipelineGroup:
 
 def init_model_parallel(rank: int, tp_size: int, pp_size: int, device: torch.device, backend: str, *,
                         port: Optional[int] = None, shm_handle: Optional[tuple[str, int]] = None,
-                        timeout_s: float = 600.0, master_addr: str = "127.0.0.1"
-                        ) -> tuple[GroupCoordinator, PipelineGroup]:
+                        timeout_s: float = 600.0, master_addr: str = "127.0.0.1",
+                        partition: Optional[list[int]] = None) -> tuple[GroupCoordinator, PipelineGroup]:
     """This process's tensor-parallel group and pipeline view, as global rank `rank` of
     tp_size x pp_size. pp_size 1: GroupCoordinator.init (any backend) and a one-stage pipeline.
     pp_size > 1: torch.distributed's world group ("nccl" on CUDA, "gloo" on the CPU: `backend`
     must be one of those) through master_addr:port (rank 0's host), and each stage's TP group as
-    a subgroup."""
+    a subgroup. partition: the layers per stage (the driver's pp_partition, carried to every rank)."""
     if pp_size == 1:
         return (GroupCoordinator.init(rank, tp_size, device, backend, port=port, shm_handle=shm_handle,
                                       timeout_s=timeout_s, master_addr=master_addr), PipelineGroup.single(device))
@@ -158,4 +171,4 @@ def init_model_parallel(rank: int, tp_size: int, pp_size: int, device: torch.dev
             group = dist.new_group(ranks, backend=backend)
             if s == stage:
                 tp_group = GroupCoordinator(tp_rank, tp_size, device, backend, process_group=group, ranks=ranks)
-    return tp_group, PipelineGroup(stage, pp_size, tp_rank, tp_size, device, world)
+    return tp_group, PipelineGroup(stage, pp_size, tp_rank, tp_size, device, world, partition)

@@ -165,9 +165,10 @@ class LLMEngine:
             raise ValueError(f"head_dim={cfg.head_dim} is not supported by the attention kernels: "
                              f"{list(ops.SUPPORTED_HEAD_SIZES)}")
         if tp > 1:  # before any process starts
-            _check_tensor_parallel(cfg, tp, self.device)
+            _check_tensor_parallel(cfg, tp, self.device, args.distributed_executor_backend)
         if pp > 1:
-            _check_pipeline_parallel(cfg, tp, pp, self.device, self.speculative_config)
+            _check_pipeline_parallel(cfg, tp, pp, self.device, self.speculative_config,
+                                     args.distributed_executor_backend)
         self.dtype = resolve_dtype(args.dtype, cfg.dtype, self.device)
         needed = required_dtype(args.quantization, cfg.quantization, self.device)
         if needed is not None and args.dtype in (None, "auto") and self.dtype != needed:
@@ -196,6 +197,7 @@ class LLMEngine:
                 load_format=args.load_format, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=args.seed,
                 async_scheduling=self.async_scheduling, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                pipeline_partition=pp_partition(cfg.num_hidden_layers, pp) if pp > 1 else None,
                 quantization=args.quantization,
                 gguf_file=self.gguf_file, distributed_executor_backend=args.distributed_executor_backend,
                 kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=bool(args.calculate_kv_scales),
@@ -547,21 +549,36 @@ class LLMEngine:
         return stops
 
     def _flush_pipeline(self) -> None:
-        """Finish every submitted step (pipeline parallelism), so that none is in flight."""
+        """Finish every submitted step (pipeline parallelism), so that none is in flight. If one
+        fails on this side (sampling, output processing) while the ranks are healthy, the others
+        are still collected — the stages send their rows in submission order, so a step must not
+        be skipped — and released unapplied (their sequences are rescheduled); then the error is
+        raised. If the ranks failed, nothing more can be collected: all are released."""
+        error: Optional[BaseException] = None
         while self._pipeline:
             owned: list = []
             try:
-                stops = self._finish_pipelined(owned)
-            except BaseException:
-                for sched, _ in self._pipeline:  # the group is failing: nothing else will finish them
+                if error is None:
+                    stops = self._finish_pipelined(owned)
+                    for seq_id, stop_str in stops:
+                        self.core.finish_sequence(seq_id, stop_str)
+                else:
+                    sched, handle = self._pipeline.popleft()
                     owned.append(sched)
-                self._pipeline.clear()
-                raise
+                    self.executor.collect(handle)  # (its rows, discarded)
+            except BaseException as exc:  # noqa: BLE001 (raised once every step is accounted for)
+                if error is None:
+                    error = exc
+                try:
+                    self.executor.check_health()
+                except Exception:  # noqa: BLE001 (the group is gone: nothing else will arrive)
+                    owned.extend(sched for sched, _ in self._pipeline)
+                    self._pipeline.clear()
             finally:
                 for out in owned:
                     self.core.release(out)
-            for seq_id, stop_str in stops:
-                self.core.finish_sequence(seq_id, stop_str)
+        if error is not None:
+            raise error
 
     def _sample_async(self, sched, run, live: np.ndarray):
         """(PendingSample, seq ids of its logprob rows, prompt logits) of a launched step. Rows of
@@ -772,22 +789,31 @@ def _tri_state(name: str, value) -> Any:
     raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
 
 
-def _check_tensor_parallel(cfg: ModelConfig, tp: int, device: torch.device) -> None:
-    """ValueError, naming both numbers, when the model cannot be split over tp ranks of `device`."""
+def _check_tensor_parallel(cfg: ModelConfig, tp: int, device: torch.device, backend: Optional[str] = None) -> None:
+    """ValueError, naming both numbers, when the model cannot be split over tp ranks of `device`
+    (the GPUs of this host; with the "ray" backend the cluster's, which RayExecutor counts)."""
     partition_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's intermediate_size="
                          f"{cfg.intermediate_size}")
-    if device.type == "cuda" and torch.cuda.device_count() < tp:
+    if device.type == "cuda" and backend != "ray" and torch.cuda.device_count() < tp:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, but torch sees "
                          f"{torch.cuda.device_count()}")
 
 
-def _check_pipeline_parallel(cfg: ModelConfig, tp: int, pp: int, device: torch.device, speculative_config) -> None:
+#: steps in flight + the one being scheduled must fit EngineCore's 16 output buffer sets
+MAX_PIPELINE_STAGES = 15
+
+
+def _check_pipeline_parallel(cfg: ModelConfig, tp: int, pp: int, device: torch.device, speculative_config,
+                             backend: Optional[str] = None) -> None:
     """ValueError, naming the numbers, when the model cannot run in pp stages of tp ranks (before
     any process starts or weight loads)."""
     pp_partition(cfg.num_hidden_layers, pp)  # P <= layers, PAGEDLLM_PP_LAYER_PARTITION
-    if device.type == "cuda" and torch.cuda.device_count() < tp * pp:
+    if pp > MAX_PIPELINE_STAGES:  # each step in flight holds one of the core's output buffers
+        raise ValueError(f"pipeline_parallel_size={pp} is more than the {MAX_PIPELINE_STAGES} stages the engine keeps in "
+                         "flight")
+    if device.type == "cuda" and backend != "ray" and torch.cuda.device_count() < tp * pp:
         raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} CUDA devices, but "
                          f"torch sees {torch.cuda.device_count()}")
     if speculative_config is not None:

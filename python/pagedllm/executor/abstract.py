@@ -50,6 +50,9 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1
     #: pipeline stages (distributed/pipeline.py); the executor runs tensor x pipeline ranks
     pipeline_parallel_size: int = 1
+    #: layers per stage, decided once in the driver (pp_partition: PAGEDLLM_PP_LAYER_PARTITION is
+    #: read there, so Ray actors on other hosts get the same split); None with one stage
+    pipeline_partition: Optional[list[int]] = None
     #: "mp" (or None) under tensor parallelism; "uni" for one rank
     distributed_executor_backend: Optional[str] = None
     #: speculative decoding: verification steps of queries up to this many tokens (1 + k) of up to

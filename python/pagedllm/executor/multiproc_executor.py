@@ -39,9 +39,10 @@ from pagedllm import ops
 from pagedllm.distributed.parallel_state import GroupCoordinator, default_backend, free_port
 from pagedllm.distributed.pipeline import PipelineGroup, init_model_parallel
 from pagedllm.distributed.shm_broadcast import MessageQueue
-from pagedllm.executor.abstract import Executor, ExecutorConfig
-from pagedllm.executor.step_message import collect_message, encode_step, max_step_bytes, shutdown_message
-from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedllm.executor.abstract import ExecutorConfig
+from pagedllm.executor.distributed_executor import DistributedExecutor, is_collective_failure
+from pagedllm.executor.step_message import max_step_bytes, shutdown_message
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.worker_process import stop_processes, worker_main
 
 logger = logging.getLogger("pagedllm")
@@ -91,17 +92,7 @@ def _monitor(ref, procs: list, conns: list, closing: threading.Event) -> None:
         del executor
 
 
-def _is_collective_failure(exc: BaseException) -> bool:
-    """Whether rank 0's exception is a collective that was aborted or lost a peer (shm: aborted;
-    gloo: a closed connection; NCCL: an aborted communicator), i.e. a symptom of another rank."""
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc).lower()
-    return any(k in text for k in ("aborted", "connection closed", "connection reset", "broken pipe", "nccl",
-                                   "gloo", "the tensor-parallel engine has stopped"))
-
-
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutor):
     """See the module docstring. config.tensor_parallel_size x config.pipeline_parallel_size >= 2."""
 
     def __init__(self, config: ExecutorConfig):
@@ -156,8 +147,9 @@ class MultiprocExecutor(Executor):
         else:
             port = free_port()
         width = -(-config.max_model_len // config.block_size)
+        # pipeline parallelism: a STEP and a COLLECT per step in flight must not wait for free slots
         self.queue = MessageQueue(tp - 1, max_step_bytes(config.max_num_batched_tokens, config.max_num_seqs, width),
-                                  ctx)
+                                  ctx, num_slots=max(4, 2 * config.pipeline_parallel_size + 2))
         # at garbage collection or interpreter exit without shutdown(): the workers stop (the
         # monitor thread holds this object only weakly)
         self._finalizer = weakref.finalize(self, _finalize, self._procs, self._closing, self.queue, self._group_box)
@@ -194,7 +186,8 @@ class MultiprocExecutor(Executor):
         def join() -> None:
             try:
                 box["groups"] = init_model_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size,
-                                                    device, self.backend, port=port)
+                                                    device, self.backend, port=port,
+                                                    partition=config.pipeline_partition)
             except BaseException as exc:  # noqa: BLE001 (re-raised below)
                 box["error"] = exc
 
@@ -269,7 +262,7 @@ class MultiprocExecutor(Executor):
         a worker may report the same error a moment before rank 0 raises it; it is logged."""
         self._stop(f"tensor-parallel rank 0 failed during {during}: {type(exc).__name__}: {exc}", worker=False)
         cause = None
-        if _is_collective_failure(exc):
+        if is_collective_failure(exc):
             deadline = time.monotonic() + 2.0
             with self._cond:
                 while self._worker_failure is None and time.monotonic() < deadline:
@@ -286,46 +279,8 @@ class MultiprocExecutor(Executor):
         if self._dead is not None:
             raise RuntimeError(f"the tensor-parallel engine has stopped: {self._dead}")
 
-    def execute_model(self, sched, greedy_vocab: int = 0,
-                      prev_sampled: Optional[torch.Tensor] = None) -> ModelRunnerOutput:
-        if self.config.pipeline_parallel_size > 1:
-            return self.collect(self.submit(sched, prev_sampled))
-        self.check_health()
-        prev_n = int(prev_sampled.shape[0]) if sched.num_placeholders and prev_sampled is not None else 0
-        self.queue.put(encode_step(sched, prev_n), alive=self.check_health)
-        try:
-            return self.driver_runner.execute_model(sched, greedy_vocab=0, prev_sampled=prev_sampled)
-        except BaseException as exc:
-            self._raise_failure(exc, during=f"step {sched.step_id}")
-
-    def submit(self, sched, prev_sampled: Optional[torch.Tensor] = None):
-        if self.config.pipeline_parallel_size == 1:
-            return self.execute_model(sched, prev_sampled=prev_sampled)
-        self.check_health()
-        prev_n = int(prev_sampled.shape[0]) if sched.num_placeholders and prev_sampled is not None else 0
-        self.queue.put(encode_step(sched, prev_n), alive=self.check_health)
-        try:
-            return self.driver_runner.submit_step(sched, prev_sampled=prev_sampled)
-        except BaseException as exc:
-            self._raise_failure(exc, during=f"step {sched.step_id}")
-
-    def collect(self, handle) -> ModelRunnerOutput:
-        if self.config.pipeline_parallel_size == 1:
-            return handle
-        self.check_health()
-        if handle is not None and self.config.tensor_parallel_size > 1:  # stage 0's other ranks collect too
-            self.queue.put(collect_message(handle.step_id), alive=self.check_health)
-        try:
-            return self.driver_runner.collect_step(handle)
-        except BaseException as exc:
-            self._raise_failure(exc, during="step " + ("?" if handle is None else str(handle.step_id)))
-
-    @property
-    def pipeline_depth(self) -> int:
-        return self.config.pipeline_parallel_size
-
-    def argmax_applies(self, num_sampled: int) -> bool:
-        return False  # the LM head's logits are split across ranks
+    def _send(self, parts, stage0_only: bool = False) -> None:
+        self.queue.put(parts, alive=self.check_health)  # (one queue: every worker reads every message)
 
     @property
     def num_workers_alive(self) -> int:

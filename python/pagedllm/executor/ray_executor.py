@@ -33,6 +33,7 @@ import os
 import threading
 import time
 import traceback
+import weakref
 from typing import Optional
 
 import torch
@@ -40,10 +41,11 @@ import torch
 from pagedllm import ops
 from pagedllm.distributed.parallel_state import GroupCoordinator, default_backend, free_port
 from pagedllm.distributed.pipeline import init_model_parallel
-from pagedllm.executor.abstract import Executor, ExecutorConfig
+from pagedllm.executor.abstract import ExecutorConfig
+from pagedllm.executor.distributed_executor import DistributedExecutor, is_collective_failure
 from pagedllm.executor.multiproc_executor import cpu_threads_per_rank
-from pagedllm.executor.step_message import collect_message, encode_step, shutdown_message
-from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedllm.executor.step_message import shutdown_message
+from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
@@ -110,7 +112,24 @@ class _RayWorker:
             self.worker = None
 
 
-class RayExecutor(Executor):
+def _finalize(ray, actors: list, box: list, owns: list) -> None:
+    """At garbage collection or interpreter exit without shutdown(): kill the actors, remove the
+    placement group, stop a cluster the executor started."""
+    for a in actors:
+        try:
+            ray.kill(a)
+        except Exception:  # noqa: BLE001 (best effort)
+            pass
+    for pg in box:
+        try:
+            ray.util.remove_placement_group(pg)
+        except Exception:  # noqa: BLE001
+            pass
+    if owns and owns[0] and ray.is_initialized():
+        ray.shutdown()
+
+
+class RayExecutor(DistributedExecutor):
     """See the module docstring. config.tensor_parallel_size x config.pipeline_parallel_size ranks."""
 
     def __init__(self, config: ExecutorConfig):
@@ -132,6 +151,9 @@ class RayExecutor(Executor):
         self._dead: Optional[str] = None
         self._threads_before = None
         self.worker_info: list[dict] = []
+        self._pg_box: list = []  # the placement group, for the finalizer
+        self._owns_box = [False]
+        self._finalizer = weakref.finalize(self, _finalize, ray, self.actors, self._pg_box, self._owns_box)
         try:
             self._start(config, world, device)
         except BaseException as exc:
@@ -151,13 +173,17 @@ class RayExecutor(Executor):
         ray = self.ray
         if ray.is_initialized():
             return
+        if os.environ.get("RAY_ADDRESS"):  # a cluster named: its errors are the user's to see
+            ray.init(log_to_driver=True)
+            logger.info("Ray: connected to %s", os.environ["RAY_ADDRESS"])
+            return
         try:
             ray.init(address="auto", log_to_driver=True)
-            logger.info("Ray: connected to the running cluster")
-        except (ConnectionError, RuntimeError, ValueError):
+            logger.info("Ray: connected to the cluster running on this host")
+        except (ConnectionError, RuntimeError, ValueError):  # none running
             cpus = max(os.cpu_count() or 1, self.world)  # (logical: one bundle per rank on a small host)
             ray.init(num_cpus=cpus, log_to_driver=True, include_dashboard=False)
-            self._owns_ray = True
+            self._owns_ray = self._owns_box[0] = True
             logger.info("Ray: started a local cluster (%d CPUs)", cpus)
 
     def _start(self, config: ExecutorConfig, world: int, device: torch.device) -> None:
@@ -183,18 +209,28 @@ class RayExecutor(Executor):
         except (ImportError, TypeError):  # ... or by its IP's resource
             bundles[0][f"node:{ip}"] = 0.001
             self.placement_group = ray.util.placement_group(bundles, strategy="PACK")
+        self._pg_box.append(self.placement_group)
         ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             raise ValueError(f"the Ray cluster could not place {world} bundles of {bundle} (one on this host, "
                              f"{ip}) within {PLACEMENT_TIMEOUT_S:.0f} s (PAGEDLLM_RAY_PLACEMENT_TIMEOUT)")
+        if kind == "GPU":  # rank 0 computes on the GPU that bundle 0 holds (Ray assigned it)
+            self.device = device = self._bundle0_device()
         actor_cls = ray.remote(_RayWorker)
-        for rank in range(1, world):
+        actors = []
+        for bundle_index in range(1, world):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
-                                                        placement_group_bundle_index=rank)
+                                                        placement_group_bundle_index=bundle_index)
             options = dict(num_cpus=1, num_gpus=1 if kind == "GPU" else 0, scheduling_strategy=strategy,
                            name=None, max_restarts=0)
-            self.actors.append(actor_cls.options(**options).remote())
-        nodes = ray.get([a.node.remote() for a in self.actors])
+            actors.append(actor_cls.options(**options).remote())
+        self.actors.extend(actors)
+        found = ray.get([a.node.remote() for a in actors])
+        # ranks by host, this one first: rank = stage x tp + tp_rank, so a stage's TP group stays on
+        # as few hosts as the packing allows
+        order = sorted(range(len(actors)), key=lambda i: (found[i]["node_id"] != here, found[i]["node_id"]))
+        self.actors[:] = [actors[i] for i in order]
+        nodes = [found[i] for i in order]
         port = free_port()
         per_node = collections.Counter([here] + [n["node_id"] for n in nodes])
         threads = cpu_threads_per_rank(per_node[here])
@@ -225,6 +261,21 @@ class RayExecutor(Executor):
                 raise RuntimeError(f"Ray worker rank {rank} failed:\n{payload}")
             self.worker_info.append(dict(payload, **node))
 
+    def _bundle0_device(self) -> torch.device:
+        """The CUDA device of this process that placement-group bundle 0's GPU is (a task there
+        reads Ray's assignment; this process may see the host's GPUs through CUDA_VISIBLE_DEVICES)."""
+        ray = self.ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        probe = ray.remote(lambda: [str(g) for g in ray.get_gpu_ids()])
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
+                                                    placement_group_bundle_index=0)
+        (gpu,) = ray.get(probe.options(num_cpus=0, num_gpus=1, scheduling_strategy=strategy).remote())
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        index = visible.split(",").index(gpu) if visible else int(gpu)
+        logger.info("Ray: rank 0 on GPU %s of this host (cuda:%d here)", gpu, index)
+        return torch.device("cuda", index)
+
     def _join(self, config: ExecutorConfig, device: torch.device, port: int, ip: str, init_refs: list):
         """Rank 0's side of the rendezvous, in a thread, so that an actor failing before it joins
         (which would leave the rendezvous waiting for its timeout) is raised now."""
@@ -233,7 +284,8 @@ class RayExecutor(Executor):
         def join() -> None:
             try:
                 box["groups"] = init_model_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size,
-                                                    device, self.backend, port=port, master_addr=ip)
+                                                    device, self.backend, port=port, master_addr=ip,
+                                                    partition=config.pipeline_partition)
             except BaseException as exc:  # noqa: BLE001 (re-raised below)
                 box["error"] = exc
 
@@ -303,19 +355,20 @@ class RayExecutor(Executor):
                 return
 
     def _raise_failure(self, exc: BaseException, during: str):
-        """Rank 0 failed: a worker's failure found within 2 s is the cause (rank 0's error is then
-        usually its symptom: a collective that lost its peer); otherwise rank 0's own exception.
-        The group is aborted and, at start-up, everything is shut down."""
-        deadline = time.monotonic() + 2.0
+        """Rank 0 failed: when its error is a collective that was aborted or lost its peer, an
+        actor's failure (given 2 s to be found) is the cause; otherwise rank 0's own exception is
+        raised unchanged. The groups are aborted and, at start-up, everything is shut down."""
         cause = self._poll()
-        while cause is None and self._refs and time.monotonic() < deadline:
-            cause = self._poll(0.1)
+        if cause is None and is_collective_failure(exc):
+            deadline = time.monotonic() + 2.0
+            while cause is None and self._refs and time.monotonic() < deadline:
+                cause = self._poll(0.1)
         if self._dead is None:
             self._dead = f"rank 0 failed during {during}: {type(exc).__name__}: {exc}"
         self._abort_groups()
         if during == "start-up":
             self.shutdown()
-        if cause is not None and not isinstance(exc, ValueError):
+        if cause is not None and is_collective_failure(exc):
             raise RuntimeError(cause) from exc
         raise exc
 
@@ -323,55 +376,17 @@ class RayExecutor(Executor):
         if self._poll() is not None:
             raise RuntimeError(f"the tensor-parallel engine has stopped: {self._dead}")
 
-    # ---- steps ------------------------------------------------------------------------------
-    def _broadcast(self, parts) -> None:
+    # ---- steps (DistributedExecutor runs them) ----------------------------------------------
+    def _send(self, parts, stage0_only: bool = False) -> None:
         message = b"".join(p.tobytes() for p in parts)
+        targets = list(enumerate(self.actors, start=1))
+        if stage0_only:  # (COLLECT: stage 0's other TP ranks)
+            targets = targets[:self.config.tensor_parallel_size - 1]
         # a large step once into the object store; a small one inline with each call
-        ref = self.ray.put(message) if len(message) > (64 << 10) and len(self.actors) > 1 else message
-        calls = [(rank, a.execute.remote(ref)) for rank, a in enumerate(self.actors, start=1)]
+        ref = self.ray.put(message) if len(message) > (64 << 10) and len(targets) > 1 else message
+        calls = [(rank, a.execute.remote(ref)) for rank, a in targets]
         with self._lock:
             self._refs += calls
-
-    def execute_model(self, sched, greedy_vocab: int = 0,
-                      prev_sampled: Optional[torch.Tensor] = None) -> ModelRunnerOutput:
-        if self.config.pipeline_parallel_size > 1:
-            return self.collect(self.submit(sched, prev_sampled))
-        self.check_health()
-        prev_n = int(prev_sampled.shape[0]) if sched.num_placeholders and prev_sampled is not None else 0
-        self._broadcast(encode_step(sched, prev_n))
-        try:
-            return self.driver_runner.execute_model(sched, greedy_vocab=0, prev_sampled=prev_sampled)
-        except BaseException as exc:
-            self._raise_failure(exc, f"step {sched.step_id}")
-
-    def submit(self, sched, prev_sampled: Optional[torch.Tensor] = None):
-        if self.config.pipeline_parallel_size == 1:
-            return self.execute_model(sched, prev_sampled=prev_sampled)
-        self.check_health()
-        prev_n = int(prev_sampled.shape[0]) if sched.num_placeholders and prev_sampled is not None else 0
-        self._broadcast(encode_step(sched, prev_n))
-        try:
-            return self.driver_runner.submit_step(sched, prev_sampled=prev_sampled)
-        except BaseException as exc:
-            self._raise_failure(exc, f"step {sched.step_id}")
-
-    def collect(self, handle) -> ModelRunnerOutput:
-        if self.config.pipeline_parallel_size == 1:
-            return handle
-        self.check_health()
-        if handle is not None and self.config.tensor_parallel_size > 1:  # stage 0's other ranks collect too
-            self._broadcast(collect_message(handle.step_id))
-        try:
-            return self.driver_runner.collect_step(handle)
-        except BaseException as exc:
-            self._raise_failure(exc, "step " + ("?" if handle is None else str(handle.step_id)))
-
-    @property
-    def pipeline_depth(self) -> int:
-        return self.config.pipeline_parallel_size
-
-    def argmax_applies(self, num_sampled: int) -> bool:
-        return False  # the LM head's logits are split across ranks
 
     @property
     def worker_pids(self) -> list[int]:
@@ -383,12 +398,13 @@ class RayExecutor(Executor):
         Idempotent."""
         ray = self.ray
         self._closing.set()
+        self._finalizer.detach()
         if self._watcher is not None:
             self._watcher.join(2.0)
             self._watcher = None
         if self._dead is None and self.actors:
             try:
-                self._broadcast(shutdown_message())
+                self._send(shutdown_message())
                 ray.get([a.close.remote() for a in self.actors], timeout=10)
             except Exception:  # noqa: BLE001 (an actor died meanwhile: killed below)
                 pass
@@ -397,7 +413,7 @@ class RayExecutor(Executor):
                 ray.kill(a)
             except Exception:  # noqa: BLE001
                 pass
-        self.actors = []
+        self.actors.clear()
         self._refs = []
         if self.driver_runner is not None:
             self.driver_runner.shutdown()
@@ -412,9 +428,10 @@ class RayExecutor(Executor):
             except Exception:  # noqa: BLE001
                 pass
             self.placement_group = None
+            self._pg_box.clear()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
-            self._owns_ray = False
+            self._owns_ray = self._owns_box[0] = False
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before[0])
             ops.set_num_threads(self._threads_before[1])

@@ -23,6 +23,7 @@ import time
 import traceback
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -75,7 +76,8 @@ class WorkerRank:
         self.group = self.pp_group = self.runner = None
         self.group, self.pp_group = init_model_parallel(rank, config.tensor_parallel_size,
                                                         config.pipeline_parallel_size, device, backend, port=port,
-                                                        shm_handle=shm_handle, master_addr=master_addr)
+                                                        shm_handle=shm_handle, master_addr=master_addr,
+                                                        partition=config.pipeline_partition)
         try:
             self.runner = ModelRunner(config.model_path, config.model_config, device=device, tp_group=self.group,
                                       pp_group=self.pp_group, **config.runner_kwargs())
@@ -98,7 +100,11 @@ class WorkerRank:
         if kind == SHUTDOWN:
             return False
         if kind == COLLECT:
-            if self.handles:  # (stage 0 only: the logits' all-gather with the driver)
+            if self.runner.pp.is_first:  # (stage 0 only: the logits' all-gather with the driver)
+                step_id = int(np.frombuffer(message, dtype=np.int64, count=2)[1])
+                if not self.handles or self.handles[0].step_id != step_id:
+                    raise RuntimeError(f"COLLECT of step {step_id}, but this rank's oldest submitted step is "
+                                       f"{self.handles[0].step_id if self.handles else None}")
                 self.runner.collect_step(self.handles.popleft())
             return True
         step = decode_step(message)

@@ -57,7 +57,7 @@ from torch import nn
 
 from pagedllm import _C, ops
 from pagedllm.distributed.parallel_state import GroupCoordinator
-from pagedllm.distributed.pipeline import PipelineGroup, pp_layer_range
+from pagedllm.distributed.pipeline import PipelineGroup
 from pagedllm.model_executor.config import ModelConfig
 from pagedllm.model_executor.layers.attention import Attention, AttentionMetadata
 from pagedllm.model_executor.layers.cpu_linear_methods import AmxLinearMethod, PackedLinearMethod, can_pack_linear
@@ -299,8 +299,7 @@ class LlamaForCausalLM(nn.Module):
         self.device = device
         self.tp = tp_group if tp_group is not None else GroupCoordinator.single(device)
         self.pp = pp_group if pp_group is not None else PipelineGroup.single(device)
-        self.start_layer, self.end_layer = (pp_layer_range(cfg.num_hidden_layers, self.pp.rank, self.pp.world_size)
-                                            if self.pp.world_size > 1 else (0, cfg.num_hidden_layers))
+        self.start_layer, self.end_layer = self.pp.layer_range(cfg.num_hidden_layers)
         first = self.pp.is_first
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device,
                                                    self.tp) if first else None
@@ -466,7 +465,8 @@ class LlamaForCausalLM(nn.Module):
         self._native = None  # rebuilt with the scales
         if not fp8:
             return "none"
-        return (f"checkpoint ({len(found)} of {2 * len(self.layers)} k/v scales; the others 1.0)" if found
+        mine = sum(self.start_layer <= layer < self.end_layer for layer, _ in found)
+        return (f"checkpoint ({mine} of {2 * len(self.layers)} k/v scales; the others 1.0)" if found
                 else "1.0 (the checkpoint has none)")
 
     def enable_kv_scale_calculation(self) -> None:
