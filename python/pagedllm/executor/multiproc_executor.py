@@ -1,4 +1,6 @@
-"""MultiprocExecutor: tensor parallelism over N ranks of one host (distributed_executor_backend="mp").
+"""MultiprocExecutor: tensor and pipeline parallelism over N = tp x pp ranks of one host
+(distributed_executor_backend="mp"; pipeline stages: distributed/pipeline.py, the steps themselves:
+distributed_executor.py).
 
 Rank 0 runs in this (the driver's) process, beside the engine core, the sampler and the
 detokenizer; ranks 1..N-1 run in worker processes started with torch.multiprocessing's "spawn"

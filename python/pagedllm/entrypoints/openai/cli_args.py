@@ -27,7 +27,7 @@ _HELP = {
     "device": "auto | cpu | cuda",
     "tensor_parallel_size": "split the model over this many ranks of this host (CUDA: GPUs; CPU: processes)",
     "pipeline_parallel_size": "split the decoder layers into this many stages of tensor_parallel_size ranks each "
-                              "(worker processes on this host)",
+                              "(worker processes of this host, or Ray actors with --distributed-executor-backend ray)",
     "distributed_executor_backend": "mp (worker processes of this host; the default with more than one rank) | ray "
                                     "(Ray actors, on one host or several) | uni (one rank)",
     "quantization": "weight quantization (docs/quantization.md): int8 (CPU), int4 (CPU, CUDA), gguf (a GGUF file's "
