@@ -3,6 +3,9 @@
     pagedllm generate "What is the capital of France?" [more prompts...] [options]
     pagedllm chat [--system "You are terse."] [options]       (interactive; /reset, /exit)
     pagedllm bench throughput [--num-prompts 64 --input-len 128 --output-len 128 ...]
+    pagedllm bench latency [--batch-size 8 --input-len 32 --output-len 128 ...]
+    pagedllm bench serve [--base-url URL | --start-server ARGS] [--concurrency 1 8 32 ...]
+    pagedllm bench kernels [--op paged_decode rms_norm ... --device cpu|cuda --json OUT --plot OUT.png]
     pagedllm serve [MODEL] [--host 127.0.0.1 --port 8000 --api-key KEY ...]  (OpenAI-compatible server)
     pagedllm --cmake-dir        the installed CMake package folder (for find_package(pagedllm))
     pagedllm --version
@@ -92,10 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_options(chat, max_tokens=512, temperature=0.7)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput}")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,kernels,serve}")
     bench_sub.add_parser(
         "throughput", help="offline throughput vs HF transformers (and vLLM CPU)", add_help=False,
     )
+    bench_sub.add_parser("latency", help="one batch: latency, prefill and per-token decode", add_help=False)
+    bench_sub.add_parser("serve", help="load generator for an OpenAI-compatible server: TTFT, TPOT, ITL, "
+                                       "throughput", add_help=False)
+    bench_sub.add_parser("kernels", help="kernels against their float64 reference and peers: time, "
+                                         "bandwidth, roofline", add_help=False)
     # main() hands `serve` to the server before this parser runs; listed here for --help only.
     sub.add_parser("serve", help="the OpenAI-compatible server (pagedllm serve --help)", add_help=False)
     return parser
@@ -236,17 +244,21 @@ def cmd_chat(args: argparse.Namespace, stdin: TextIO, out: TextIO) -> int:
         llm.shutdown()
 
 
+#: `pagedllm bench NAME` -> the module of pagedllm.benchmarks whose main(argv) runs it
+_BENCHMARKS = ("throughput", "latency", "kernels", "serve")
+
+
 def cmd_bench(argv: list[str]) -> int:
-    usage = "usage: pagedllm bench throughput [options]  (see pagedllm bench throughput --help)"
+    usage = f"usage: pagedllm bench {{{','.join(_BENCHMARKS)}}} [options]  (pagedllm bench NAME --help)"
     if argv[:1] in (["-h"], ["--help"]):
         print(usage)
         return 0
-    if not argv or argv[0] != "throughput":
+    if not argv or argv[0] not in _BENCHMARKS:
         print(usage, file=sys.stderr)
         return 2
-    from pagedllm.benchmarks import throughput
+    import importlib
 
-    return throughput.main(argv[1:])
+    return importlib.import_module(f"pagedllm.benchmarks.{argv[0]}").main(argv[1:])
 
 
 #: what `pagedllm serve` imports beyond the core (the [serve] extra), by import name -> pip name

@@ -340,14 +340,9 @@ def run(config: BenchConfig) -> dict:
 
 
 def _commit() -> str:
-    import subprocess
+    from pagedllm.benchmarks.throughput import git_commit
 
-    try:
-        root = Path(__file__).resolve().parents[3]
-        return subprocess.check_output(["git", "-C", str(root), "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001 (an installed wheel: no checkout)
-        return os.environ.get("PAGEDLLM_GIT_COMMIT", "unknown")
+    return git_commit(Path(__file__).resolve().parents[3])
 
 
 def print_table(result: dict, file=sys.stdout) -> None:
@@ -378,10 +373,12 @@ def plot(result: dict, path: str) -> None:
         bw, peak = roof["bandwidth_bytes_per_s"], roof["matmul_flops_per_s"]
         xs = [2.0**e for e in range(-4, 12)]
         left.plot(xs, [min(peak, bw * x) / 1e12 for x in xs], "--", label=f"roofline {dtype}")
-    for r in rows:
-        if r["arithmetic_intensity"] > 0:
-            left.scatter(r["arithmetic_intensity"], r["tflops"], s=14, label=None)
-    left.set(xscale="log", yscale="log", xlabel="FLOP / byte", ylabel="TFLOP/s", title="roofline (measured ceilings)")
+    for key in sorted({(r["op"], r["kernel"]) for r in rows if r["arithmetic_intensity"] > 0}):
+        pts = [r for r in rows if (r["op"], r["kernel"]) == key]
+        left.scatter([r["arithmetic_intensity"] for r in pts], [r["tflops"] for r in pts], s=16,
+                     marker="o" if key[1] == "pagedllm" else "x", label=f"{key[0]} ({key[1]})")
+    left.set(xscale="log", yscale="log", xlabel="FLOP / byte", ylabel="TFLOP/s",
+             title="roofline (ceilings measured in this run; small inputs may sit in cache)")
     left.legend(fontsize=7)
     decode = [r for r in rows if r["op"] == "paged_decode"]
     for key in sorted({(r["kernel"], r["dtype"], r["batch"]) for r in decode}):
