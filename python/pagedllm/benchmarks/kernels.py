@@ -427,7 +427,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         print(text)
     if args.plot:
-        plot(result, args.plot)
+        try:
+            plot(result, args.plot)
+        except ImportError as exc:
+            print(f"pagedllm bench kernels: {exc}", file=sys.stderr)
+            return 2
     if result["failed_checks"]:
         print(f"{result['failed_checks']} kernel(s) failed the float64 reference check", file=sys.stderr)
         return 1
