@@ -12,7 +12,8 @@
 #   throughput[:ARGS]      bench/throughput_gpu.py ARGS (default --shapes llama3-8b)
 #   kernels[:ARGS]         pagedllm bench kernels --device cuda ARGS (default: paged_decode and rms_norm,
 #                          batch 1 16 64, context 512 4096, GQA 32/8 d128, bf16, against SDPA), JSON + PNG
-#   latency[:ARGS]         pagedllm bench latency ARGS (default: the bundled model, batch 1 and 8)
+#   latency[:ARGS]         pagedllm bench latency ARGS (without --model: the Llama-3-8B shape with random
+#                          weights; default batch 8, 128 in / 128 out)
 #   cuda-kernels[:ARGS]    bench/cuda_kernels.py ARGS (default --quick)
 #   batch1                 bench/batch1_breakdown.py
 #   grid                   bench/decode_variants.py --variants base
@@ -68,7 +69,12 @@ for spec in "$@"; do
       eval "step kernels-$n python3 -m pagedllm bench kernels --device cuda ${args:---op paged_decode rms_norm --batch 1 16 64 --context 512 4096} --json \"$OUT/kernels-$n.json\" $plot"
       grep -E '^(paged_decode|rms_norm|silu_and_mul|reshape_and_cache)' "$OUT/kernels-$n.log" | head -40 | tee -a "$SUMMARY" ;;
     latency)
-      eval "step latency-$n python3 -m pagedllm bench latency ${args:---batch-size 8 --input-len 128 --output-len 128} --no-progress --json \"$OUT/latency-$n.json\""
+      # a config-only Llama-3-8B folder (random weights, synthetic tokenizer) unless ARGS name a --model
+      shape=/tmp/device-run-llama3-8b
+      mkdir -p $shape
+      python3 -c "import json, sys; sys.path.insert(0, 'bench'); from throughput_gpu import SHAPES; open('$shape/config.json', 'w').write(json.dumps(SHAPES['llama3-8b']))"
+      [[ "$args" == *--model* ]] || args="--model $shape --load-format dummy ${args:---batch-size 8 --input-len 128 --output-len 128}"
+      eval "step latency-$n python3 -m pagedllm bench latency $args --no-progress --json \"$OUT/latency-$n.json\""
       grep -E '"median_(prefill_s|decode_ms_per_token)"|"avg_latency_s"' "$OUT/latency-$n.log" | tee -a "$SUMMARY" ;;
     cuda-kernels)
       eval "step cuda-kernels-$n python3 bench/cuda_kernels.py ${args:---quick} --out \"$OUT\""
