@@ -12,9 +12,12 @@ _raise_failure(exc, during) (abort, find the cause, raise); this class runs the 
 
 from __future__ import annotations
 
-from typing import Optional
+import threading
+from typing import Callable, Optional
 
 import torch
+
+from pagedllm.distributed.pipeline import init_model_parallel
 
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.step_message import collect_message, encode_step
@@ -40,6 +43,32 @@ class DistributedExecutor(Executor):
 
     def _raise_failure(self, exc: BaseException, during: str):
         raise NotImplementedError
+
+    def _join(self, device: torch.device, port: int, failed: Callable[[], Optional[str]],
+              master_addr: str = "127.0.0.1"):
+        """Rank 0's side of the torch.distributed rendezvous -> (tp group, pipeline group), run in a
+        thread so that a rank failing before it joins (which would leave the rendezvous waiting for
+        its timeout) is raised at once: failed() returns that rank's failure, else None."""
+        config, box = self.config, {}
+
+        def join() -> None:
+            try:
+                box["groups"] = init_model_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size,
+                                                    device, self.backend, port=port, master_addr=master_addr,
+                                                    partition=config.pipeline_partition)
+            except BaseException as exc:  # noqa: BLE001 (re-raised below)
+                box["error"] = exc
+
+        thread = threading.Thread(target=join, name="pagedllm-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            failure = failed() if thread.is_alive() else None
+            if failure is not None:
+                raise RuntimeError(failure)
+        if "error" in box:
+            raise box["error"]
+        return box["groups"]
 
     def execute_model(self, sched, greedy_vocab: int = 0,
                       prev_sampled: Optional[torch.Tensor] = None) -> ModelRunnerOutput:

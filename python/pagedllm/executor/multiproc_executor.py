@@ -39,7 +39,7 @@ import torch
 
 from pagedllm import ops
 from pagedllm.distributed.parallel_state import GroupCoordinator, default_backend, free_port
-from pagedllm.distributed.pipeline import PipelineGroup, init_model_parallel
+from pagedllm.distributed.pipeline import PipelineGroup
 from pagedllm.distributed.shm_broadcast import MessageQueue
 from pagedllm.executor.abstract import ExecutorConfig
 from pagedllm.executor.distributed_executor import DistributedExecutor, is_collective_failure
@@ -174,34 +174,12 @@ class MultiprocExecutor(DistributedExecutor):
             ops.set_cpu_threads(threads)
         if self.backend != "shm":
             self._wait_for("joining")
-            self.group, self.pp_group = self._join(config, device, port)
+            self.group, self.pp_group = self._join(
+                device, port, lambda: None if self._dead is None else (self._worker_failure or self._dead))
             self._group_box.extend([self.group, self.pp_group])
         self.driver_runner = ModelRunner(config.model_path, config.model_config, device=device,
                                          tp_group=self.group, pp_group=self.pp_group, **config.runner_kwargs())
         self.worker_info = [self._wait_for("ready")[r] for r in range(1, tp)]
-
-    def _join(self, config: ExecutorConfig, device: torch.device, port: int):
-        """Rank 0's side of the torch.distributed rendezvous, in a thread, so that a worker dying
-        before it joins (which would leave the rendezvous waiting for its timeout) is raised now."""
-        box: dict = {}
-
-        def join() -> None:
-            try:
-                box["groups"] = init_model_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size,
-                                                    device, self.backend, port=port,
-                                                    partition=config.pipeline_partition)
-            except BaseException as exc:  # noqa: BLE001 (re-raised below)
-                box["error"] = exc
-
-        thread = threading.Thread(target=join, name="pagedllm-rendezvous", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.2)
-            if self._dead is not None and thread.is_alive():
-                raise RuntimeError(self._worker_failure or self._dead)
-        if "error" in box:
-            raise box["error"]
-        return box["groups"]
 
     # ---- the monitor ----------------------------------------------------------------------
     def _on_death(self, rank: int) -> None:

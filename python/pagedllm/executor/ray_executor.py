@@ -40,7 +40,6 @@ import torch
 
 from pagedllm import ops
 from pagedllm.distributed.parallel_state import GroupCoordinator, default_backend, free_port
-from pagedllm.distributed.pipeline import init_model_parallel
 from pagedllm.executor.abstract import ExecutorConfig
 from pagedllm.executor.distributed_executor import DistributedExecutor, is_collective_failure
 from pagedllm.executor.multiproc_executor import cpu_threads_per_rank
@@ -252,7 +251,7 @@ class RayExecutor(DistributedExecutor):
             self._threads_before = (torch.get_num_threads(), ops.get_num_threads())
             ops.set_cpu_threads(threads)
         if self.group is None:
-            self.group, self.pp_group = self._join(config, device, port, ip, init_refs)
+            self.group, self.pp_group = self._join(device, port, lambda: self._init_failure(init_refs), ip)
         self.driver_runner = ModelRunner(config.model_path, config.model_config, device=device,
                                          tp_group=self.group, pp_group=self.pp_group, **config.runner_kwargs())
         for rank, (reply, node) in enumerate(zip(ray.get(init_refs), nodes), start=1):
@@ -276,35 +275,18 @@ class RayExecutor(DistributedExecutor):
         logger.info("Ray: rank 0 on GPU %s of this host (cuda:%d here)", gpu, index)
         return torch.device("cuda", index)
 
-    def _join(self, config: ExecutorConfig, device: torch.device, port: int, ip: str, init_refs: list):
-        """Rank 0's side of the rendezvous, in a thread, so that an actor failing before it joins
-        (which would leave the rendezvous waiting for its timeout) is raised now."""
-        box: dict = {}
-
-        def join() -> None:
-            try:
-                box["groups"] = init_model_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size,
-                                                    device, self.backend, port=port, master_addr=ip,
-                                                    partition=config.pipeline_partition)
-            except BaseException as exc:  # noqa: BLE001 (re-raised below)
-                box["error"] = exc
-
-        thread = threading.Thread(target=join, name="pagedllm-rendezvous", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.2)
-            done, _ = self.ray.wait(init_refs, num_returns=len(init_refs), timeout=0)
-            for rank, ref in enumerate(init_refs, start=1):
-                if ref in done and thread.is_alive():
-                    try:
-                        kind, payload = self.ray.get(ref)
-                    except Exception as exc:  # noqa: BLE001 (the actor died)
-                        kind, payload = "error", f"{type(exc).__name__}: {exc}"
-                    if kind == "error":
-                        raise RuntimeError(f"Ray worker rank {rank} failed:\n{payload}")
-        if "error" in box:
-            raise box["error"]
-        return box["groups"]
+    def _init_failure(self, init_refs: list) -> Optional[str]:
+        """An actor's failure in init (or its death), if one has finished so."""
+        done = set(self.ray.wait(init_refs, num_returns=len(init_refs), timeout=0)[0])
+        for rank, ref in enumerate(init_refs, start=1):
+            if ref in done:
+                try:
+                    kind, payload = self.ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 (the actor died)
+                    kind, payload = "error", f"{type(exc).__name__}: {exc}"
+                if kind == "error":
+                    return f"Ray worker rank {rank} failed:\n{payload}"
+        return None
 
     # ---- failures ---------------------------------------------------------------------------
     def _poll(self, timeout: float = 0.0) -> Optional[str]:
