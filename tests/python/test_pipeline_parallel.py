@@ -13,14 +13,12 @@ result against the same model on one rank.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 
 import pytest
 import torch
 
-from test_tensor_parallel import alive, assert_same_outputs, generate, random_prompts, wait_gone
+from test_tensor_parallel import (alive, assert_a_killed_rank_stops_the_engine, assert_same_outputs, generate,
+                                  random_prompts, wait_gone)
 from tiny_models import build_tiny_engine_folder, build_tiny_model
 
 
@@ -304,21 +302,9 @@ def test_bad_pipeline_settings_fail_before_any_process_starts(folders):
 
 @pytest.mark.slow
 def test_killed_stage_stops_the_engine_and_no_child_survives(folders):
-    from pagedllm import SamplingParams
-
     llm = engine(folders("llama3"), 1, 2)
     executor = llm.llm_engine.executor
-    (pid,) = executor.worker_pids
-    assert alive(pid)
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    threading.Timer(1.0, os.kill, args=(pid, signal.SIGKILL)).start()
-    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) stopped with exit code -9"):
-        for _ in range(200):  # long enough that the kill lands mid-run
-            generate(llm, random_prompts(8, seed=9), params)
-    with pytest.raises(RuntimeError, match="engine has stopped"):
-        generate(llm, random_prompts(1, seed=9), params)
-    llm.shutdown()
-    assert wait_gone([pid]) == []
+    assert_a_killed_rank_stops_the_engine(llm, r"rank 1 \(pid \d+\) stopped with exit code -9")
     assert executor.num_workers_alive == 0
 
 

@@ -11,15 +11,12 @@ this machine (ray.cluster_utils.Cluster), where the worker rank runs on the othe
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-
 import pytest
 
 import ray  # (a test dependency)
 
-from test_tensor_parallel import assert_same_outputs, generate, random_prompts, wait_gone  # noqa: E402
+from test_tensor_parallel import (assert_a_killed_rank_stops_the_engine, assert_same_outputs,  # noqa: E402
+                                  generate, random_prompts, wait_gone)
 from tiny_models import build_tiny_engine_folder  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -112,17 +109,4 @@ def test_more_ranks_than_cluster_cpus_fail_before_loading(folder, two_nodes):
 
 
 def test_killed_actor_stops_the_engine(folder, two_nodes):
-    from pagedllm import SamplingParams
-
-    llm = engine(folder, tp=2, backend="ray")
-    executor = llm.llm_engine.executor
-    (pid,) = executor.worker_pids
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    threading.Timer(1.0, os.kill, args=(pid, signal.SIGKILL)).start()
-    with pytest.raises(RuntimeError, match="Ray worker rank 1"):
-        for _ in range(200):  # long enough that the kill lands mid-run
-            generate(llm, random_prompts(8, seed=9), params)
-    with pytest.raises(RuntimeError, match="engine has stopped"):
-        generate(llm, random_prompts(1, seed=9), params)
-    llm.shutdown()
-    assert wait_gone([pid]) == []
+    assert_a_killed_rank_stops_the_engine(engine(folder, tp=2, backend="ray"), "Ray worker rank 1")

@@ -519,23 +519,30 @@ def test_dropped_engine_stops_its_workers_without_shutdown(folders):
     assert wait_gone([pid]) == []
 
 
-@pytest.mark.slow
-def test_killed_worker_stops_the_engine_and_no_child_survives(folders):
+def assert_a_killed_rank_stops_the_engine(llm, reported: str) -> None:
+    """SIGKILL the engine's one worker rank mid-run: generate raises RuntimeError matching
+    `reported`, the next call says the engine has stopped, and after shutdown the process is gone
+    (shared by the tensor-parallel, pipeline-parallel and Ray tests)."""
     from pagedllm import SamplingParams
 
-    llm = engine(folders("llama"), 2)
-    executor = llm.llm_engine.executor
-    (pid,) = executor.worker_pids
+    (pid,) = llm.llm_engine.executor.worker_pids
     assert alive(pid)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     threading.Timer(1.0, os.kill, args=(pid, signal.SIGKILL)).start()
-    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) stopped with exit code -9"):
+    with pytest.raises(RuntimeError, match=reported):
         for _ in range(200):  # long enough that the kill lands mid-run
             generate(llm, random_prompts(8, seed=9), params)
-    with pytest.raises(RuntimeError, match="tensor-parallel engine has stopped"):
+    with pytest.raises(RuntimeError, match="engine has stopped"):
         generate(llm, random_prompts(1, seed=9), params)
     llm.shutdown()
     assert wait_gone([pid]) == []
+
+
+@pytest.mark.slow
+def test_killed_worker_stops_the_engine_and_no_child_survives(folders):
+    llm = engine(folders("llama"), 2)
+    executor = llm.llm_engine.executor
+    assert_a_killed_rank_stops_the_engine(llm, r"rank 1 \(pid \d+\) stopped with exit code -9")
     assert executor.num_workers_alive == 0
 
 

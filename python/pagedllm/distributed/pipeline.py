@@ -17,7 +17,6 @@ every rank; each stage's tensor-parallel group is a subgroup of it (``dist.new_g
 
 from __future__ import annotations
 
-import datetime
 import os
 from typing import Optional
 
@@ -153,16 +152,8 @@ def init_model_parallel(rank: int, tp_size: int, pp_size: int, device: torch.dev
         raise ValueError(f"pipeline parallelism runs on torch.distributed: backend {backend!r} must be 'nccl' or 'gloo'")
     import torch.distributed as dist
 
-    world_size = tp_size * pp_size
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialized in this process; pagedllm's parallel "
-                           "groups start their own (shut the other one down first)")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s),
-                            **({"device_id": device} if device.type == "cuda" else {}))
-    world = GroupCoordinator(rank, world_size, device, backend, process_group=dist.group.WORLD)
+    world = GroupCoordinator.init(rank, tp_size * pp_size, device, backend, port=port, timeout_s=timeout_s,
+                                  master_addr=master_addr)  # torch.distributed's default (world) group
     stage, tp_rank = divmod(rank, tp_size)
     tp_group = GroupCoordinator.single(device)
     if tp_size > 1:
