@@ -99,7 +99,8 @@ class EngineArgs:
     #: engine replicas behind one API server (vLLM's name; engine/data_parallel.py): an LLMEngine is
     #: one replica, so only `pagedllm serve --data-parallel-size D` takes D > 1
     data_parallel_size: int = 1
-    #: how ranks run under tensor parallelism (vLLM's name): "mp" (worker processes), "uni" (one rank)
+    #: how ranks run under tensor / pipeline parallelism (vLLM's name): "mp" (worker processes of this
+    #: host), "ray" (Ray actors, executor/ray_executor.py), "uni" (one rank)
     distributed_executor_backend: Optional[str] = None
     #: weight quantization (vLLM's name): None, or "int8" (online, CPU); model_executor/quantization
     quantization: Optional[str] = None

@@ -77,7 +77,9 @@ class LLM:
       (distributed_executor_backend "mp", the default then), so a script that builds an LLM at
       module level needs an ``if __name__ == "__main__":`` guard. pipeline_parallel_size: split
       the decoder layers into this many contiguous stages (distributed/pipeline.py), each
-      tensor_parallel_size ranks; the same worker processes, stage 0 here. quantization: None, "int8" (CPU),
+      tensor_parallel_size ranks; the same worker processes, stage 0 here.
+      distributed_executor_backend="ray": the ranks other than 0 as Ray actors, on one host or
+      several (executor/ray_executor.py; the README's "Several hosts (Ray)"). quantization: None, "int8" (CPU),
       "int4" (CPU; CUDA in bfloat16), "gguf" (a GGUF model's own quantized types, CPU) or "fp8"
       (CUDA, bfloat16); a GPTQ / AWQ / compressed-tensors checkpoint is recognised from its
       config.json (docs/quantization.md). speculative_config: vLLM's dict, e.g. {"method": "ngram",
