@@ -232,7 +232,8 @@ def test_constructor_errors_name_the_argument(tiny_folder):
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be an int >= 1, got 0"),
         # 4 heads, 2 KV heads: both numbers named, before any process starts
         (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide the model's num_attention_heads=4"),
-        (dict(tensor_parallel_size=2, distributed_executor_backend="ray"), "distributed_executor_backend='ray'"),
+        (dict(tensor_parallel_size=2, distributed_executor_backend="mpi"),
+             r"distributed_executor_backend='mpi' is not supported: use one of \['uni', 'mp', 'ray'\]"),
         (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "'uni' runs one rank"),
         (dict(dtype="float16", device="cpu"), "float16"),
         (dict(max_model_len=10**6), "max_model_len=1000000"),

@@ -113,7 +113,10 @@ class _RayWorker:
 
 def _finalize(ray, actors: list, box: list, owns: list) -> None:
     """At garbage collection or interpreter exit without shutdown(): kill the actors, remove the
-    placement group, stop a cluster the executor started."""
+    placement group, stop a cluster the executor started. Nothing to do once this process is no
+    longer connected (ray.shutdown() ran): ray.kill would auto-connect to a cluster that is gone."""
+    if not ray.is_initialized():
+        return
     for a in actors:
         try:
             ray.kill(a)
