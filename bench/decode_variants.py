@@ -1,4 +1,4 @@
-"""Decode kernel variants side by side on one GPU (bench/cuda_kernels_notes.md, run 4).
+"""Decode kernel variants side by side on one GPU (docs/history/cuda_kernels_notes.md, run 4).
 
 Each variant is an environment setting read once by the library (PAGEDLLM_DECODE_TMA,
 PAGEDLLM_DECODE_KERNEL), so each runs bench/cuda_kernels.py in its own process over the same decode

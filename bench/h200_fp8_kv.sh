@@ -41,7 +41,7 @@ for line in sys.stdin:
         tee -a "$OUT/summary.txt"
     }
     kernels default -- 64x4096,64x4096:seq,8x4096,1x4096,256x1024 auto fp8 fp8_e5m2
-    # A/B of the FP8 kernel's settings (bench/cuda_kernels_notes.md "FP8 KV")
+    # A/B of the FP8 kernel's settings (docs/history/cuda_kernels_notes.md "FP8 KV")
     kernels stages2 PAGEDLLM_DECODE_FP8_STAGES=2 -- 64x4096,256x1024 fp8
     kernels warp-s2 PAGEDLLM_DECODE_MODE=warp -- 64x4096:s2,64x4096:s4 fp8
   fi

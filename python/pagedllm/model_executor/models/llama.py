@@ -76,7 +76,7 @@ __all__ = ["LlamaForCausalLM", "DecoderLayer", "GEMV_CROSSOVER_TOKENS", "gemv_ma
 #: GEMV fusion level for such steps (LlamaForCausalLM._gemv_fusion): 0 = none, 1 = norms and
 #: residual adds in the GEMVs, 2 = also SiLU-and-mul in the down GEMV. Off: on the H200 both fused
 #: levels measured slower than separate kernels with PDL (batch-1 decode 4.67 / 4.64 vs 4.49 ms per
-#: token; bench/gpu_engine_notes.md "GEMV fusions").
+#: token; docs/history/gpu_engine_notes.md "GEMV fusions").
 GEMV_FUSE_DEFAULT = 0
 
 
