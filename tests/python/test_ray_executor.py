@@ -7,6 +7,8 @@ this machine (ray.cluster_utils.Cluster), where the worker rank runs on the othe
   few CPUs for the ranks is a ValueError naming the numbers before any weight loads.
 - A killed actor stops the engine with an error naming the rank; shutdown leaves no actor process
   and removes the placement group.
+- The address file of a cluster that has died (/tmp/ray/ray_current_cluster outlives it) does not
+  count as a running cluster: pagedllm starts its own instead of retrying that address for minutes.
 """
 
 from __future__ import annotations
@@ -40,6 +42,26 @@ def outputs(folder, prompts, params, **kwargs):
         return generate(llm, prompts, params)
     finally:
         llm.shutdown()
+
+
+def test_dead_cluster_address_file_is_not_a_running_cluster(monkeypatch):
+    import socket
+
+    import ray._private.utils as ray_utils
+
+    from pagedllm.executor.ray_executor import _local_cluster_alive
+
+    with socket.socket() as listener:  # a live GCS port stands in for a running cluster
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        live = "127.0.0.1:%d" % listener.getsockname()[1]
+        monkeypatch.setattr(ray_utils, "read_ray_address", lambda temp_dir=None: live)
+        assert _local_cluster_alive()
+    # the same address once its listener is gone: the file of a dead cluster
+    monkeypatch.setattr(ray_utils, "read_ray_address", lambda temp_dir=None: live)
+    assert not _local_cluster_alive()
+    monkeypatch.setattr(ray_utils, "read_ray_address", lambda temp_dir=None: None)  # no file
+    assert not _local_cluster_alive()
 
 
 def _params():

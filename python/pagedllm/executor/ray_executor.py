@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import socket
 import threading
 import time
 import traceback
@@ -179,14 +180,16 @@ class RayExecutor(DistributedExecutor):
             ray.init(log_to_driver=True)
             logger.info("Ray: connected to %s", os.environ["RAY_ADDRESS"])
             return
-        try:
+        if _local_cluster_alive():
             ray.init(address="auto", log_to_driver=True)
             logger.info("Ray: connected to the cluster running on this host")
-        except (ConnectionError, RuntimeError, ValueError):  # none running
-            cpus = max(os.cpu_count() or 1, self.world)  # (logical: one bundle per rank on a small host)
-            ray.init(num_cpus=cpus, log_to_driver=True, include_dashboard=False)
-            self._owns_ray = self._owns_box[0] = True
-            logger.info("Ray: started a local cluster (%d CPUs)", cpus)
+            return
+        cpus = max(os.cpu_count() or 1, self.world)  # (logical: one bundle per rank on a small host)
+        # address="local": a new cluster even where /tmp/ray still names one that has died (plain
+        # ray.init() would try that address and refuse num_cpus)
+        ray.init(address="local", num_cpus=cpus, log_to_driver=True, include_dashboard=False)
+        self._owns_ray = self._owns_box[0] = True
+        logger.info("Ray: started a local cluster (%d CPUs)", cpus)
 
     def _start(self, config: ExecutorConfig, world: int, device: torch.device) -> None:
         ray = self.ray
@@ -421,3 +424,22 @@ class RayExecutor(DistributedExecutor):
             torch.set_num_threads(self._threads_before[0])
             ops.set_num_threads(self._threads_before[1])
             self._threads_before = None
+
+
+def _local_cluster_alive(timeout_s: float = 1.0) -> bool:
+    """Whether the cluster that `ray start` last recorded on this host (its address file,
+    /tmp/ray/ray_current_cluster) still accepts connections on its GCS port. A dead cluster's file
+    outlives it, and ray.init(address="auto") on it retries for minutes before failing."""
+    try:
+        from ray._private.utils import read_ray_address
+        address = read_ray_address()
+    except Exception:  # (a private helper: a Ray without it just starts its own cluster)
+        return False
+    if not address or ":" not in address:
+        return False
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
